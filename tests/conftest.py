@@ -1,0 +1,27 @@
+import pytest
+
+from tests.ranks import RankPool
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool
+
+
+@pytest.fixture
+def ranks2() -> RankPool:
+    return _pool(2)
+
+
+@pytest.fixture
+def ranks3() -> RankPool:
+    return _pool(3)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()

@@ -1,0 +1,124 @@
+"""Small models, data and steps shared by the tests, the demo and the bench."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(16, 32, 32, 4)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output layer, a frozen scale and an unused parameter."""
+
+    def __init__(self, vocab=24, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        self.unused = nn.Parameter(torch.randn(5))
+        self.frozen = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, tokens):
+        h = torch.tanh(self.hidden(self.embed(tokens))) * self.frozen
+        return self.out(h)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def classify_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def lm_step(model, optimizer, tokens, targets):
+    optimizer.zero_grad()
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make(model_name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "tied": TiedLM, "bn": BNNet}[model_name]()
+
+
+def batches(model_name: str, steps: int, batch: int, seed: int = 1):
+    """`steps` global batches for a model, the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if model_name == "tied":
+            tokens = torch.randint(0, 24, (batch, 6), generator=g)
+            out.append((tokens, torch.roll(tokens, 1, dims=1)))
+        else:
+            out.append((torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g)))
+    return out
+
+
+def step_fn(model_name: str):
+    return lm_step if model_name == "tied" else classify_step
+
+
+def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=foreach)
+    if name == "nesterov":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, foreach=foreach)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2, foreach=foreach)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    raise ValueError(name)
+
+
+def shard(batch, rank: int, world_size: int):
+    return tuple(t.chunk(world_size)[rank] for t in batch)
+
+
+def state_of(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and optimizer state, by name, as plain tensors."""
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt.{names[id(p)]}.{k}"] = v.detach().clone()
+    return out
+
+
+def max_rel_error(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in a:
+        x, y = a[k].double(), b[k].double()
+        worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
+    return worst

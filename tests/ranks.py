@@ -1,0 +1,93 @@
+"""A pool of rank processes (gloo over a file store) that stays up for the whole
+test session: spawning ranks costs seconds, so tests share them.
+
+    pool = RankPool(2)
+    results = pool.run(fn, *args)     # fn(*args) on every rank, results by rank
+
+`fn` must be a module-level function; an exception on any rank is raised here
+with that rank's traceback; a rank that does not answer within the timeout
+fails the call and the pool is torn down (no test waits forever).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+_TIMEOUT_S = 180
+
+
+def _worker(rank, world_size, store_path, tasks, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}",
+                            rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankFailure(Exception):
+    pass
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory()
+        store = os.path.join(self._dir.name, "store")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, world_size, store, self._tasks[r], self._results))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = _TIMEOUT_S, **kwargs) -> list:
+        if not self.alive:
+            raise RankFailure("the rank pool was torn down by an earlier failure")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        got: dict[int, tuple] = {}
+        try:
+            while len(got) < self.world_size:
+                rank, ok, value = self._results.get(timeout=timeout)
+                got[rank] = (ok, value)
+        except queue.Empty:
+            self.close(kill=True)
+            raise RankFailure(f"ranks {sorted(set(range(self.world_size)) - set(got))} did not "
+                              f"answer {fn.__name__} within {timeout}s") from None
+        errors = {r: v for r, (ok, v) in got.items() if not ok}
+        if errors:
+            rank = min(errors)
+            raise RankFailure(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
+        return [got[r][1] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, kill: bool = False):
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive() and not kill:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+        self._dir.cleanup()

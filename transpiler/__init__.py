@@ -1,0 +1,16 @@
+"""A static-graph transpiler for data-parallel collectives.
+
+    step = transpile(train_step, mode="grad_allreduce")
+    loss = step(model, optimizer, x, y)
+    print(step.program)
+"""
+
+from .api import transpile
+from .errors import PassError, TranspileError
+from .modes import MODES
+from .pipeline import PassContext, run_passes
+from .program import Program
+from .roles import Role
+
+__all__ = ["transpile", "TranspileError", "PassError", "MODES", "PassContext",
+           "run_passes", "Program", "Role"]

@@ -1,0 +1,77 @@
+"""Rank agreement: before the first collective of a new program, every rank
+shows the others what it built (or the error it hit); any failure or mismatch
+is raised on every rank instead of leaving some of them waiting forever."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import torch
+
+import torch.distributed as dist
+
+from .errors import TranspileError
+from .program import Program
+from .roles import COMM
+
+
+def collective_summary(program: Program) -> list[str]:
+    """The program's collectives in order (op, ring, dtype, numel), then its
+    parameter shapes: what must be equal on every rank."""
+    lines = []
+    for node in program.collectives():
+        val = node.meta["val"]
+        lines.append(f"{program.name}: {node.meta[COMM].op} ring={node.meta[COMM].ring} "
+                     f"{val.dtype} numel={val.numel()}")
+    for node in program.placeholders:
+        spec = node.meta["input"]
+        if spec.kind in ("param", "buffer"):
+            lines.append(f"{program.name}: {spec.kind} {spec.name} {tuple(node.meta['val'].shape)}")
+    return lines
+
+
+def agree(programs: list[Program], error: BaseException | None) -> None:
+    """Exchange each rank's programs (or its error) over the default group and
+    raise the same error on every rank if one failed or if they differ."""
+    if error is not None:
+        mine = ("error", f"{type(error).__name__}: {error}", None)
+    else:
+        summary = [line for p in programs for line in collective_summary(p)]
+        digest = hashlib.sha256("\n".join(summary).encode()).hexdigest()
+        mine = ("ok", digest, summary)
+    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))]
+    failed = [(r, msg) for r, (status, msg, _) in enumerate(everyone) if status == "error"]
+    if failed:
+        if error is not None:
+            raise error
+        rank, msg = failed[0]
+        raise TranspileError(f"rank {rank} could not build the step, so no rank runs it: {msg}")
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs[1] != reference[1]:
+            raise TranspileError(
+                f"rank {rank} built a different program than rank 0 "
+                f"({_first_difference(reference[2], theirs[2])}); every rank must run the "
+                "same model, batch shapes, mode and options")
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"rank 0 has {x!r} where it has {y!r}"
+    return f"rank 0 has {len(a)} collective and parameter entries, it has {len(b)}"
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes, over the default group. (all_gather_object would need numpy.)"""
+    world_size = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return [bytes(t[:int(n)].tolist()) for t, n in zip(gathered, sizes)]

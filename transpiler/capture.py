@@ -1,0 +1,678 @@
+"""Capture: trace a user's unmodified training step into one functional Program.
+
+The step is traced with make_fx on fake tensors (nothing real is computed or
+touched), with the modules' parameters and buffers, the optimizers' state and
+their lifted hyperparameters swapped for graph inputs. Markers placed during the
+trace (a wrapper around backward(), hooks around optimizer.step()) give every
+node its role. The graph, which mutates its inputs like the eager step does, is
+then traced once more through functionalization into a pure function whose new
+state values are outputs; roles and gradient annotations are carried across
+node by node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import keyword
+import os
+import re
+import traceback
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .errors import TranspileError
+from .program import InputSpec, OutputSpec, Program
+from .roles import INPUT, PARAM, ROLE, Role
+
+# Hyperparameters each optimizer's foreach path accepts as tensors. They become
+# graph inputs, so a scheduler's change takes effect without tracing again. The
+# others are baked into the graph and are part of the signature: a change traces
+# again and says so.
+LIFTED_HYPERPARAMETERS: dict[type, tuple[str, ...]] = {
+    torch.optim.SGD: ("lr",),
+    torch.optim.Adam: ("lr",),
+    torch.optim.AdamW: ("lr",),
+}
+
+# Group options forced while tracing: the foreach path, and capturable=True
+# where it exists, keep every step-dependent quantity a tensor (no .item()).
+_TRACE_GROUP_OPTIONS = {"foreach": True, "fused": None, "capturable": True}
+
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+_DETACH = torch.ops.aten.detach.default
+_COPY_ = torch.ops.aten.copy_.default
+
+
+# ------------------------------------------------------------ slots
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """A parameter or buffer of a module: read as is, written back in place."""
+
+    tensor: torch.Tensor
+
+    def read(self, leaves):
+        return self.tensor.detach()
+
+    def write(self, value):
+        with torch.no_grad():
+            self.tensor.copy_(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """One entry of optimizer.state[param]."""
+
+    optimizer: torch.optim.Optimizer
+    param: torch.Tensor
+    key: str
+
+    def read(self, leaves):
+        return self.optimizer.state[self.param][self.key]
+
+    def write(self, value):
+        entry = self.optimizer.state[self.param]
+        old = entry.get(self.key)
+        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+            old.copy_(value)
+        else:
+            entry[self.key] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperSlot:
+    """A lifted hyperparameter: param_groups[group][key], fed as a 0-d tensor."""
+
+    optimizer: torch.optim.Optimizer
+    group: int
+    key: str
+
+    def read(self, leaves):
+        return torch.tensor(float(self.optimizer.param_groups[self.group][self.key]),
+                            dtype=torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSlot:
+    """A tensor among the step's arguments (the batch)."""
+
+    leaf: int
+
+    def read(self, leaves):
+        return leaves[self.leaf]
+
+
+@dataclasses.dataclass
+class Captured:
+    program: Program
+    slots: list            # one per program input
+    targets: list          # one per program output: None (user) or the slot written
+    out_spec: pytree.TreeSpec
+
+
+# ------------------------------------------------------------ arguments
+
+@dataclasses.dataclass
+class StepArgs:
+    """The step's arguments, flattened: modules and optimizers are leaves."""
+
+    names: list[str]       # a readable name per leaf
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    bound: inspect.BoundArguments | None
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return _unique(x for x in self.leaves if isinstance(x, torch.nn.Module))
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return _unique(x for x in self.leaves if isinstance(x, torch.optim.Optimizer))
+
+    def call(self, step_fn, leaves):
+        values = pytree.tree_unflatten(leaves, self.spec)
+        if self.bound is None:
+            args, kwargs = values
+            return step_fn(*args, **kwargs)
+        for name, value in zip(self.bound.arguments, values):
+            self.bound.arguments[name] = value
+        return step_fn(*self.bound.args, **self.bound.kwargs)
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def flatten_args(step_fn, args, kwargs) -> StepArgs:
+    try:
+        bound = inspect.signature(step_fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None:
+        leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=_is_leaf)
+        return StepArgs([f"arg{i}" for i in range(len(leaves))], leaves, spec, None)
+    values = list(bound.arguments.values())
+    leaves, spec = pytree.tree_flatten(values, is_leaf=_is_leaf)
+    names = []
+    for name, value in bound.arguments.items():
+        n = len(pytree.tree_leaves(value, is_leaf=_is_leaf))
+        names += [name] if n == 1 else [f"{name}_{i}" for i in range(n)]
+    return StepArgs(names, leaves, spec, bound)
+
+
+def _unique(items):
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+# ------------------------------------------------------------ what becomes an input
+
+@dataclasses.dataclass
+class _Inputs:
+    specs: list[InputSpec] = dataclasses.field(default_factory=list)
+    slots: list = dataclasses.field(default_factory=list)
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    param_names: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def add(self, spec, slot, value):
+        self.specs.append(spec)
+        self.slots.append(slot)
+        self.values.append(value)
+
+
+def _collect_inputs(step_args: StepArgs) -> _Inputs:
+    inputs = _Inputs()
+    modules, optimizers = step_args.modules, step_args.optimizers
+    for mi, module in enumerate(modules):
+        prefix = f"m{mi}." if len(modules) > 1 else ""
+        for name, p in module.named_parameters():
+            if id(p) not in inputs.param_names:
+                inputs.param_names[id(p)] = prefix + name
+                inputs.add(InputSpec("param", prefix + name), ParamSlot(p), p)
+        for name, b in module.named_buffers():
+            inputs.add(InputSpec("buffer", prefix + name), ParamSlot(b), b)
+    for oi, opt in enumerate(optimizers):
+        for p in _opt_params(opt):
+            if id(p) not in inputs.param_names:
+                name = f"opt{oi}.param{len(inputs.param_names)}"
+                inputs.param_names[id(p)] = name
+                inputs.add(InputSpec("param", name), ParamSlot(p), p)
+    for oi, opt in enumerate(optimizers):
+        oname = f"opt{oi}." if len(optimizers) > 1 else ""
+        for p in _opt_params(opt):
+            pname = inputs.param_names[id(p)]
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    inputs.add(InputSpec("state", f"{oname}{pname}:{key}", param=pname),
+                               StateSlot(opt, p, key), value)
+        for gi, group in enumerate(opt.param_groups):
+            for key in LIFTED_HYPERPARAMETERS.get(type(opt), ()):
+                if _is_number(group.get(key)):
+                    slot = HyperSlot(opt, gi, key)
+                    inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
+    for i, leaf in enumerate(step_args.leaves):
+        if isinstance(leaf, torch.Tensor):
+            inputs.add(InputSpec("data", step_args.names[i]), DataSlot(i), leaf)
+    return inputs
+
+
+def _opt_params(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------ signature
+
+def signature(step_args: StepArgs) -> dict[str, Any]:
+    """Everything the traced program depends on besides tensor values. Two calls
+    with equal signatures can run the same program."""
+    sig: dict[str, Any] = {"arguments": str(step_args.spec)}
+    for name, leaf in zip(step_args.names, step_args.leaves):
+        if isinstance(leaf, torch.Tensor):
+            sig[f"input {name}"] = _tensor_sig(leaf)
+        elif _is_leaf(leaf):
+            sig[f"input {name}"] = f"{type(leaf).__name__}@{id(leaf):x}"
+        else:
+            sig[f"input {name}"] = repr(leaf)
+    for mi, module in enumerate(step_args.modules):
+        for name, t in _named_state(module):
+            sig[f"module {mi} {name}"] = _tensor_sig(t)
+    for oi, opt in enumerate(step_args.optimizers):
+        lifted = LIFTED_HYPERPARAMETERS.get(type(opt), ())
+        for gi, group in enumerate(opt.param_groups):
+            sig[f"optimizer {oi} group {gi} params"] = tuple(id(p) for p in group["params"])
+            for key, value in group.items():
+                if key != "params" and not (key in lifted and _is_number(value)):
+                    sig[f"optimizer {oi} group {gi} {key}"] = repr(value)
+        for pi, p in enumerate(_opt_params(opt)):
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                sig[f"optimizer {oi} state {pi} {key}"] = (
+                    _tensor_sig(value) if isinstance(value, torch.Tensor) else repr(value))
+    return sig
+
+
+def _named_state(module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _tensor_sig(t: torch.Tensor):
+    return (tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
+
+
+def describe_change(old: dict, new: dict) -> str:
+    """One line saying what differs between two signatures."""
+    changed = [k for k in new if old.get(k, _MISSING) != new[k]]
+    changed += [k for k in old if k not in new]
+    if not changed:
+        return "nothing changed"
+    first = changed[0]
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    return f"{first}: {_fmt(old.get(first, _MISSING))} -> {_fmt(new.get(first, _MISSING))}{more}"
+
+
+_MISSING = object()
+
+
+def _fmt(v) -> str:
+    if v is _MISSING:
+        return "absent"
+    if isinstance(v, tuple) and len(v) == 4 and isinstance(v[0], tuple):
+        shape, dtype, device, rg = v
+        return f"{dtype.replace('torch.', '')}{list(shape)} on {device}"
+    return str(v)
+
+
+# ------------------------------------------------------------ tracing
+
+@dataclasses.dataclass
+class _Markers:
+    """What happened during the trace, as positions in the graph being built."""
+
+    backward_calls: int = 0
+    zero_grad_calls: int = 0
+    seed: fx.Node | None = None
+    loss: fx.Node | None = None
+    backward: tuple[fx.Node, fx.Node] | None = None   # (last node before, last node of)
+    steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
+
+
+def _last_node() -> fx.Node:
+    return get_proxy_mode().tracer.graph._root.prev
+
+
+def _node_of(t: torch.Tensor) -> fx.Node:
+    return get_proxy_slot(t, get_proxy_mode().tracer).proxy.node
+
+
+@contextlib.contextmanager
+def _compiling_flag():
+    # Optimizers keep their step counters as tensors (no .item()) when compiling.
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def _backward_marker(markers: _Markers, step_fn):
+    original = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, *args, **kwargs):
+        markers.backward_calls += 1
+        if markers.backward_calls > 1:
+            raise TranspileError(
+                f"{_name(step_fn)} calls backward() a second time{_user_line(step_fn)}; "
+                "a transpiled step must call backward() exactly once: sum the losses "
+                "and call backward() on the sum")
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if len(tensors) != 1:
+            raise TranspileError("backward() on several tensors at once is not supported; "
+                                 "sum them into one loss first")
+        loss = tensors[0]
+        if grad_tensors is None:
+            if loss.numel() != 1:
+                raise TranspileError("the loss passed to backward() must be a scalar")
+            seed = torch.ones_like(loss)
+        else:
+            given = grad_tensors if isinstance(grad_tensors, torch.Tensor) else grad_tensors[0]
+            seed = torch.clone(given)
+        markers.loss = _node_of(loss)
+        markers.seed = _node_of(seed)
+        before = _last_node()
+        original(loss, seed, *args, **kwargs)
+        markers.backward = (before, _last_node())
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
+def _optimizer_markers(markers: _Markers, optimizers, modules):
+    handles = []
+
+    def pre(*_):
+        markers.steps.append([_last_node(), None])
+
+    def post(*_):
+        markers.steps[-1][1] = _last_node()
+
+    def counted(obj):
+        method = obj.zero_grad
+
+        def zero_grad(*a, **k):
+            markers.zero_grad_calls += 1
+            return method(*a, **k)
+        return zero_grad
+
+    for opt in optimizers:
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+    patched = list(optimizers) + list(modules)
+    for obj in patched:
+        object.__setattr__(obj, "zero_grad", counted(obj))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for obj in patched:
+            object.__delattr__(obj, "zero_grad")
+
+
+@contextlib.contextmanager
+def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], hypers: dict[tuple, torch.Tensor],
+                        state: dict[int, dict]):
+    """Point an optimizer at traced tensors for the duration of the trace."""
+    saved_groups = [dict(g) for g in opt.param_groups]
+    saved_state = opt.state
+    try:
+        new_state = defaultdict(dict)
+        for gi, group in enumerate(opt.param_groups):
+            originals = group["params"]
+            group["params"] = [traced[id(p)] for p in originals]
+            for p, tp in zip(originals, group["params"]):
+                new_state[tp] = dict(saved_state.get(p, {}))
+                new_state[tp].update(state.get(id(p), {}))
+            for key, value in _TRACE_GROUP_OPTIONS.items():
+                if key in group:
+                    group[key] = value
+            for (g, key), value in hypers.items():
+                if g == gi:
+                    group[key] = value
+        opt.state = new_state
+        yield
+    finally:
+        opt.state = saved_state
+        for group, saved in zip(opt.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+
+
+def _name(step_fn) -> str:
+    return getattr(step_fn, "__qualname__", None) or getattr(step_fn, "__name__", "train_step")
+
+
+_LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def _user_line(step_fn, tb=None) -> str:
+    """' at file:line (code)' for the innermost frame in the user's code."""
+    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_LIB_DIRS + ("<",)) and "contextlib" not in frame.filename:
+            return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return ""
+
+
+_DATA_DEPENDENT = (
+    "data-dependent", "DataDependent", "_local_scalar_dense", "item()",
+    "value out of a tracing tensor", "DynamicOutputShape", "Cannot call numel",
+)
+
+
+def _trace_error(step_fn, exc: BaseException) -> TranspileError:
+    where = _user_line(step_fn, exc.__traceback__)
+    text = f"{type(exc).__name__}: {exc}"
+    if any(s in text for s in _DATA_DEPENDENT):
+        return TranspileError(
+            f"{_name(step_fn)} depends on the value of a tensor{where}: Python control flow "
+            "or .item()/.tolist() on tensor values cannot be captured in a static program. "
+            "Compute it with tensor operations (torch.where, masking) or move it outside "
+            f"the step. ({text.splitlines()[0]})")
+    return TranspileError(f"tracing {_name(step_fn)} failed{where}: {text.splitlines()[0]}")
+
+
+def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
+    """Trace the whole step (forward, backward, optimizer update) into a Program."""
+    modules, optimizers = step_args.modules, step_args.optimizers
+    if not modules:
+        raise TranspileError(
+            f"{_name(step_fn)} was called with no torch.nn.Module among its arguments: "
+            "pass the model as an argument, e.g. step(model, optimizer, x, y)")
+    if not optimizers:
+        raise TranspileError(
+            f"{_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
+            "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
+    inputs = _collect_inputs(step_args)
+    markers = _Markers()
+    created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
+    user_spec: list[pytree.TreeSpec] = []
+
+    def flat(*values):
+        by_spec = list(zip(inputs.specs, inputs.slots, values))
+        traced: dict[int, torch.Tensor] = {}
+        leaves = list(step_args.leaves)
+        hypers: dict[int, dict] = defaultdict(dict)
+        state: dict[int, dict] = defaultdict(dict)
+        for spec, slot, value in by_spec:
+            if spec.kind in ("param", "buffer"):
+                if slot.tensor.requires_grad:
+                    value = value.detach().requires_grad_(True)
+                traced[id(slot.tensor)] = value
+            elif spec.kind == "state":
+                state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
+            elif spec.kind == "hyper":
+                hypers[id(slot.optimizer)][(slot.group, slot.key)] = value
+            else:
+                leaves[slot.leaf] = value
+        real_state = {id(opt): opt.state for opt in optimizers}
+        real_params = {id(opt): _opt_params(opt) for opt in optimizers}
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                mapping = {n: traced[id(t)] for n, t in _named_state(module)}
+                stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True))
+            for opt in optimizers:
+                stack.enter_context(_redirect_optimizer(opt, traced, hypers[id(opt)],
+                                                        state[id(opt)]))
+            stack.enter_context(_compiling_flag())
+            stack.enter_context(_backward_marker(markers, step_fn))
+            stack.enter_context(_optimizer_markers(markers, optimizers, modules))
+            result = step_args.call(step_fn, leaves)
+            _check_markers(step_fn, markers)
+            out_leaves, spec = pytree.tree_flatten(result)
+            for o in out_leaves:
+                if not isinstance(o, torch.Tensor):
+                    raise TranspileError(
+                        f"{_name(step_fn)} returned a {type(o).__name__}; a transpiled step "
+                        "may return only tensors (any pytree of them): return the loss tensor "
+                        "and convert it with .item() outside the step")
+            user_spec.append(spec)
+            new_state = []
+            for opt in optimizers:
+                for p in real_params[id(opt)]:
+                    given = state[id(opt)].get(id(p), {})
+                    before = real_state[id(opt)].get(p, {})
+                    for key, value in opt.state[traced[id(p)]].items():
+                        if isinstance(value, torch.Tensor):
+                            if value is not given.get(key):
+                                created.append((opt, p, key))
+                                new_state.append(value)
+                        elif key not in before or repr(before[key]) != repr(value):
+                            raise TranspileError(
+                                f"{type(opt).__name__} keeps non-tensor state {key!r} that "
+                                "changes every step; it cannot be captured in a static "
+                                "program. Use an optimizer whose state is tensors.")
+            for p_id, tp in traced.items():
+                if tp.grad is not None:
+                    _node_of(tp.grad).meta[PARAM] = inputs.param_names[p_id]
+            return tuple(out_leaves) + tuple(new_state)
+
+    try:
+        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs.values)
+    except TranspileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
+        raise _trace_error(step_fn, exc) from exc
+
+    _assign_roles(gm.graph, markers)
+    _drop_profiler_nodes(gm.graph)
+    fgm = _functionalize(gm, inputs.values)
+    program, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created)
+    return Captured(program, inputs.slots, targets, user_spec[0])
+
+
+def _check_markers(step_fn, markers: _Markers):
+    if markers.backward_calls == 0:
+        raise TranspileError(f"{_name(step_fn)} never calls loss.backward(): a training "
+                             "step computes a loss, calls backward() and optimizer.step()")
+    if not markers.steps:
+        raise TranspileError(f"{_name(step_fn)} never calls optimizer.step()")
+    if markers.zero_grad_calls == 0:
+        raise TranspileError(
+            f"{_name(step_fn)} never calls optimizer.zero_grad(): gradients accumulated "
+            "across calls are not supported; call optimizer.zero_grad() in the step")
+
+
+def _drop_profiler_nodes(graph: fx.Graph):
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target in _PROFILER_OPS:
+            for user in list(node.users):
+                graph.erase_node(user)
+            graph.erase_node(node)
+
+
+def _assign_roles(graph: fx.Graph, markers: _Markers):
+    """Roles from the markers: forward before backward(), backward inside it,
+    optimize inside optimizer.step() and for anything computed from gradients
+    between the two, forward for the rest."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    bw_begin, bw_end = (position[n] for n in markers.backward)
+    step_ranges = [(position[b], position[e]) for b, e in markers.steps]
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        i = position[node]
+        if node is markers.seed:
+            role = Role.BACKWARD | Role.LOSS
+        elif node is markers.loss:
+            role = Role.FORWARD | Role.LOSS
+        elif bw_begin < i <= bw_end:
+            role = Role.BACKWARD
+        elif any(b < i <= e for b, e in step_ranges):
+            role = Role.OPTIMIZE
+        elif bw_end < i and any(
+                PARAM in a.meta or a.meta.get(ROLE, Role.FORWARD) & Role.OPTIMIZE
+                for a in node.all_input_nodes if a.op == "call_function"):
+            role = Role.OPTIMIZE
+        else:
+            role = Role.FORWARD
+        node.meta[ROLE] = role
+
+
+class _RoleCarrier(fx.Interpreter):
+    """Runs the traced graph under functionalization and gives each node it
+    creates in the new graph the role (and gradient mark) of the node it came from."""
+
+    def run_node(self, n):
+        before = _last_node()
+        result = super().run_node(n)
+        if n.op != "call_function":
+            return result
+        node = before.next
+        while node.op != "root":
+            node.meta.setdefault(ROLE, n.meta[ROLE])
+            node = node.next
+        if PARAM in n.meta:
+            inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
+            _node_of(inner).meta[PARAM] = n.meta[PARAM]
+        return result
+
+
+def _functionalize(gm: fx.GraphModule, values) -> fx.GraphModule:
+    def run(*args):
+        return _RoleCarrier(gm).run(*args)
+    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake",
+                   _allow_non_fake_inputs=True)(*[v.detach() for v in values])
+
+
+def _identifier(prefix: str, name: str) -> str:
+    ident = re.sub(r"\W", "_", name).strip("_") or "v"
+    ident = f"{prefix}{ident}"
+    return ident + "_" if keyword.iskeyword(ident) else ident
+
+
+_PREFIX = {"param": "p_", "buffer": "b_", "state": "s_", "hyper": "h_", "data": ""}
+
+
+def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created) -> tuple[Program, list]:
+    """Turn the functionalized graph into a Program: name and annotate the
+    placeholders, drop detaches, and make the trailing write-backs outputs."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, inputs.specs):
+        node._rename(_identifier(_PREFIX[spec.kind], spec.name))
+        node.meta[INPUT] = spec
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _DETACH:
+            node.replace_all_uses_with(node.args[0], propagate_meta=False)
+            if PARAM in node.meta:
+                node.args[0].meta.setdefault(PARAM, node.meta[PARAM])
+            graph.erase_node(node)
+    index = {n: i for i, n in enumerate(placeholders)}
+    updates: dict[int, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _COPY_ and node.args[0] in index:
+            if node.users:
+                raise TranspileError("internal: a write-back copy_ is used inside the program")
+            updates[index[node.args[0]]] = node.args[1]
+            graph.erase_node(node)
+    out = graph.output_node()
+    results = list(out.args[0])
+    specs = [OutputSpec("user")] * n_user
+    targets: list = [None] * n_user
+    for (opt, p, key), value in zip(created, results[n_user:]):
+        specs.append(OutputSpec("state", f"{inputs.param_names[id(p)]}:{key}"))
+        targets.append(StateSlot(opt, p, key))
+    for i in sorted(updates):
+        results.append(updates[i])
+        specs.append(OutputSpec("update", inputs.specs[i].name))
+        targets.append(inputs.slots[i])
+    out.args = (tuple(results),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return Program("main", gm, list(inputs.specs), specs), targets

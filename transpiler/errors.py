@@ -1,0 +1,10 @@
+"""Errors raised to users. Every one is raised before a collective is issued
+and before any parameter, buffer or optimizer state is touched."""
+
+
+class TranspileError(Exception):
+    """The step cannot be transpiled as written; the message says what to do."""
+
+
+class PassError(TranspileError):
+    """A pass failed or its requirements were not met."""

@@ -1,0 +1,226 @@
+"""The Program: a functional FX graph of one whole training step plus what the
+runtime and the passes need to know about its inputs, outputs and nodes.
+
+A Program is a pure function. Its placeholders are the step's state (parameters,
+buffers, optimizer state), the optimizer's lifted hyperparameters and the batch;
+its outputs are the step's own return values followed by the new values of the
+state. Nothing inside it mutates an input: the runtime writes the new state back
+once the whole program has succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from .collectives import WAIT
+from .roles import COMM, INPUT, PARAM, ROLE, Role
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """What a placeholder holds. kind: param | buffer | state | hyper | data."""
+
+    kind: str
+    name: str
+    param: str | None = None  # for optimizer state: the parameter it belongs to
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """What an output is. kind: user (returned to the caller) | update (the new
+    value of input `target`) | state (an optimizer state entry the step created
+    or replaced, `target` naming it as param/key)."""
+
+    kind: str
+    target: str | None = None
+
+
+@dataclasses.dataclass
+class CommInfo:
+    """Annotation of a collective node (and of its wait)."""
+
+    op: str
+    ring: int = 0
+    bucket: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryEntry:
+    pass_name: str
+    provenance: str
+    listing: str
+
+
+class Program:
+    def __init__(self, name: str, gm: fx.GraphModule, inputs: list[InputSpec],
+                 outputs: list[OutputSpec]):
+        self.name = name
+        self.gm = gm
+        self.inputs = inputs
+        self.outputs = outputs
+        self.history: list[HistoryEntry] = []
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def output_node(self) -> fx.Node:
+        return self.graph.output_node()
+
+    @property
+    def grads(self) -> dict[str, fx.Node]:
+        """Parameter name -> the node holding its (local) gradient, in the order
+        the gradients are produced by the backward pass."""
+        return {n.meta[PARAM]: n for n in self.graph.nodes if PARAM in n.meta}
+
+    def state_of(self, param: str) -> list[InputSpec]:
+        """The optimizer state inputs that belong to a parameter."""
+        return [s for s in self.inputs if s.kind == "state" and s.param == param]
+
+    def input_node(self, name: str) -> fx.Node:
+        for node in self.placeholders:
+            if node.meta[INPUT].name == name:
+                return node
+        raise KeyError(name)
+
+    def collectives(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes
+                if n.op == "call_function" and COMM in n.meta and n.target is not WAIT]
+
+    @property
+    def applied(self) -> list[str]:
+        return [h.pass_name for h in self.history]
+
+    def listing(self) -> str:
+        return format_graph(self.graph)
+
+    def __str__(self) -> str:
+        last = self.history[-1].pass_name if self.history else "capture"
+        return f"# program: {self.name}\n# after: {last}\n{self.listing()}"
+
+
+
+def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
+             kwargs: dict | None = None, **meta: Any) -> fx.Node:
+    """Create a call_function node with its role, other meta and FX's val /
+    tensor_meta, computed on the fake values of its inputs. Insert it where the
+    caller set the graph's insertion point."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    node.meta[ROLE] = role
+    node.meta.update(meta)
+    vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    fake_mode = _fake_mode_of(vals)
+    with fake_mode:
+        val = target(*vals[0], **vals[1])
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    return node
+
+
+def _fake_mode_of(vals):
+    for v in torch.utils._pytree.tree_leaves(vals):
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    raise ValueError("new_node needs at least one input with a fake value")
+
+
+# ---------------------------------------------------------------- listing
+
+_DTYPES = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+    torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
+    torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
+}
+
+
+def _type_str(val) -> str:
+    if isinstance(val, torch.Tensor):
+        shape = ", ".join(str(s) for s in val.shape)
+        return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{shape}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_type_str(v) for v in val) + ")"
+    return ""
+
+
+def _target_str(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target._schema.name.replace("::", ".")
+        return packet if target._overloadname == "default" else f"{packet}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _arg_str(a) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg_str(x) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype):
+        return _DTYPES.get(a, str(a))
+    if isinstance(a, float):
+        return repr(a)
+    return repr(a) if isinstance(a, str) else str(a)
+
+
+def _call_str(node: fx.Node) -> str:
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    if COMM in node.meta and isinstance(node.target, torch._ops.OpOverload):
+        # Group names depend on how many groups the process created; show the ring.
+        names = [a.name for a in node.target._schema.arguments]
+        if "group_name" in names:
+            i = names.index("group_name")
+            if i < len(args):
+                args.pop(i)
+            kwargs.pop("group_name", None)
+    parts = [_arg_str(a) for a in args] + [f"{k}={_arg_str(v)}" for k, v in kwargs.items()]
+    return f"{_target_str(node.target)}({', '.join(parts)})"
+
+
+def _note(node: fx.Node) -> str:
+    notes = []
+    if ROLE in node.meta:
+        notes.append(str(node.meta[ROLE]))
+    if PARAM in node.meta:
+        notes.append(f"grad={node.meta[PARAM]}")
+    comm = node.meta.get(COMM)
+    if comm is not None:
+        notes.append(f"ring={comm.ring}")
+        if comm.bucket is not None:
+            notes.append(f"bucket={comm.bucket}")
+    return "  # " + " ".join(notes) if notes else ""
+
+
+def format_graph(graph: fx.Graph) -> str:
+    """One line per node, deterministic: no object ids, no group names."""
+    lines = []
+    for node in graph.nodes:
+        ty = _type_str(node.meta.get("val"))
+        head = f"{node.name}: {ty}" if ty else node.name
+        if node.op == "placeholder":
+            spec = node.meta.get(INPUT)
+            what = f"{spec.kind} {spec.name!r}" if spec else "?"
+            lines.append(f"{head} = input({what})")
+        elif node.op == "get_attr":
+            lines.append(f"{head} = constant({node.target})")
+        elif node.op == "output":
+            lines.append(f"return {_arg_str(node.args[0])}")
+        else:
+            lines.append(f"{head} = {_call_str(node)}{_note(node)}")
+    return "\n".join(lines)

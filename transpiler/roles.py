@@ -1,0 +1,28 @@
+"""Node roles: what part of the training step a graph node belongs to.
+
+The counterpart of Paddle's OpRole. Roles are set where the graph is captured
+(transpiler/capture.py), from markers placed during tracing, and carried by
+every pass that creates nodes; they are never guessed from node names.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(enum.IntFlag):
+    FORWARD = 1
+    BACKWARD = 2
+    LOSS = 4
+    OPTIMIZE = 8
+    COMM = 16
+
+    def __str__(self) -> str:
+        return "|".join(r.name for r in Role if r in self)
+
+
+# Keys used on node.meta. One place, so that passes and printers agree.
+ROLE = "role"          # Role of every call_function node
+PARAM = "param"        # qualified parameter name on the node holding its gradient
+COMM = "comm"          # CommInfo on collective nodes
+INPUT = "input"        # InputSpec on placeholders
