@@ -40,7 +40,8 @@ class TiedLM(nn.Module):
 class BNNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc1 = nn.Linear(16, 32)
+        # No bias before BatchNorm: its gradient would be zero up to rounding noise.
+        self.fc1 = nn.Linear(16, 32, bias=False)
         self.bn = nn.BatchNorm1d(32)
         self.fc2 = nn.Linear(32, 4)
 

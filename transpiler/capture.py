@@ -313,6 +313,7 @@ class _Markers:
     loss: fx.Node | None = None
     backward: tuple[fx.Node, fx.Node] | None = None   # (last node before, last node of)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
+    stepping: torch.optim.Optimizer | None = None  # inside its step() right now
 
 
 def _last_node() -> fx.Node:
@@ -374,10 +375,12 @@ def _backward_marker(markers: _Markers, step_fn):
 def _optimizer_markers(markers: _Markers, optimizers, modules):
     handles = []
 
-    def pre(*_):
+    def pre(opt, *_):
+        markers.stepping = opt
         markers.steps.append([_last_node(), None])
 
     def post(*_):
+        markers.stepping = None
         markers.steps[-1][1] = _last_node()
 
     def counted(obj):
@@ -454,9 +457,14 @@ _DATA_DEPENDENT = (
 )
 
 
-def _trace_error(step_fn, exc: BaseException) -> TranspileError:
+def _trace_error(step_fn, exc: BaseException, markers: _Markers) -> TranspileError:
     where = _user_line(step_fn, exc.__traceback__)
     text = f"{type(exc).__name__}: {exc}"
+    if markers.stepping is not None:
+        return TranspileError(
+            f"{type(markers.stepping).__name__}.step() cannot be captured{where}: "
+            f"{text.splitlines()[0]}. SGD, Adam and AdamW are supported; other optimizers "
+            "work when their step traces into tensor operations")
     if any(s in text for s in _DATA_DEPENDENT):
         return TranspileError(
             f"{_name(step_fn)} depends on the value of a tensor{where}: Python control flow "
@@ -546,7 +554,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     except TranspileError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
-        raise _trace_error(step_fn, exc) from exc
+        raise _trace_error(step_fn, exc, markers) from exc
 
     _assign_roles(gm.graph, markers)
     _drop_profiler_nodes(gm.graph)

@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; with it installed, `torch>=2.6` installs nothing more.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m transpiler.bench --json bench.json
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,162 @@
+"""Bad input gets a clear error that says what to do, raised before any
+collective and with the model and optimizer exactly as they were."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+def _setup():
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    M.classify_step(model, opt, *M.batches("mlp", 1, 8)[0])  # some state to protect
+    return model, opt, M.batches("mlp", 1, 8)[0]
+
+
+def _raises_and_touches_nothing(step, match, *args):
+    model, opt, (x, y) = _setup()
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    with pytest.raises(TranspileError, match=match):
+        step(*(a if a is not None else v for a, v in zip(args, (model, opt, x, y))))
+    after = (model.state_dict(), opt.state_dict())
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    for p, st in before[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after[1]["state"][p][k])
+    assert before[1]["param_groups"] == after[1]["param_groups"]
+
+
+def test_no_module_among_arguments():
+    def step_fn(optimizer, x, y):
+        raise AssertionError("not reached")
+
+    model, opt, (x, y) = _setup()
+    with pytest.raises(TranspileError, match="no torch.nn.Module among its arguments: pass the model"):
+        transpile(step_fn)(opt, x, y)
+
+
+def test_no_optimizer_among_arguments():
+    global_opt = None
+
+    def step_fn(model, x, y):
+        global_opt.zero_grad()
+
+    model, opt, (x, y) = _setup()
+    with pytest.raises(TranspileError, match="no torch.optim.Optimizer among its arguments"):
+        transpile(step_fn)(model, x, y)
+
+
+def test_unknown_mode():
+    with pytest.raises(TranspileError, match="unknown mode 'fastest'; choose one of grad_allreduce"):
+        transpile(M.classify_step, mode="fastest")
+
+
+@pytest.mark.parametrize("nrings", [0, -1, 17, 1.5, True])
+def test_bad_nrings(nrings):
+    with pytest.raises(TranspileError, match="nrings must be an integer from 1 to 16"):
+        transpile(M.classify_step, nrings=nrings)
+
+
+def test_data_dependent_control_flow_names_the_line():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if loss > 1.0:  # data-dependent: cannot be static
+            loss = loss * 2
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    _raises_and_touches_nothing(
+        transpile(step_fn),
+        r"depends on the value of a tensor at .*test_errors.py:\d+ \(if loss > 1.0:",
+        None, None, None, None)
+
+
+def test_item_inside_the_step():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    _raises_and_touches_nothing(transpile(step_fn), r"\.item\(\)", None, None, None, None)
+
+
+def test_backward_twice():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        out = model(x)
+        F.cross_entropy(out, y).backward(retain_graph=True)
+        out.pow(2).mean().backward()
+        optimizer.step()
+
+    _raises_and_touches_nothing(transpile(step_fn), "calls backward\\(\\) a second time at .*sum the losses",
+                                None, None, None, None)
+
+
+def test_no_zero_grad():
+    def step_fn(model, optimizer, x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    _raises_and_touches_nothing(transpile(step_fn), "never calls optimizer.zero_grad", None, None, None, None)
+
+
+def test_no_backward_or_no_step():
+    def no_backward(model, optimizer, x, y):
+        optimizer.zero_grad()
+        optimizer.step()
+
+    def no_step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+
+    _raises_and_touches_nothing(transpile(no_backward), "never calls loss.backward", None, None, None, None)
+    _raises_and_touches_nothing(transpile(no_step), "never calls optimizer.step", None, None, None, None)
+
+
+def test_non_tensor_output():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss, "done"
+
+    _raises_and_touches_nothing(transpile(step_fn), "returned a str; a transpiled step may return only tensors",
+                                None, None, None, None)
+
+
+def test_untraceable_optimizer_is_named():
+    class Counting(torch.optim.SGD):
+        """Keeps a Python counter in its state, changed every step."""
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["count"] = self.state[p].get("count", 0) + 1
+            return super().step(closure)
+
+    model, _, (x, y) = _setup()
+    opt = Counting(model.parameters(), lr=0.1)
+    with pytest.raises(TranspileError, match="Counting keeps non-tensor state 'count'"):
+        transpile(M.classify_step)(model, opt, x, y)
+
+
+def test_program_before_first_call():
+    with pytest.raises(TranspileError, match="has not been called yet"):
+        transpile(M.classify_step).program
+
+
+def test_optimizer_that_cannot_be_traced_is_named():
+    model, _, (x, y) = _setup()
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.1)
+    with pytest.raises(TranspileError, match=r"SparseAdam.step\(\) cannot be captured at .*optimizer.step\(\)"):
+        transpile(M.classify_step)(model, opt, x, y)

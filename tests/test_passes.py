@@ -1,0 +1,150 @@
+"""Golden listings of each pass on a tiny model, the plan functions, and the
+pass pipeline's checks. No process group needed: passes only edit graphs."""
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+from passes.insert_allreduce import plan_allreduce
+from passes.ring_round_robin import plan_rings
+from tests import models as M
+from transpiler import PassContext, PassError, Role, run_passes
+from transpiler.capture import flatten_args, trace_step
+from transpiler.modes import MODES, STARTUP_PASSES
+from transpiler.pipeline import record
+from transpiler.program import new_node
+from transpiler.startup import startup_program
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+CTX = PassContext(world_size=2, rank=0, nrings=2, rings=("ring0", "ring1"))
+
+
+def _captured(model_name="tiny"):
+    torch.manual_seed(0)
+    model = M.MLP((4, 8, 3)) if model_name == "tiny" else M.make(model_name)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9)
+    fn = M.step_fn("tied" if model_name == "tied" else "mlp")
+    batch = M.shard(M.batches(model_name if model_name == "tied" else "mlp", 1, 4)[0], 0, 1)
+    if model_name == "tiny":
+        batch = (batch[0][:, :4], batch[1] % 3)
+    fn(model, opt, *batch)  # create the momentum buffers: capture the steady-state step
+    captured = trace_step(fn, flatten_args(fn, (model, opt, *batch), {}))
+    record(captured.program, "capture", "capture")
+    return captured
+
+
+def _check_golden(name: str, text: str):
+    path = GOLDEN / f"{name}.txt"
+    if UPDATE:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text + "\n")
+    assert path.exists(), f"no golden listing {path}; run with UPDATE_GOLDEN=1"
+    assert text + "\n" == path.read_text(), f"{name} differs from {path} (UPDATE_GOLDEN=1 updates)"
+
+
+MAIN = MODES["grad_allreduce"]
+
+
+@pytest.mark.parametrize("upto", range(len(MAIN) + 1))
+def test_golden_main(upto):
+    program = _captured().program
+    run_passes(program, MAIN[:upto], CTX)
+    name = MAIN[upto - 1] if upto else "capture"
+    _check_golden(f"main_{upto}_{name}", str(program))
+
+
+@pytest.mark.parametrize("upto", range(1, len(STARTUP_PASSES) + 1))
+def test_golden_startup(upto):
+    startup, _ = startup_program(_captured())
+    run_passes(startup, STARTUP_PASSES[:upto], CTX)
+    _check_golden(f"startup_{upto}_{STARTUP_PASSES[upto - 1]}", str(startup))
+
+
+def test_listing_is_deterministic():
+    assert str(_captured().program) == str(_captured().program)
+
+
+def test_history_has_a_listing_per_pass():
+    program = _captured().program
+    run_passes(program, MAIN, CTX)
+    assert program.applied == ["capture", *MAIN]
+    assert program.history[-1].listing == program.listing()
+    assert "insert_allreduce: " in program.history[2].provenance
+
+
+def test_passes_do_not_apply_on_one_rank():
+    program = _captured().program
+    before = program.listing()
+    run_passes(program, MAIN, PassContext(world_size=1))
+    assert program.listing() == before
+
+
+def test_every_node_has_a_role_and_the_seed_is_unique():
+    program = _captured("tied").program
+    roles = [n.meta["role"] for n in program.graph.nodes if n.op == "call_function"]
+    assert roles.count(Role.BACKWARD | Role.LOSS) == 1
+    assert {Role.FORWARD, Role.BACKWARD, Role.OPTIMIZE} <= set(roles)
+
+
+def test_tied_unused_and_frozen_parameters():
+    program = _captured("tied").program
+    # embed.weight and out.weight are one tensor with one gradient; unused and
+    # frozen parameters have none.
+    assert sorted(program.grads) == ["embed.weight", "hidden.bias", "hidden.weight"]
+    assert [g.meta["param"] for g in plan_allreduce(program)] == list(program.grads)
+    run_passes(program, MAIN, CTX)
+    assert len(program.collectives()) == 3
+
+
+def test_plan_rings():
+    assert plan_rings(5, 2) == [0, 1, 0, 1, 0]
+    assert plan_rings(3, 1) == [0, 0, 0]
+    assert plan_rings(0, 4) == []
+    assert plan_rings(2, 4) == [0, 1]
+    with pytest.raises(ValueError):
+        plan_rings(3, 0)
+
+
+def test_ring_round_robin_sets_group_and_meta():
+    program = _captured().program
+    run_passes(program, MAIN, CTX)
+    for i, node in enumerate(program.collectives()):
+        assert node.meta["comm"].ring == i % 2
+        assert node.args[-1] == CTX.rings[i % 2]
+
+
+def test_requirement_error_names_pass_and_requirement():
+    program = _captured().program
+    with pytest.raises(PassError, match="pass insert_allreduce requires scale_loss_grad"):
+        run_passes(program, ["insert_allreduce"], CTX)
+    with pytest.raises(PassError, match="ring_round_robin requires insert_allreduce or"):
+        run_passes(program, ["ring_round_robin"], CTX)
+
+
+def test_unknown_pass():
+    with pytest.raises(PassError, match="unknown pass 'no_such_pass'.*insert_allreduce"):
+        run_passes(_captured().program, ["no_such_pass"], CTX)
+
+
+def test_failing_pass_is_named_with_the_passes_before():
+    def broken(program, ctx):
+        raise RuntimeError("boom")
+
+    program = _captured().program
+    with pytest.raises(PassError, match=r"pass broken failed .*after capture, scale_loss_grad.*boom"):
+        run_passes(program, ["scale_loss_grad", broken], CTX)
+
+
+def test_node_without_role_is_rejected():
+    def roleless(program, ctx):
+        seed = next(n for n in program.graph.nodes if n.meta.get("role") == Role.BACKWARD | Role.LOSS)
+        with program.graph.inserting_after(seed):
+            node = new_node(program.graph, torch.ops.aten.neg.default, (seed,), Role.BACKWARD)
+        del node.meta["role"]
+
+    with pytest.raises(PassError, match="nodes without a role: neg"):
+        run_passes(_captured().program, [roleless], CTX)

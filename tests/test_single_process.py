@@ -1,0 +1,92 @@
+"""Without a process group the transpiled step is the eager step: same
+parameters, buffers and optimizer state, for every supported optimizer."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from tests import models as M
+from transpiler import transpile
+
+OPTIMIZERS = ["sgd", "nesterov", "adam", "adamw"]
+
+
+def _run(model_name, opt_name, foreach, transpiled: bool, steps=4, sched=True):
+    model = M.make(model_name)
+    opt = M.make_optimizer(opt_name, model, foreach=foreach)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
+    fn = M.step_fn(model_name)
+    step = transpile(fn) if transpiled else fn
+    losses = []
+    for batch in M.batches(model_name, steps, 8):
+        losses.append(step(model, opt, *batch).item())
+        if scheduler:
+            scheduler.step()
+    return M.state_of(model, opt), losses, step
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("model_name", ["mlp", "tied", "bn"])
+def test_matches_eager(model_name, opt_name, foreach):
+    expected, expected_losses, _ = _run(model_name, opt_name, foreach, transpiled=False)
+    got, losses, step = _run(model_name, opt_name, foreach, transpiled=True)
+    assert M.max_rel_error(got, expected) <= 1e-5
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert step.program.collectives() == []
+
+
+def test_scheduler_changes_lr_without_tracing_again():
+    _, _, step = _run("mlp", "sgd", None, transpiled=True, steps=6)
+    # One program for the first step (it creates the momentum buffers), one after.
+    assert len(step._built) == 2
+
+
+def test_baked_hyperparameter_change_traces_again_and_says_why(caplog):
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step)
+    batch = M.batches("mlp", 1, 8)[0]
+    step(model, opt, *batch)
+    step(model, opt, *batch)
+    opt.param_groups[0]["momentum"] = 0.5
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, *batch)
+    assert "momentum: 0.9 -> 0.5" in caplog.text
+    reference = copy.deepcopy(model)
+    ref_opt = M.make_optimizer("sgd", reference)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    step(model, opt, *batch)
+    M.classify_step(reference, ref_opt, *batch)
+    assert M.max_rel_error(M.state_of(model, opt), M.state_of(reference, ref_opt)) <= 1e-6
+
+
+def test_shape_change_traces_again_and_says_why(caplog):
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step)
+    x, y = M.batches("mlp", 1, 8)[0]
+    step(model, opt, x, y)
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, x[:5], y[:5])
+    assert "input x: float32[8, 16] on cpu -> float32[5, 16] on cpu" in caplog.text
+
+
+def test_returns_any_pytree_of_tensors():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss.detach(), "logits": (logits.detach(),)}
+
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    x, y = M.batches("mlp", 1, 8)[0]
+    expected_logits = model(x).detach()
+    out = transpile(step_fn)(model, opt, x, y)
+    assert set(out) == {"loss", "logits"}
+    assert torch.allclose(out["logits"][0], expected_logits)
