@@ -12,7 +12,7 @@ from __future__ import annotations
 from transpiler.collectives import BROADCAST, WAIT
 from transpiler.pipeline import PassContext
 from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import COMM, Role
+from transpiler.roles import COMM, INPUT, Role
 
 
 def broadcast_params(program: Program, ctx: PassContext) -> None:
@@ -22,7 +22,9 @@ def broadcast_params(program: Program, ctx: PassContext) -> None:
     out = program.output_node
     results = []
     for value in out.args[0]:
-        comm = CommInfo("broadcast", ring=0)
+        val = value.meta["val"]
+        comm = CommInfo("broadcast", ring=0, params=(value.meta[INPUT].name,),
+                        nbytes=val.numel() * val.element_size())
         with graph.inserting_before(out):
             sent = new_node(graph, BROADCAST, (value, 0, ctx.rings[0]), Role.COMM, **{COMM: comm})
             results.append(new_node(graph, WAIT, (sent,), Role.COMM, **{COMM: comm}))

@@ -17,7 +17,7 @@ import torch.fx as fx
 from transpiler.collectives import ALL_REDUCE, WAIT
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import COMM, Role
+from transpiler.roles import COMM, PARAM, Role
 
 
 def plan_allreduce(program: Program) -> list[fx.Node]:
@@ -33,7 +33,9 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
     for grad in plan_allreduce(program):
         users = list(grad.users)
-        comm = CommInfo("all_reduce", ring=0)
+        val = grad.meta["val"]
+        comm = CommInfo("all_reduce", ring=0, params=(grad.meta[PARAM],),
+                        nbytes=val.numel() * val.element_size())
         with graph.inserting_after(grad):
             reduced = new_node(graph, ALL_REDUCE, (grad, "sum", ctx.rings[0]), Role.COMM,
                                **{COMM: comm})

@@ -49,6 +49,18 @@ class BNNet(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
+class MixedNet(nn.Module):
+    """An fp32 layer followed by a bf16 layer: gradients of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)).to(torch.bfloat16)).float()
+
+
 def classify_step(model, optimizer, x, y):
     optimizer.zero_grad()
     loss = F.cross_entropy(model(x), y)
@@ -68,7 +80,7 @@ def lm_step(model, optimizer, tokens, targets):
 
 def make(model_name: str, seed: int = 0):
     torch.manual_seed(seed)
-    return {"mlp": MLP, "tied": TiedLM, "bn": BNNet}[model_name]()
+    return {"mlp": MLP, "tied": TiedLM, "bn": BNNet, "mixed": MixedNet}[model_name]()
 
 
 def batches(model_name: str, steps: int, batch: int, seed: int = 1):

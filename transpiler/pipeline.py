@@ -6,6 +6,8 @@ import dataclasses
 import importlib
 from typing import Callable, Sequence, Union
 
+import torch
+
 from .errors import PassError
 from .program import HistoryEntry, Program
 from .roles import ROLE, Role
@@ -19,6 +21,9 @@ class PassContext:
     rank: int = 0
     nrings: int = 2
     rings: tuple[str, ...] = ()   # process-group name of each ring, len == nrings
+    bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
+    first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
+    fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
 
 
 Pass = Callable[[Program, PassContext], None]

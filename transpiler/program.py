@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT
-from .roles import COMM, INPUT, PARAM, ROLE, Role
+from .roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class CommInfo:
     op: str
     ring: int = 0
     bucket: int | None = None
+    params: tuple[str, ...] = ()   # the parameters whose gradients it carries
+    nbytes: int = 0                # bytes on the wire per rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +204,9 @@ def _note(node: fx.Node) -> str:
     comm = node.meta.get(COMM)
     if comm is not None:
         notes.append(f"ring={comm.ring}")
-        if comm.bucket is not None:
-            notes.append(f"bucket={comm.bucket}")
+    bucket = comm.bucket if comm is not None else node.meta.get(BUCKET)
+    if bucket is not None:
+        notes.append(f"bucket={bucket}")
     return "  # " + " ".join(notes) if notes else ""
 
 
@@ -223,4 +226,20 @@ def format_graph(graph: fx.Graph) -> str:
             lines.append(f"return {_arg_str(node.args[0])}")
         else:
             lines.append(f"{head} = {_call_str(node)}{_note(node)}")
+    return "\n".join(lines)
+
+
+def format_collectives(program: Program) -> str:
+    """A table of the program's collectives in issue order."""
+    rows = [("#", "op", "ring", "bucket", "dtype", "tensors", "bytes", "parameters")]
+    for i, node in enumerate(program.collectives()):
+        comm, val = node.meta[COMM], node.meta["val"]
+        bucket = "-" if comm.bucket is None else str(comm.bucket)
+        params = ", ".join(comm.params[:4]) + (f", ... ({len(comm.params)})" if len(comm.params) > 4 else "")
+        rows.append((str(i), comm.op, str(comm.ring), bucket, _DTYPES.get(val.dtype, str(val.dtype)),
+                     str(len(comm.params)), str(comm.nbytes), params))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    total = sum(node.meta[COMM].nbytes for node in program.collectives())
+    lines.append(f"{len(rows) - 1} collectives, {total} bytes per rank per step")
     return "\n".join(lines)

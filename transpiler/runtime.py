@@ -22,7 +22,7 @@ from .capture import describe_change, flatten_args, signature, trace_step
 from .errors import TranspileError
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, PassLike, record, run_passes
-from .program import Program
+from .program import Program, format_collectives
 from .rings import ring_names, world
 from .startup import startup_program
 
@@ -41,11 +41,11 @@ class _Built:
 
 
 class TranspiledStep:
-    def __init__(self, step_fn: Callable, passes: Sequence[PassLike], *, nrings: int,
+    def __init__(self, step_fn: Callable, passes: Sequence[PassLike], settings: PassContext, *,
                  backend: str):
         self.step_fn = step_fn
         self.passes = tuple(passes)
-        self.nrings = nrings
+        self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
         self._built: dict[tuple, _Built] = {}
         self._last_signature: dict | None = None
@@ -60,6 +60,11 @@ class TranspiledStep:
             raise TranspileError("the step has not been called yet: the program is built "
                                  "on the first call, from the real arguments")
         return self._last.program
+
+    def explain(self) -> str:
+        """The collectives of the main program as a table: one row per all-reduce
+        (a bucket in fuse_all_reduce), with its ring, dtype, size and parameters."""
+        return format_collectives(self.program)
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
@@ -84,8 +89,8 @@ class TranspiledStep:
                else describe_change(self._last_signature, sig))
         self._last_signature = sig
         world_size, rank = world()
-        ctx = PassContext(world_size=world_size, rank=rank, nrings=self.nrings,
-                          rings=ring_names(self.nrings))
+        ctx = dataclasses.replace(self.settings, world_size=world_size, rank=rank,
+                                  rings=ring_names(self.settings.nrings))
         start = time.perf_counter()
         error, programs, built, startup = None, [], None, None
         try:

@@ -1,0 +1,113 @@
+"""coalesce_tensors: all-reduce gradients in fused buckets instead of one by one.
+
+Requires: scale_loss_grad, so that the sum over ranks is the mean gradient.
+Produces: buckets of gradients planned by `plan_buckets` (by dtype, in the order
+the backward pass produces the gradients, closed at ctx.bucket_mb, the first one
+per dtype at ctx.first_bucket_mb). For each bucket, placed right after its last
+gradient: the gradients flattened and concatenated into one buffer (optionally
+cast to ctx.fuse_dtype), one `all_reduce(sum)` on ring 0, its wait, the cast
+back, and the reduced buffer split into views shaped like the gradients, which
+every former use of a gradient now reads (no copy back). Pack nodes have role
+BACKWARD, the rest COMM; all carry meta["bucket"]. Gradients of different dtypes
+never share a buffer. With one rank it does not apply.
+Order: before schedule_comm (which overlaps the all-reduces with the backward
+pass) and ring_round_robin (which spreads the buckets over the rings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from transpiler.collectives import ALL_REDUCE, WAIT
+from transpiler.pipeline import PassContext, requires
+from transpiler.program import CommInfo, Program, new_node
+from transpiler.roles import BUCKET, COMM, Role
+
+aten = torch.ops.aten
+MB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class GradInfo:
+    name: str
+    dtype: torch.dtype
+    nbytes: int
+
+
+def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
+                 first_bucket_bytes: int) -> list[list[str]]:
+    """Group gradients, given in the order they are produced, into buckets.
+
+    Each dtype fills its own open bucket; a bucket closes once it holds at least
+    its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
+    bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
+    Buckets are returned in the order their last gradient is produced, which is
+    when they can be reduced. A pure function of its arguments: every rank that
+    has the same program plans the same buckets.
+    """
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError("bucket sizes must be positive")
+    done: list[tuple[int, list[str]]] = []
+    open_: dict[torch.dtype, tuple[list[str], int]] = {}
+    closed_per_dtype: dict[torch.dtype, int] = {}
+    for i, g in enumerate(grads):
+        names, size = open_.get(g.dtype, ([], 0))
+        names, size = names + [g.name], size + g.nbytes
+        cap = first_bucket_bytes if closed_per_dtype.get(g.dtype, 0) == 0 else bucket_bytes
+        if size >= cap:
+            done.append((i, names))
+            closed_per_dtype[g.dtype] = closed_per_dtype.get(g.dtype, 0) + 1
+            open_.pop(g.dtype, None)
+        else:
+            open_[g.dtype] = (names, size)
+    last = {g.name: i for i, g in enumerate(grads)}
+    done += [(last[names[-1]], names) for names, _ in open_.values()]
+    return [names for _, names in sorted(done, key=lambda item: item[0])]
+
+
+@requires("scale_loss_grad")
+def coalesce_tensors(program: Program, ctx: PassContext) -> None:
+    if ctx.world_size == 1:
+        return
+    grads = {name: g for name, g in program.grads.items() if g.users}
+    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].numel() * g.meta["val"].element_size())
+             for name, g in grads.items()]
+    plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
+    position = {n: i for i, n in enumerate(program.graph.nodes)}
+    for bucket, names in enumerate(plan):
+        _fuse(program, ctx, bucket, [grads[n] for n in names], position)
+
+
+def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position):
+    graph = program.graph
+    users = {g: list(g.users) for g in grads}
+    vals = [g.meta["val"] for g in grads]
+    dtype = vals[0].dtype
+    comm_dtype = ctx.fuse_dtype or dtype
+    comm = CommInfo("all_reduce", ring=0, bucket=bucket,
+                    params=tuple(g.meta["param"] for g in grads),
+                    nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
+
+    def node(target, args, role, kwargs=None, **meta):
+        return new_node(graph, target, args, role, kwargs, **{BUCKET: bucket}, **meta)
+
+    with graph.inserting_before(max(grads, key=position.__getitem__).next):
+        flat = [node(aten.reshape.default, (g, [-1]), Role.BACKWARD) for g in grads]
+        buffer = node(aten.cat.default, (flat,), Role.BACKWARD)
+        if comm_dtype != dtype:
+            buffer = node(aten._to_copy.default, (buffer,), Role.BACKWARD, {"dtype": comm_dtype})
+        reduced = node(ALL_REDUCE, (buffer, "sum", ctx.rings[0]), Role.COMM, **{COMM: comm})
+        waited = node(WAIT, (reduced,), Role.COMM, **{COMM: comm})
+        if comm_dtype != dtype:
+            waited = node(aten._to_copy.default, (waited,), Role.COMM, {"dtype": dtype})
+        parts = node(aten.split_with_sizes.default, (waited, [v.numel() for v in vals]), Role.COMM)
+        for i, (g, v) in enumerate(zip(grads, vals)):
+            view = node(aten.view.default, (node(operator.getitem, (parts, i), Role.COMM),
+                                            list(v.shape)), Role.COMM)
+            for user in users[g]:
+                user.replace_input_with(g, view)

@@ -1,0 +1,71 @@
+"""schedule_comm: overlap communication with computation.
+
+Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors).
+Produces: the same nodes in a new order. Each collective, with the nodes that
+pack its buffer (meta["bucket"], role BACKWARD), moves up to right after the
+last node it depends on, so it is issued as soon as its gradients exist and runs
+while the rest of the backward pass computes; each wait, with the nodes that
+unpack its result, moves down to right before its first use. Values and
+dependencies are unchanged, and the order is a function of the program alone.
+Order: after the passes that insert collectives; ring_round_robin may run before
+or after (it numbers collectives in program order, which this pass keeps).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from transpiler.collectives import WAIT
+from transpiler.pipeline import PassContext, requires
+from transpiler.program import Program
+from transpiler.roles import BUCKET, COMM, ROLE, Role
+
+
+def _position(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _pack_chain(collective: fx.Node) -> list[fx.Node]:
+    """The collective and the pack nodes of its bucket that feed it."""
+    bucket = collective.meta[COMM].bucket
+    chain, todo = [], [collective]
+    while todo:
+        node = todo.pop()
+        chain.append(node)
+        todo += [a for a in node.all_input_nodes
+                 if bucket is not None and a.meta.get(BUCKET) == bucket
+                 and a.meta.get(ROLE) == Role.BACKWARD]
+    return chain
+
+
+def _unpack_chain(wait: fx.Node) -> list[fx.Node]:
+    """The wait and the nodes of its bucket that unpack its result."""
+    bucket = wait.meta[COMM].bucket
+    chain, todo = [], [wait]
+    while todo:
+        node = todo.pop()
+        chain.append(node)
+        todo += [u for u in node.users
+                 if bucket is not None and u.meta.get(BUCKET) == bucket and u.meta.get(ROLE) == Role.COMM
+                 and COMM not in u.meta]
+    return chain
+
+
+@requires("insert_allreduce|coalesce_tensors")
+def schedule_comm(program: Program, ctx: PassContext) -> None:
+    graph = program.graph
+    for collective in program.collectives():
+        position = _position(graph)
+        for node in sorted(_pack_chain(collective), key=position.__getitem__):
+            anchor = max(node.all_input_nodes, key=position.__getitem__)
+            if anchor.next is not node:
+                anchor.append(node)
+                position = _position(graph)
+    waits = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT and COMM in n.meta]
+    for wait in waits:
+        position = _position(graph)
+        for node in sorted(_unpack_chain(wait), key=position.__getitem__, reverse=True):
+            first_use = min(node.users, key=position.__getitem__)
+            if node.next is not first_use:
+                first_use.prepend(node)
+                position = _position(graph)
