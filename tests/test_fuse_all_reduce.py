@@ -110,8 +110,12 @@ def test_explain_lists_buckets():
     table = format_collectives(program)
     assert table.splitlines()[0].split() == ["#", "op", "ring", "bucket", "dtype", "tensors",
                                              "bytes", "parameters"]
-    assert "layers.1.bias, layers.1.weight" in table
-    # 12 + 96 bytes close the 40-byte first bucket; 32 + 128 stay under 200.
+    # Ready order: layers.1.weight (96 bytes) closes the 40-byte first bucket
+    # alone; layers.1.bias, layers.0.weight, layers.0.bias (12 + 128 + 32) stay
+    # under 200 and go out together at the end.
+    rows = table.splitlines()
+    assert rows[1].endswith("layers.1.weight") and "  1  " in rows[1]
+    assert rows[2].endswith("layers.1.bias, layers.0.weight, layers.0.bias")
     assert table.splitlines()[-1] == "2 collectives, 268 bytes per rank per step"
 
 

@@ -1,20 +1,28 @@
-"""Backends: turn a Program into a callable from a list of input tensors to the
-list of output tensors. One place where compilers plug in."""
+"""Backends: turn a Program into an Executable. One place where compilers plug in."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from .errors import TranspileError
 from .program import Program
+from .reinplace import reinplace
 
 BACKENDS = ("eager",)
 
-Compiled = Callable[[list], list]
+
+@dataclasses.dataclass
+class Executable:
+    """run: input tensors -> output tensors. written[i]: output i is a state
+    update the program already wrote into its input (no write-back needed)."""
+
+    run: Callable[[list], list]
+    written: list[bool]
 
 
-def compile_program(program: Program, backend: str) -> Compiled:
+def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
-        gm = program.gm
-        return lambda inputs: gm(*inputs)
+        gm, written = reinplace(program)
+        return Executable(lambda inputs: gm(*inputs), written)
     raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")

@@ -52,6 +52,7 @@ _PROFILER_OPS = {
 }
 _DETACH = torch.ops.aten.detach.default
 _COPY_ = torch.ops.aten.copy_.default
+_T = torch.ops.aten.t.default
 
 
 # ------------------------------------------------------------ slots
@@ -92,15 +93,20 @@ class StateSlot:
 
 @dataclasses.dataclass(frozen=True)
 class HyperSlot:
-    """A lifted hyperparameter: param_groups[group][key], fed as a 0-d tensor."""
+    """A lifted hyperparameter: param_groups[group][key], fed as a 0-d tensor of
+    float64 if the group has a float64 parameter, else float32. Kernels compute
+    a float32 (or bf16/fp16) tensor op in float32 whatever the scalar's width,
+    so this rounds exactly as eager's Python-float alpha, and saves a conversion
+    per tensor."""
 
     optimizer: torch.optim.Optimizer
     group: int
     key: str
+    dtype: torch.dtype
 
     def read(self, leaves):
         return torch.tensor(float(self.optimizer.param_groups[self.group][self.key]),
-                            dtype=torch.float64)
+                            dtype=self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +227,10 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
                     inputs.add(InputSpec("state", f"{oname}{pname}:{key}", param=pname),
                                StateSlot(opt, p, key), value)
         for gi, group in enumerate(opt.param_groups):
+            wide = any(p.dtype == torch.float64 for p in group["params"])
             for key in LIFTED_HYPERPARAMETERS.get(type(opt), ()):
                 if _is_number(group.get(key)):
-                    slot = HyperSlot(opt, gi, key)
+                    slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32)
                     inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):
@@ -646,6 +653,14 @@ def _identifier(prefix: str, name: str) -> str:
 _PREFIX = {"param": "p_", "buffer": "b_", "state": "s_", "hyper": "h_", "data": ""}
 
 
+def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
+    """Replace `node` by `value`, which computes the same thing, keeping its marks."""
+    node.replace_all_uses_with(value, propagate_meta=False)
+    if PARAM in node.meta:
+        value.meta.setdefault(PARAM, node.meta[PARAM])
+    graph.erase_node(node)
+
+
 def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created) -> tuple[Program, list]:
     """Turn the functionalized graph into a Program: name and annotate the
     placeholders, drop detaches, and make the trailing write-backs outputs."""
@@ -655,11 +670,17 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created) -> tu
         node._rename(_identifier(_PREFIX[spec.kind], spec.name))
         node.meta[INPUT] = spec
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _DETACH:
-            node.replace_all_uses_with(node.args[0], propagate_meta=False)
-            if PARAM in node.meta:
-                node.args[0].meta.setdefault(PARAM, node.meta[PARAM])
-            graph.erase_node(node)
+        # detach(x) is x in a graph without autograd, and so is t(t(x)), which
+        # the backward pass of every Linear layer produces.
+        if node.op != "call_function":
+            continue
+        if node.target is _DETACH:
+            _bypass(graph, node, node.args[0])
+        elif node.target is _T and getattr(node.args[0], "target", None) is _T:
+            inner = node.args[0]
+            _bypass(graph, node, inner.args[0])
+            if not inner.users:
+                graph.erase_node(inner)
     index = {n: i for i, n in enumerate(placeholders)}
     updates: dict[int, fx.Node] = {}
     for node in list(graph.nodes):

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import agreement
-from .backends import Compiled, compile_program
+from .backends import Executable, compile_program
 from .capture import describe_change, flatten_args, signature, trace_step
 from .errors import TranspileError
 from .modes import STARTUP_PASSES
@@ -32,7 +32,7 @@ log = logging.getLogger("transpiler")
 @dataclasses.dataclass
 class _Built:
     program: Program
-    run: Compiled
+    executable: Executable
     slots: list
     targets: list
     out_spec: pytree.TreeSpec
@@ -76,10 +76,10 @@ class TranspiledStep:
             self._built[key] = built
         self._last = built
         leaves = step_args.leaves
-        outputs = built.run([slot.read(leaves) for slot in built.slots])
+        outputs = built.executable.run([slot.read(leaves) for slot in built.slots])
         # Write back only now that the whole program has succeeded.
-        for target, value in zip(built.targets, outputs):
-            if target is not None:
+        for target, value, written in zip(built.targets, outputs, built.executable.written):
+            if target is not None and not written:
                 target.write(value)
         return pytree.tree_unflatten(list(outputs[:built.n_user]), built.out_spec)
 
@@ -125,8 +125,7 @@ class TranspiledStep:
 
     def _run_startup(self, startup: Program, slots: list) -> None:
         self.startup_program = startup
-        run = compile_program(startup, "eager")
-        values = run([slot.read(None) for slot in slots])
+        values = compile_program(startup, "eager").run([slot.read(None) for slot in slots])
         with torch.no_grad():
             for slot, value in zip(slots, values):
                 slot.write(value)

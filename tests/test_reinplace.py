@@ -1,0 +1,60 @@
+"""The eager backend's reinplacing: state updated in place, never before the
+backward pass and every collective are done."""
+
+import copy
+
+import pytest
+import torch
+
+from tests import models as M
+from tests.test_passes import CTX, _captured
+from transpiler import run_passes, transpile
+from transpiler.modes import MODES
+from transpiler.reinplace import reinplace
+from transpiler.roles import Role
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_state_is_written_only_after_gradients_and_communication(mode):
+    program = _captured("tied").program
+    run_passes(program, MODES[mode], CTX)
+    gm, written = reinplace(program)
+    nodes = list(gm.graph.nodes)
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    last = max(i for i, n in enumerate(nodes)
+               if n.op == "call_function" and n.meta["role"] & (Role.BACKWARD | Role.COMM))
+    mutations = [i for i, n in enumerate(nodes) if _mutates(n)
+                 and any(a in placeholders for a in torch.utils._pytree.tree_leaves(n.args[:1]))]
+    assert mutations, "the optimizer's updates should run in place"
+    assert min(mutations) > last
+    # Every state update was done in place: no write-back copies remain.
+    assert all(w for w, spec in zip(written, program.outputs) if spec.kind == "update")
+
+
+def _mutates(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def test_functional_program_is_left_functional():
+    program = _captured().program
+    before = program.listing()
+    reinplace(program)
+    assert program.listing() == before
+
+
+def test_error_inside_the_program_leaves_state_untouched():
+    model = M.make("tied")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(M.lm_step)
+    tokens, targets = M.batches("tied", 1, 4)[0]
+    for _ in range(2):  # steady state: the in-place program
+        step(model, opt, tokens, targets)
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    bad = tokens.clone()
+    bad[0, 0] = 1000  # out of the embedding's range: fails in the forward pass
+    with pytest.raises(IndexError):
+        step(model, opt, bad, targets)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(v, after[p][k]) for p, st in before[1]["state"].items() for k, v in st.items())

@@ -1,0 +1,172 @@
+"""Reinplacing for eager execution.
+
+A Program is functional: every optimizer update allocates a new tensor and the
+runtime copies the new state back. Run op by op, that costs eager PyTorch's
+in-place optimizer several times over (fresh memory is touched page by page).
+`reinplace` derives an executable copy of the graph in which an op runs in
+place on its first argument when nothing reads that argument afterwards, and
+reports which state outputs were thereby written in place (their write-back is
+a no-op).
+
+State inputs (parameters, buffers, optimizer state) are only written after the
+backward pass and every collective have finished, so an error there (a failed
+collective, a bad index in the forward pass) never leaves the state half
+updated; ops that feed neither are moved after them for that purpose.
+Intermediates may be reused anywhere. Only ops from an allowlist of elementwise
+and foreach ops whose in-place form computes the same values are rewritten, and
+only when the result has the argument's shape and dtype and no other argument
+aliases it.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+
+from .program import Program
+from .roles import ROLE, Role
+
+aten = torch.ops.aten
+
+_ELEMENTWISE = {
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar,
+    aten.div.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar,
+    aten.lerp.Tensor, aten.sqrt.default, aten.neg.default, aten.maximum.default,
+}
+_FOREACH_PREFIX = "_foreach_"
+# Ops whose result shares storage with their first argument.
+_VIEWS = {
+    aten.t.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.transpose.int, aten.permute.default, aten.expand.default, aten.as_strided.default,
+    aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.default, aten.split_with_sizes.default, aten.split.Tensor,
+    aten.alias.default, aten.unbind.int, aten.diagonal.default,
+}
+
+
+def _inplace_variant(target):
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._schema.name.split("::")[1]
+    if target not in _ELEMENTWISE and not name.startswith(_FOREACH_PREFIX):
+        return None
+    packet = getattr(aten, name + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _is_foreach(node: fx.Node) -> bool:
+    return node.target._schema.name.split("::")[1].startswith(_FOREACH_PREFIX)
+
+
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """The node and every view taken of it, transitively."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo += [u for u in n.users
+                 if u.target in _VIEWS or (u.target is operator.getitem and u.args[0].target in _VIEWS)]
+    return seen
+
+
+def _is_base(node: fx.Node) -> bool:
+    """Not itself a view of another tensor."""
+    if node.op == "placeholder":
+        return True
+    if node.target is operator.getitem:
+        return node.args[0].target not in _VIEWS
+    return node.op == "call_function" and node.target not in _VIEWS
+
+
+def _sink_after_gradients(graph: fx.Graph) -> int:
+    """Move the nodes that feed neither the backward pass nor a collective after
+    the last node that does, keeping their order; return that node's position."""
+    nodes = list(graph.nodes)
+    ends = [i for i, n in enumerate(nodes) if n.op == "call_function"
+            and n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM)]
+    if not ends:
+        return -1
+    feeds: set[fx.Node] = set()
+    for n in reversed(nodes[:ends[-1] + 1]):
+        if n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM) or any(u in feeds for u in n.users):
+            feeds.add(n)
+    end = anchor = nodes[ends[-1]]
+    for n in nodes[:ends[-1]]:
+        if n.op == "call_function" and n not in feeds:
+            anchor.append(n)
+            anchor = n
+    return list(graph.nodes).index(end)
+
+
+def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
+    """An executable copy of the program's graph with in-place updates, and for
+    each output whether it is an `update` already written in place."""
+    gm = fx.GraphModule(program.gm, copy.deepcopy(program.graph))
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out = graph.output_node()
+    outputs = list(out.args[0])
+    donated = {placeholders[_input_index(program, spec.target)]
+               for spec in program.outputs if spec.kind == "update"}
+    boundary = _sink_after_gradients(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def reusable(x, node) -> bool:
+        if not isinstance(x, fx.Node) or not _is_base(x) or x in outputs:
+            return False
+        if x.op == "placeholder" and (x not in donated or position[node] <= boundary):
+            return False
+        if x.op != "placeholder" and x.op != "call_function":
+            return False
+        alias = _aliases(x)
+        late = [u for a in alias for u in a.users if u is not node and position[u] > position[node]]
+        others = [a for a in torch.utils._pytree.tree_leaves((node.args[1:], node.kwargs))
+                  if isinstance(a, fx.Node)]
+        return not late and not any(o in alias for o in others)
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        variant = _inplace_variant(node.target)
+        if variant is None or not node.args:
+            continue
+        if _is_foreach(node):
+            selves = node.args[0]
+            vals = node.meta["val"]
+            if not isinstance(selves, (list, tuple)) or not all(
+                    reusable(x, node) and _same_layout(x, v) for x, v in zip(selves, vals)):
+                continue
+            if len(set(selves)) != len(selves):
+                continue
+            node.target = variant
+            for user in list(node.users):
+                if user.target is operator.getitem:
+                    user.replace_all_uses_with(selves[user.args[1]])
+                    graph.erase_node(user)
+        else:
+            x = node.args[0]
+            if not (reusable(x, node) and _same_layout(x, node.meta["val"])):
+                continue
+            node.target = variant
+            node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
+        outputs = list(out.args[0])
+    graph.lint()
+    gm.recompile()
+    in_place = [spec.kind == "update" and value is placeholders[_input_index(program, spec.target)]
+                for spec, value in zip(program.outputs, out.args[0])]
+    return gm, in_place
+
+
+def _input_index(program: Program, name: str) -> int:
+    return next(i for i, spec in enumerate(program.inputs) if spec.name == name)
+
+
+def _same_layout(x: fx.Node, val) -> bool:
+    xv = x.meta.get("val")
+    return (isinstance(xv, torch.Tensor) and isinstance(val, torch.Tensor)
+            and xv.shape == val.shape and xv.dtype == val.dtype and xv.stride() == val.stride())
