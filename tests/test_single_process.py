@@ -90,3 +90,19 @@ def test_returns_any_pytree_of_tensors():
     out = transpile(step_fn)(model, opt, x, y)
     assert set(out) == {"loss", "logits"}
     assert torch.allclose(out["logits"][0], expected_logits)
+
+
+def test_replacing_a_parameter_traces_again(caplog):
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step)
+    batch = M.batches("mlp", 1, 8)[0]
+    step(model, opt, *batch)
+    step(model, opt, *batch)
+    # A new parameter object of the same shape: the program must read the new one.
+    model.layers[0].weight = torch.nn.Parameter(torch.zeros_like(model.layers[0].weight))
+    opt.param_groups[0]["params"][0] = model.layers[0].weight
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, *batch)
+    assert "traced classify_step (optimizer 0 group 0 params" in caplog.text
+    assert model.layers[0].weight.abs().sum() > 0  # it was trained

@@ -59,16 +59,16 @@ _T = torch.ops.aten.t.default
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """A parameter or buffer of a module: read as is, written back in place."""
+    """A parameter or buffer of a module: fed as is (programs run under
+    no_grad), written back in place."""
 
     tensor: torch.Tensor
 
     def read(self, leaves):
-        return self.tensor.detach()
+        return self.tensor
 
     def write(self, value):
-        with torch.no_grad():
-            self.tensor.copy_(value)
+        self.tensor.copy_(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,52 +248,86 @@ def _is_number(x) -> bool:
 
 # ------------------------------------------------------------ signature
 
-def signature(step_args: StepArgs) -> dict[str, Any]:
-    """Everything the traced program depends on besides tensor values. Two calls
-    with equal signatures can run the same program."""
-    sig: dict[str, Any] = {"arguments": str(step_args.spec)}
+# Registering a parameter, buffer or submodule anywhere bumps this epoch, which
+# invalidates the cached list of a module's tensors (walking a deep module tree
+# on every call would cost a good part of a small step).
+_epoch = [0]
+_module_state: dict[int, tuple[int, list]] = {}
+
+
+def _bump_epoch(*_):
+    _epoch[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_module_registration_hook):
+    _register(_bump_epoch)
+
+
+def _named_state(module) -> list:
+    """(name, tensor) of every parameter (tied ones once) and buffer, cached."""
+    cached = _module_state.get(id(module))
+    if cached is None or cached[0] != _epoch[0]:
+        cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()])
+        _module_state[id(module)] = cached
+    return cached[1]
+
+
+def signature(step_args: StepArgs) -> tuple:
+    """Everything the traced program depends on besides tensor values, as
+    ((what, ...), value) pairs: calls with equal signatures can run the same
+    program. Cheap enough for every call."""
+    sig: list = [(("arguments",), step_args.spec)]
     for name, leaf in zip(step_args.names, step_args.leaves):
         if isinstance(leaf, torch.Tensor):
-            sig[f"input {name}"] = _tensor_sig(leaf)
+            sig.append((("input", name), _tensor_sig(leaf)))
         elif _is_leaf(leaf):
-            sig[f"input {name}"] = f"{type(leaf).__name__}@{id(leaf):x}"
+            sig.append((("input", name), (type(leaf).__name__, id(leaf))))
         else:
-            sig[f"input {name}"] = repr(leaf)
+            sig.append((("input", name), _hashable(leaf)))
     for mi, module in enumerate(step_args.modules):
         for name, t in _named_state(module):
-            sig[f"module {mi} {name}"] = _tensor_sig(t)
+            sig.append((("module", mi, name), _tensor_sig(t)))
     for oi, opt in enumerate(step_args.optimizers):
         lifted = LIFTED_HYPERPARAMETERS.get(type(opt), ())
         for gi, group in enumerate(opt.param_groups):
-            sig[f"optimizer {oi} group {gi} params"] = tuple(id(p) for p in group["params"])
+            sig.append((("optimizer", oi, "group", gi, "params"), tuple(map(id, group["params"]))))
             for key, value in group.items():
                 if key != "params" and not (key in lifted and _is_number(value)):
-                    sig[f"optimizer {oi} group {gi} {key}"] = repr(value)
+                    sig.append((("optimizer", oi, "group", gi, key), _hashable(value)))
         for pi, p in enumerate(_opt_params(opt)):
-            for key, value in sorted(opt.state.get(p, {}).items()):
-                sig[f"optimizer {oi} state {pi} {key}"] = (
-                    _tensor_sig(value) if isinstance(value, torch.Tensor) else repr(value))
-    return sig
-
-
-def _named_state(module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+            for key, value in opt.state.get(p, {}).items():
+                sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
+                            if isinstance(value, torch.Tensor) else _hashable(value)))
+    return tuple(sig)
 
 
 def _tensor_sig(t: torch.Tensor):
-    return (tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
+    return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
-def describe_change(old: dict, new: dict) -> str:
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", repr(value))
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def describe_change(old: tuple, new: tuple) -> str:
     """One line saying what differs between two signatures."""
-    changed = [k for k in new if old.get(k, _MISSING) != new[k]]
-    changed += [k for k in old if k not in new]
+    old_d, new_d = dict(old), dict(new)
+    changed = [k for k in new_d if old_d.get(k, _MISSING) != new_d[k]]
+    changed += [k for k in old_d if k not in new_d]
     if not changed:
         return "nothing changed"
     first = changed[0]
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-    return f"{first}: {_fmt(old.get(first, _MISSING))} -> {_fmt(new.get(first, _MISSING))}{more}"
+    what = " ".join(map(str, first))
+    return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
 
 
 _MISSING = object()
@@ -302,9 +336,9 @@ _MISSING = object()
 def _fmt(v) -> str:
     if v is _MISSING:
         return "absent"
-    if isinstance(v, tuple) and len(v) == 4 and isinstance(v[0], tuple):
-        shape, dtype, device, rg = v
-        return f"{dtype.replace('torch.', '')}{list(shape)} on {device}"
+    if isinstance(v, tuple) and len(v) == 4 and isinstance(v[0], torch.Size):
+        shape, dtype, device, _ = v
+        return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
     return str(v)
 
 

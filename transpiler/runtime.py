@@ -48,7 +48,7 @@ class TranspiledStep:
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
         self._built: dict[tuple, _Built] = {}
-        self._last_signature: dict | None = None
+        self._last_signature: tuple | None = None
         self._last: _Built | None = None
         self._synced: set[tuple] = set()
         self.startup_program: Program | None = None
@@ -69,18 +69,18 @@ class TranspiledStep:
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
         sig = signature(step_args)
-        key = tuple(sig.items())
-        built = self._built.get(key)
+        built = self._built.get(sig)
         if built is None:
             built = self._build(step_args, sig)
-            self._built[key] = built
+            self._built[sig] = built
         self._last = built
         leaves = step_args.leaves
-        outputs = built.executable.run([slot.read(leaves) for slot in built.slots])
-        # Write back only now that the whole program has succeeded.
-        for target, value, written in zip(built.targets, outputs, built.executable.written):
-            if target is not None and not written:
-                target.write(value)
+        with torch.no_grad():
+            outputs = built.executable.run([slot.read(leaves) for slot in built.slots])
+            # Write back only now that the whole program has succeeded.
+            for target, value, written in zip(built.targets, outputs, built.executable.written):
+                if target is not None and not written:
+                    target.write(value)
         return pytree.tree_unflatten(list(outputs[:built.n_user]), built.out_spec)
 
     def _build(self, step_args, sig) -> _Built:
@@ -125,7 +125,7 @@ class TranspiledStep:
 
     def _run_startup(self, startup: Program, slots: list) -> None:
         self.startup_program = startup
-        values = compile_program(startup, "eager").run([slot.read(None) for slot in slots])
         with torch.no_grad():
+            values = compile_program(startup, "eager").run([slot.read(None) for slot in slots])
             for slot, value in zip(slots, values):
                 slot.write(value)
