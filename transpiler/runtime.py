@@ -52,6 +52,7 @@ class TranspiledStep:
         self._last: _Built | None = None
         self._synced: set[tuple] = set()
         self.startup_program: Program | None = None
+        self.build_seconds = 0.0  # one-time costs so far: trace, passes, compile, startup
 
     @property
     def program(self) -> Program:
@@ -71,8 +72,10 @@ class TranspiledStep:
         sig = signature(step_args)
         built = self._built.get(sig)
         if built is None:
+            start = time.perf_counter()
             built = self._build(step_args, sig)
             self._built[sig] = built
+            self.build_seconds += time.perf_counter() - start
         self._last = built
         leaves = step_args.leaves
         with torch.no_grad():

@@ -1,0 +1,52 @@
+"""The benchmark runs end to end and writes well-formed results. It checks the
+shape of the output, never the speed."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+from transpiler import bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bench_cli_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transpiler.bench", "--world-size", "2", "--models", "deep",
+         "--steps", "2", "--warmup", "1", "--configs", "local,ddp,grad_allreduce",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "grad_allreduce" in proc.stdout and "step_ms" in proc.stdout
+    assert "[1/4] deep local" in proc.stderr
+
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 2
+    assert isinstance(doc["torch"], str) and doc["torch"]
+    assert list(doc["models"]) == ["deep"]
+    # The references of vs_ddp and vs_limit are always run.
+    results = doc["models"]["deep"]
+    assert set(results) == {"local", "allreduce_only", "ddp", "grad_allreduce"}
+    for config, fields in results.items():
+        assert set(fields) == set(bench.FIELDS), config
+        for name, value in fields.items():
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, \
+                (config, name, value)
+    assert results["ddp"]["vs_ddp"] == 1.0
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, caplog, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)    # import matplotlib fails
+    code = bench.main(["--models", "deep", "--configs", "local",
+                       "--plot", str(tmp_path / "bench.png")])
+    assert code != 0
+    assert "pip install -e .[bench]" in caplog.text
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_unknown_config_is_an_error(caplog):
+    assert bench.main(["--configs", "local,nope"]) == 2
+    assert "nope" in caplog.text

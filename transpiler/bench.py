@@ -1,0 +1,566 @@
+"""Benchmark: the transpiler's data-parallel step against torch DDP and the limits.
+
+    python -m transpiler.bench [--world-size 2] [--models wide,deep,transformer]
+                               [--steps 20] [--warmup 5] [--configs a,b,...]
+                               [--json PATH] [--plot PATH]
+
+The bench launches its own ranks (spawned processes, CPU, gloo over a FileStore
+in a temporary directory, torch.set_num_threads(1) in each rank so that the
+ranks do not fight over the cores) and, for every model, runs every
+configuration of CONFIGS on the same user step (zero_grad, forward,
+cross-entropy, backward, optimizer.step), the same seeded initial weights, the
+same batches (each rank its shard of a seeded global batch) and the same
+optimizer (SGD, lr 0.01, momentum 0.9):
+
+    local                   the eager step, no communication at all
+    allreduce_only          one all_reduce of a flat fp32 buffer as large as all
+                            the gradients, no compute
+    ddp                     torch DistributedDataParallel, eager, default settings
+    ddp_compiled            torch.compile (inductor) of the DDP-wrapped model
+    grad_allreduce          transpile(step, mode="grad_allreduce") (nrings=2)
+    grad_allreduce_nrings1  the same with nrings=1
+    ...                     one line of CONFIGS per transpiler mode; a mode is
+                            listed only when transpiler.MODES has it
+
+What is measured, and how:
+
+- Every configuration runs in fresh rank processes of its own, so that no
+  state (compiled code, communicators, allocator, memory peak) carries from one
+  configuration to the next. The inductor cache is a fresh temporary directory
+  for each bench run, so compiles are cold.
+- setup_s: building the step plus its first call, between barriers, on the
+  slowest rank: for ddp the DDP construction (with its broadcast), for
+  ddp_compiled the first compiled step (compile), for the transpiler the first
+  call (trace, passes, startup broadcast) plus the building it does during the
+  warm-up (it traces once more on the second call, when the momentum buffers
+  appear, so --warmup should be at least 1). Then `--steps` timed steps.
+- step_ms: each step is bracketed by dist.barrier() before and after, and each
+  rank times only the step, between the barriers. step_ms is the median over
+  the timed steps of the slowest rank's time for that step.
+- vs_ddp = step_ms / step_ms(ddp); vs_limit = step_ms / max(step_ms(local),
+  step_ms(allreduce_only)): what the step would cost with free communication,
+  or with free compute. The reference configurations are always run.
+- peak_rss_mb: ru_maxrss (a process-lifetime peak) of the rank processes that
+  ran only this configuration, max over the ranks. It includes the interpreter,
+  torch, the model and the data (the table header says how much that was
+  before the step was built).
+
+The bench reports; it asserts nothing about speed. Failures of a
+configuration are logged, shown in the table and make the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import platform
+import queue
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from transpiler import MODES, transpile
+from transpiler.backends import BACKENDS
+
+log = logging.getLogger("transpiler.bench")
+
+CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
+SEED_WEIGHTS, SEED_DATA = 0, 1
+LR, MOMENTUM = 0.01, 0.9
+FIELDS = ("step_ms", "vs_ddp", "vs_limit", "peak_rss_mb", "setup_s")
+REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
+
+
+class BenchError(Exception):
+    """A usage or environment error: reported in one line, no traceback."""
+
+
+# ------------------------------------------------------------ models and data
+
+class MLP(nn.Module):
+    """Linear layers of the given sizes with ReLU between them."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class TransformerLM(nn.Module):
+    """Embedding, encoder blocks, and an output layer tied to the embedding."""
+
+    def __init__(self, vocab=1000, d_model=128, nhead=4, dim_feedforward=256, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout=0.0,
+                                       batch_first=True)
+            for _ in range(layers))
+        self.out = nn.Linear(d_model, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def _features(n_features: int, n_classes: int):
+    def make(g: torch.Generator, batch: int):
+        return (torch.randn(batch, n_features, generator=g),
+                torch.randint(0, n_classes, (batch,), generator=g))
+    return make
+
+
+def _tokens(vocab: int, seq: int):
+    def make(g: torch.Generator, batch: int):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+        return tokens, torch.roll(tokens, -1, dims=1)
+    return make
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator, int], tuple]   # a global batch of `batch` samples
+    batch_per_rank: int
+
+
+MODELS: dict[str, ModelSpec] = {
+    # 8 x Linear(512, 512): 2.1M parameters in 16 tensors; 512 classes.
+    "wide": ModelSpec(lambda: MLP([512] * 9), _features(512, 512), 32),
+    # 64 x Linear(64, 64) and a Linear(64, 10) head: 130 small tensors, latency-bound.
+    "deep": ModelSpec(lambda: MLP([64] * 65 + [10]), _features(64, 10), 32),
+    # 2 encoder blocks (d_model 128), vocab 1000, sequences of 32 tokens.
+    "transformer": ModelSpec(TransformerLM, _tokens(1000, 32), 8),
+}
+
+
+def train_step(model, optimizer, inputs, targets):
+    """The one user step every configuration runs."""
+    optimizer.zero_grad()
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def rank_batches(spec: ModelSpec, n: int, rank: int, world_size: int) -> list[tuple]:
+    """This rank's shards of `n` seeded global batches, the same in every config."""
+    g = torch.Generator().manual_seed(SEED_DATA)
+    batches = [spec.make_batch(g, spec.batch_per_rank * world_size) for _ in range(n)]
+    return [tuple(t.chunk(world_size)[rank] for t in b) for b in batches]
+
+
+# ------------------------------------------------------------ configurations
+# A builder takes the model and its optimizer and returns the step: a callable
+# of (inputs, targets).
+
+Builder = Callable[[nn.Module, torch.optim.Optimizer], Callable]
+
+
+def _local(model, optimizer):
+    return functools.partial(train_step, model, optimizer)
+
+
+def _allreduce_only(model, optimizer):
+    buffer = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return lambda inputs, targets: dist.all_reduce(buffer)
+
+
+def _ddp(model, optimizer):
+    return functools.partial(train_step, DDP(model), optimizer)
+
+
+def _ddp_compiled(model, optimizer):
+    return functools.partial(train_step, torch.compile(DDP(model)), optimizer)
+
+
+def _transpiled(mode: str, **options) -> Builder | None:
+    """A transpiler configuration; None where the mode or backend does not exist."""
+    if mode not in MODES or options.get("backend", "eager") not in BACKENDS:
+        return None
+
+    def build(model, optimizer):
+        return functools.partial(transpile(train_step, mode=mode, **options), model, optimizer)
+    return build
+
+
+_ALL_CONFIGS: dict[str, Builder | None] = {
+    "local": _local,
+    "allreduce_only": _allreduce_only,
+    "ddp": _ddp,
+    "ddp_compiled": _ddp_compiled,
+    "grad_allreduce": _transpiled("grad_allreduce"),              # nrings=2, the default
+    "grad_allreduce_nrings1": _transpiled("grad_allreduce", nrings=1),
+    "fuse_all_reduce": _transpiled("fuse_all_reduce"),
+    "local_sgd": _transpiled("local_sgd"),
+    "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
+}
+CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
+
+
+# ------------------------------------------------------------ one configuration, in a rank
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    model: str
+    config: str
+    warmup: int
+    steps: int
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+
+
+def _between_barriers(fn, *args) -> tuple[Any, float]:
+    """fn(*args) between two barriers: its result and its time on this rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn(*args)
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    return result, elapsed
+
+
+def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
+    """Run one configuration on this rank; its own times, not yet combined."""
+    spec = MODELS[job.model]
+    torch.manual_seed(SEED_WEIGHTS)
+    model = spec.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    batches = rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)
+    base_rss = _rss_mb()
+
+    def build_and_first_call():
+        step = CONFIGS[job.config](model, optimizer)
+        step(*batches[0])
+        return step
+
+    step, setup_s = _between_barriers(build_and_first_call)
+    built_s = _build_seconds(step)
+    times = [_between_barriers(step, *batch)[1] for batch in batches[1:]]
+    setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
+    return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
+            "base_rss_mb": base_rss}
+
+
+def _build_seconds(step) -> float:
+    """Time a transpiled step has spent building programs so far (0 for others)."""
+    return getattr(getattr(step, "func", None), "build_seconds", 0.0)
+
+
+def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)
+        try:
+            results.put((rank, None, measure(job, rank, world_size)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - sent to the parent, which reports it
+        results.put((rank, traceback.format_exc(), None))
+
+
+# ------------------------------------------------------------ launching ranks
+
+def _collect(results, world_size: int, deadline: float) -> list[dict]:
+    got: dict[int, dict] = {}
+    while len(got) < world_size:
+        try:
+            rank, error, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            missing = sorted(set(range(world_size)) - set(got))
+            raise BenchError(f"ranks {missing} did not finish within "
+                             f"{CONFIG_TIMEOUT_S}s") from None
+        if error is not None:
+            raise BenchError(f"rank {rank} failed:\n{error}")
+        got[rank] = value
+    return [got[r] for r in range(world_size)]
+
+
+def run_ranks(job: Job, world_size: int) -> list[dict]:
+    """Run `job` in `world_size` fresh spawned ranks; their results, by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="transpiler-bench-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, job, results))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        ok = False
+        try:
+            out = _collect(results, world_size, time.monotonic() + CONFIG_TIMEOUT_S)
+            ok = True
+            return out
+        finally:
+            for p in procs:
+                p.join(timeout=30 if ok else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+@contextlib.contextmanager
+def _cold_inductor_cache():
+    """A fresh inductor cache for the ranks spawned inside (they inherit the env)."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="transpiler-bench-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+# ------------------------------------------------------------ the run
+
+@dataclasses.dataclass
+class Measurement:
+    step_ms: float
+    setup_s: float
+    peak_rss_mb: float
+    base_rss_mb: float
+
+
+def combine(per_rank: list[dict]) -> Measurement:
+    """Slowest rank per step, median over steps; slowest setup; largest RSS."""
+    slowest = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
+    return Measurement(step_ms=statistics.median(slowest) * 1e3,
+                       setup_s=max(r["setup_s"] for r in per_rank),
+                       peak_rss_mb=max(r["peak_rss_mb"] for r in per_rank),
+                       base_rss_mb=max(r["base_rss_mb"] for r in per_rank))
+
+
+def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
+              warmup: int) -> dict[str, dict[str, Measurement | str]]:
+    """Every config on every model, each in fresh ranks: a Measurement, or the
+    error text of a failed configuration."""
+    jobs = [Job(m, c, warmup, steps) for m in models for c in configs]
+    out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
+    with _cold_inductor_cache():
+        for i, job in enumerate(jobs, 1):
+            tag = f"[{i}/{len(jobs)}] {job.model} {job.config}"
+            log.info("%s ...", tag)
+            start = time.perf_counter()
+            try:
+                m = combine(run_ranks(job, world_size))
+            except BenchError as exc:
+                log.error("%s FAILED: %s", tag, exc)
+                lines = str(exc).strip().splitlines()
+                out[job.model][job.config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
+                continue
+            out[job.model][job.config] = m
+            log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
+                     m.setup_s, time.perf_counter() - start)
+    return out
+
+
+def _ratio(value: float, reference: float | None) -> float | None:
+    return value / reference if reference else None
+
+
+def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[str, dict]]:
+    """The JSON "models" section: the fields of FIELDS for each measured config."""
+    summary = {}
+    for model, results in raw.items():
+        ok = {c: m for c, m in results.items() if isinstance(m, Measurement)}
+        ddp = ok["ddp"].step_ms if "ddp" in ok else None
+        limits = [ok[c].step_ms for c in ("local", "allreduce_only") if c in ok]
+        limit = max(limits) if len(limits) == 2 else None
+        summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
+                              "vs_limit": _ratio(m.step_ms, limit),
+                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s}
+                          for c, m in ok.items()}
+    return summary
+
+
+# ------------------------------------------------------------ output
+
+def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
+                 load: float) -> list[str]:
+    base = [m.base_rss_mb for r in raw.values() for m in r.values() if isinstance(m, Measurement)]
+    base_text = f"{min(base):.0f}-{max(base):.0f} MB" if base else "n/a"
+    return [
+        f"# transpiler.bench  {datetime.datetime.now().isoformat(timespec='seconds')}  "
+        f"torch {torch.__version__}  world_size {world_size}  "
+        f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {load:.2f} at start)",
+        f"# step_ms: median over {steps} timed steps (after {warmup} warm-up) of the slowest "
+        "rank's time for the step, each step between dist.barrier()s; gloo, CPU, 1 thread/rank",
+        "# vs_ddp = step_ms / ddp;  vs_limit = step_ms / max(local, allreduce_only)",
+        "# peak_rss_mb: ru_maxrss of fresh rank processes that ran only this config, max over "
+        f"ranks (includes python, torch, model, data: {base_text} before the step was built)",
+        "# setup_s: building the step + its first call, slowest rank (ddp: DDP construction; "
+        "ddp_compiled: cold compile; transpiler: every trace + passes + startup)",
+    ]
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(raw: dict, summary: dict) -> str:
+    columns = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
+               ("peak_rss_mb", ".1f"), ("setup_s", ".2f"))
+    width = max([len(c) for r in raw.values() for c in r] + [len("config")])
+    lines = [f"{'model':<12} {'config':<{width}}" + "".join(f" {n:>11}" for n, _ in columns)]
+    for model, results in raw.items():
+        for config, m in results.items():
+            row = f"{model:<12} {config:<{width}}"
+            if isinstance(m, Measurement):
+                fields = summary[model][config]
+                row += "".join(f" {_cell(fields[n], f):>11}" for n, f in columns)
+            else:
+                row += f" FAILED: {m}"
+            lines.append(row)
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def _json_value(x):
+    return None if x is None or not math.isfinite(x) else x
+
+
+def write_json(path: str, world_size: int, summary: dict) -> None:
+    doc = {"world_size": world_size, "torch": torch.__version__,
+           "models": {m: {c: {k: _json_value(v) for k, v in f.items()} for c, f in cs.items()}
+                      for m, cs in summary.items()}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+def _pyplot():
+    """matplotlib.pyplot, imported only for --plot: matplotlib is an optional extra."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib, an optional extra: "
+                         "pip install -e .[bench]") from None
+    return plt
+
+
+def plot(path: str, summary: dict, title: str) -> None:
+    """One panel per model, one bar per configuration: step time in ms."""
+    plt = _pyplot()
+    models = [m for m in summary if summary[m]]
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 4.5),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models):
+        names = list(summary[model])
+        values = [summary[model][c]["step_ms"] for c in names]
+        bars = ax.bar(range(len(names)), values, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_title(model)
+        ax.set_ylabel("step time (ms, median)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------ command line
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise BenchError(f"unknown {what} {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(known)}")
+    return names
+
+
+def _with_references(configs: list[str]) -> list[str]:
+    missing = [c for c in REFERENCES if c not in configs]
+    if missing:
+        log.info("also running %s: the references of vs_ddp and vs_limit", ", ".join(missing))
+    chosen = set(configs) | set(REFERENCES)
+    return [c for c in CONFIGS if c in chosen]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m transpiler.bench",
+                                description="Time the transpiler's data-parallel step "
+                                            "against torch DDP (CPU, gloo).")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated, of {', '.join(MODELS)} (default all)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps after the first call (default 5)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default all)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    try:
+        models = _names(args.models, MODELS, "model")
+        configs = _with_references(_names(args.configs, CONFIGS, "config"))
+        if args.world_size < 1 or args.steps < 1 or args.warmup < 0:
+            raise BenchError("need --world-size >= 1, --steps >= 1 and --warmup >= 0")
+        if args.plot:
+            _pyplot()      # fail now, not after minutes of benchmarking
+    except BenchError as exc:
+        log.error("error: %s", exc)
+        return 2
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
+                    warmup=args.warmup)
+    summary = summarize(raw)
+    header = header_lines(args.world_size, args.steps, args.warmup, raw, load)
+    print("\n".join(header + [format_table(raw, summary)]), flush=True)
+    log.info("bench finished in %.1fs", time.perf_counter() - start)
+    if args.json:
+        write_json(args.json, args.world_size, summary)
+    if args.plot:
+        plot(args.plot, summary, header[0].lstrip("# "))
+    failed = any(not isinstance(m, Measurement) for r in raw.values() for m in r.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    # Run through the imported module, so that the spawned ranks unpickle
+    # transpiler.bench._rank_main rather than a second copy of __main__.
+    from transpiler.bench import main as _main
+    sys.exit(_main())
