@@ -3,7 +3,7 @@
 Requires: scale_loss_grad, so that the sum over ranks is the mean gradient.
 Produces: buckets of gradients planned by `plan_buckets` (by dtype, in the order
 the backward pass produces the gradients, closed at ctx.bucket_mb, the first one
-per dtype at ctx.first_bucket_mb). For each bucket, placed right after its last
+per dtype at ctx.first_bucket_mb, a small tail merged into the bucket before). For each bucket, placed right after its last
 gradient: the gradients flattened and concatenated into one buffer (optionally
 cast to ctx.fuse_dtype), one `all_reduce(sum)` on ring 0, its wait, the cast
 back, and the reduced buffer split into views shaped like the gradients, which
@@ -46,28 +46,35 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     Each dtype fills its own open bucket; a bucket closes once it holds at least
     its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
     bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
-    Buckets are returned in the order their last gradient is produced, which is
-    when they can be reduced. A pure function of its arguments: every rank that
-    has the same program plans the same buckets.
+    What is left at the end forms a last bucket, merged into the one before it
+    when it is smaller than first_bucket_bytes: it would be reduced only a few
+    gradients later for the cost of a whole collective. Buckets are returned in
+    the order their last gradient is produced, which is when they can be
+    reduced. A pure function of its arguments: every rank that has the same
+    program plans the same buckets.
     """
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise ValueError("bucket sizes must be positive")
-    done: list[tuple[int, list[str]]] = []
+    closed: dict[torch.dtype, list[tuple[int, list[str]]]] = {}
     open_: dict[torch.dtype, tuple[list[str], int]] = {}
-    closed_per_dtype: dict[torch.dtype, int] = {}
     for i, g in enumerate(grads):
         names, size = open_.get(g.dtype, ([], 0))
         names, size = names + [g.name], size + g.nbytes
-        cap = first_bucket_bytes if closed_per_dtype.get(g.dtype, 0) == 0 else bucket_bytes
-        if size >= cap:
+        done = closed.setdefault(g.dtype, [])
+        if size >= (bucket_bytes if done else first_bucket_bytes):
             done.append((i, names))
-            closed_per_dtype[g.dtype] = closed_per_dtype.get(g.dtype, 0) + 1
             open_.pop(g.dtype, None)
         else:
             open_[g.dtype] = (names, size)
     last = {g.name: i for i, g in enumerate(grads)}
-    done += [(last[names[-1]], names) for names, _ in open_.values()]
-    return [names for _, names in sorted(done, key=lambda item: item[0])]
+    for dtype, (names, size) in open_.items():
+        done = closed[dtype]
+        if done and size < first_bucket_bytes:
+            done[-1] = (last[names[-1]], done[-1][1] + names)
+        else:
+            done.append((last[names[-1]], names))
+    buckets = [b for done in closed.values() for b in done]
+    return [names for _, names in sorted(buckets, key=lambda item: item[0])]
 
 
 @requires("scale_loss_grad")

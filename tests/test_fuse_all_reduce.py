@@ -21,15 +21,24 @@ def g(name, nbytes, dtype=F32):
 # ------------------------------------------------------------------ plan
 
 def test_plan_closes_buckets_by_bytes_with_a_small_first_bucket():
-    grads = [g("a", 40), g("b", 40), g("c", 40), g("d", 40), g("e", 40), g("f", 40)]
+    grads = [g("a", 40), g("b", 40), g("c", 40), g("d", 40), g("e", 40), g("f", 40), g("h", 40)]
     assert plan_buckets(grads, bucket_bytes=100, first_bucket_bytes=50) == [
-        ["a", "b"], ["c", "d", "e"], ["f"]]
+        ["a", "b"], ["c", "d", "e"], ["f", "h"]]
+
+
+def test_plan_merges_a_tail_smaller_than_the_first_bucket():
+    grads = [g("a", 40), g("b", 40), g("c", 40), g("d", 40), g("e", 40), g("f", 40)]
+    # "f" alone (40 bytes < 50) would cost a whole collective: it joins c, d, e.
+    assert plan_buckets(grads, bucket_bytes=100, first_bucket_bytes=50) == [
+        ["a", "b"], ["c", "d", "e", "f"]]
+    # Nothing to merge into: the tail is the only bucket.
+    assert plan_buckets([g("a", 10), g("b", 10)], 100, 50) == [["a", "b"]]
 
 
 def test_plan_gradient_larger_than_the_bucket_gets_its_own():
-    grads = [g("small", 10), g("huge", 1000), g("tail", 10)]
+    grads = [g("small", 10), g("huge", 1000), g("tail", 200)]
     assert plan_buckets(grads, 100, 100) == [["small", "huge"], ["tail"]]
-    assert plan_buckets([g("huge", 1000), g("tail", 10)], 100, 100) == [["huge"], ["tail"]]
+    assert plan_buckets([g("huge", 1000), g("tail", 200)], 100, 100) == [["huge"], ["tail"]]
 
 
 def test_plan_empty_model():
@@ -40,6 +49,9 @@ def test_plan_never_mixes_dtypes_and_orders_buckets_by_readiness():
     grads = [g("a32", 8), g("b16", 4, BF16), g("c32", 8), g("d16", 4, BF16), g("e32", 8)]
     plan = plan_buckets(grads, 1000, 1000)
     assert plan == [["b16", "d16"], ["a32", "c32", "e32"]]
+    # Caps count per dtype: a32 fills the first 8-byte f32 bucket alone, bf16's
+    # first bucket closes on d16, then c32 + e32 reach the 16-byte cap.
+    assert plan_buckets(grads, 16, 8) == [["a32"], ["b16", "d16"], ["c32", "e32"]]
     dtypes = {x.name: x.dtype for x in grads}
     assert all(len({dtypes[n] for n in bucket}) == 1 for bucket in plan)
 

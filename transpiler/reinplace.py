@@ -12,10 +12,13 @@ State inputs (parameters, buffers, optimizer state) are only written after the
 backward pass and every collective have finished, so an error there (a failed
 collective, a bad index in the forward pass) never leaves the state half
 updated; ops that feed neither are moved after them for that purpose.
-Intermediates may be reused anywhere. Only ops from an allowlist of elementwise
-and foreach ops whose in-place form computes the same values are rewritten, and
-only when the result has the argument's shape and dtype and no other argument
-aliases it.
+Intermediates may be reused anywhere: an all-reduce of a buffer nothing else
+reads reduces it in place instead of cloning it. Only ops from an allowlist of
+elementwise, foreach and collective ops whose in-place form computes the same
+values are rewritten, and only when the result has the argument's shape and
+dtype and no other argument aliases it. Last, a foreach multiply by a scalar
+tensor that only feeds an in-place foreach add becomes one addcmul_ (SGD's
+update by -lr), which saves a temporary per parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .collectives import ALL_REDUCE
 from .program import Program
 from .roles import ROLE, Role
 
@@ -35,6 +39,7 @@ _ELEMENTWISE = {
     aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar,
     aten.div.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar,
     aten.lerp.Tensor, aten.sqrt.default, aten.neg.default, aten.maximum.default,
+    ALL_REDUCE,
 }
 _FOREACH_PREFIX = "_foreach_"
 # Ops whose result shares storage with their first argument.
@@ -50,10 +55,10 @@ _VIEWS = {
 def _inplace_variant(target):
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    name = target._schema.name.split("::")[1]
-    if target not in _ELEMENTWISE and not name.startswith(_FOREACH_PREFIX):
+    namespace, name = target._schema.name.split("::")
+    if target not in _ELEMENTWISE and not (namespace == "aten" and name.startswith(_FOREACH_PREFIX)):
         return None
-    packet = getattr(aten, name + "_", None)
+    packet = getattr(getattr(torch.ops, namespace), name + "_", None)
     return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
@@ -155,11 +160,36 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
             node.target = variant
             node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
         outputs = list(out.args[0])
+    _fuse_scaled_adds(graph)
     graph.lint()
     gm.recompile()
     in_place = [spec.kind == "update" and value is placeholders[_input_index(program, spec.target)]
                 for spec, value in zip(program.outputs, out.args[0])]
     return gm, in_place
+
+
+def _fuse_scaled_adds(graph: fx.Graph) -> None:
+    """_foreach_add_(xs, getitems(_foreach_mul(ys, s))) -> _foreach_addcmul_(xs, ys, [s] * n)
+    when s is a tensor and the products feed nothing else."""
+    for add in list(graph.nodes):
+        if add.target is not aten._foreach_add_.List or add.kwargs:
+            continue
+        items = add.args[1]
+        mul = items[0].args[0] if items and items[0].target is operator.getitem else None
+        if (mul is None or mul.target is not aten._foreach_mul.Tensor
+                or len(mul.users) != len(items)
+                or any(i.target is not operator.getitem or i.args != (mul, k) or len(i.users) != 1
+                       for k, i in enumerate(items))):
+            continue
+        ys, scale = mul.args
+        with graph.inserting_before(add):
+            fused = graph.call_function(aten._foreach_addcmul_.Scalar,
+                                        (add.args[0], ys, [scale] * len(ys)))
+        fused.meta.update(add.meta)
+        graph.erase_node(add)
+        for item in items:
+            graph.erase_node(item)
+        graph.erase_node(mul)
 
 
 def _input_index(program: Program, name: str) -> int:
