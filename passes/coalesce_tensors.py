@@ -104,15 +104,22 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
         return new_node(graph, target, args, role, kwargs, **{BUCKET: bucket}, **meta)
 
     with graph.inserting_before(max(grads, key=position.__getitem__).next):
-        flat = [node(aten.reshape.default, (g, [-1]), Role.BACKWARD) for g in grads]
-        buffer = node(aten.cat.default, (flat,), Role.BACKWARD)
-        if comm_dtype != dtype:
-            buffer = node(aten._to_copy.default, (buffer,), Role.BACKWARD, {"dtype": comm_dtype})
+        sizes = [v.numel() for v in vals]
+        buffer = node(aten.new_empty.default, (grads[0], [sum(sizes)]), Role.BACKWARD,
+                      {"dtype": comm_dtype})
+        offset = 0
+        for g, size in zip(grads, sizes):
+            flat = node(aten.reshape.default, (g, [-1]), Role.BACKWARD)
+            if comm_dtype != dtype:
+                flat = node(aten._to_copy.default, (flat,), Role.BACKWARD, {"dtype": comm_dtype})
+            buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
+                          Role.BACKWARD)
+            offset += size
         reduced = node(ALL_REDUCE, (buffer, "sum", ctx.rings[0]), Role.COMM, **{COMM: comm})
         waited = node(WAIT, (reduced,), Role.COMM, **{COMM: comm})
         if comm_dtype != dtype:
             waited = node(aten._to_copy.default, (waited,), Role.COMM, {"dtype": dtype})
-        parts = node(aten.split_with_sizes.default, (waited, [v.numel() for v in vals]), Role.COMM)
+        parts = node(aten.split_with_sizes.default, (waited, sizes), Role.COMM)
         for i, (g, v) in enumerate(zip(grads, vals)):
             view = node(aten.view.default, (node(operator.getitem, (parts, i), Role.COMM),
                                             list(v.shape)), Role.COMM)

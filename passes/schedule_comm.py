@@ -57,6 +57,8 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     for collective in program.collectives():
         position = _position(graph)
         for node in sorted(_pack_chain(collective), key=position.__getitem__):
+            if not node.all_input_nodes:
+                continue
             anchor = max(node.all_input_nodes, key=position.__getitem__)
             if anchor.next is not node:
                 anchor.append(node)

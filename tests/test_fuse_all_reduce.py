@@ -8,7 +8,7 @@ import torch.distributed as dist
 from passes.coalesce_tensors import GradInfo, plan_buckets
 from tests import models as M
 from tests.test_passes import CTX, _captured, _check_golden
-from transpiler import PassContext, run_passes, transpile
+from transpiler import PassContext, Role, run_passes, transpile
 from transpiler.modes import MODES
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -92,12 +92,16 @@ def test_schedule_issues_each_allreduce_right_after_its_last_gradient():
     run_passes(program, FUSE, SMALL)
     nodes = list(program.graph.nodes)
     for node in program.collectives():
-        cat = node.args[0]
-        assert nodes.index(node) == nodes.index(cat) + 1
-        last_grad = max((r.args[0] for r in cat.args[0]), key=nodes.index)
-        # Between the last gradient and the all-reduce: only its own packing.
-        between = nodes[nodes.index(last_grad) + 1:nodes.index(node)]
-        assert all(n.meta.get("bucket") == node.meta["comm"].bucket for n in between)
+        bucket = node.meta["comm"].bucket
+        pack = [n for n in nodes if n.meta.get("bucket") == bucket and n.meta["role"] == Role.BACKWARD]
+        grads = [n.args[0] for n in pack if n.target is torch.ops.aten.reshape.default]
+        assert sorted(g.meta["param"] for g in grads) == sorted(node.meta["comm"].params)
+        # Each gradient is packed right after it is produced ...
+        for g in grads:
+            assert all(n in pack for n in nodes[nodes.index(g) + 1:nodes.index(g) + 3])
+        # ... and between the last one and the all-reduce there is only packing.
+        last_grad = max(grads, key=nodes.index)
+        assert all(n in pack for n in nodes[nodes.index(last_grad) + 1:nodes.index(node)])
         wait = next(iter(node.users))
         first_use = min((u for n in _unpacked(wait) for u in n.users if "bucket" not in u.meta),
                         key=nodes.index)

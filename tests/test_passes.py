@@ -95,6 +95,8 @@ def test_tied_unused_and_frozen_parameters():
     # embed.weight and out.weight are one tensor with one gradient; unused and
     # frozen parameters have none.
     assert sorted(program.grads) == ["embed.weight", "hidden.bias", "hidden.weight"]
+    assert [s.name for s in program.state_of("embed.weight")] == ["embed.weight:momentum_buffer"]
+    assert program.state_of("unused") == []  # never stepped: no state
     assert [g.meta["param"] for g in plan_allreduce(program)] == list(program.grads)
     run_passes(program, MAIN, CTX)
     assert len(program.collectives()) == 3

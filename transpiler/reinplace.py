@@ -16,7 +16,9 @@ Intermediates may be reused anywhere: an all-reduce of a buffer nothing else
 reads reduces it in place instead of cloning it. Only ops from an allowlist of
 elementwise, foreach and collective ops whose in-place form computes the same
 values are rewritten, and only when the result has the argument's shape and
-dtype and no other argument aliases it. Last, a foreach multiply by a scalar
+dtype and no other argument aliases it; `slice_scatter` into a buffer nothing
+reads afterwards becomes a copy into a slice of it (how coalesce_tensors packs a
+bucket). Last, a foreach multiply by a scalar
 tensor that only feeds an in-place foreach add becomes one addcmul_ (SGD's
 update by -lr), which saves a temporary per parameter.
 """
@@ -137,6 +139,12 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        if node.target is aten.slice_scatter.default:
+            buffer = node.args[0]
+            if reusable(buffer, node) and _same_layout(buffer, node.meta["val"]):
+                for new in _scatter_in_place(graph, node):
+                    position[new] = position[node]
+            continue
         variant = _inplace_variant(node.target)
         if variant is None or not node.args:
             continue
@@ -166,6 +174,20 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     in_place = [spec.kind == "update" and value is placeholders[_input_index(program, spec.target)]
                 for spec, value in zip(program.outputs, out.args[0])]
     return gm, in_place
+
+
+def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """slice_scatter(buf, src, dim, start, end) -> copy_(slice(buf, dim, start, end), src)."""
+    buffer, src, *rest = node.args
+    dim, start, end = (list(rest) + [0, None, None])[:3]
+    with graph.inserting_before(node):
+        part = graph.call_function(aten.slice.Tensor, (buffer, dim, start, end))
+        copy = graph.call_function(aten.copy_.default, (part, src))
+    part.meta.update(node.meta)
+    copy.meta.update(node.meta)
+    node.replace_all_uses_with(buffer)
+    graph.erase_node(node)
+    return part, copy
 
 
 def _fuse_scaled_adds(graph: fx.Graph) -> None:
