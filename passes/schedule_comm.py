@@ -25,29 +25,17 @@ def _position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _pack_chain(collective: fx.Node) -> list[fx.Node]:
-    """The collective and the pack nodes of its bucket that feed it."""
-    bucket = collective.meta[COMM].bucket
-    chain, todo = [], [collective]
+def _bucket_chain(start: fx.Node, neighbours, role: Role) -> list[fx.Node]:
+    """`start` and the nodes of its bucket with `role` reached through
+    `neighbours` (inputs: the packing; users: the unpacking), collectives excluded."""
+    bucket = start.meta[COMM].bucket
+    chain, todo = [], [start]
     while todo:
         node = todo.pop()
         chain.append(node)
-        todo += [a for a in node.all_input_nodes
-                 if bucket is not None and a.meta.get(BUCKET) == bucket
-                 and a.meta.get(ROLE) == Role.BACKWARD]
-    return chain
-
-
-def _unpack_chain(wait: fx.Node) -> list[fx.Node]:
-    """The wait and the nodes of its bucket that unpack its result."""
-    bucket = wait.meta[COMM].bucket
-    chain, todo = [], [wait]
-    while todo:
-        node = todo.pop()
-        chain.append(node)
-        todo += [u for u in node.users
-                 if bucket is not None and u.meta.get(BUCKET) == bucket and u.meta.get(ROLE) == Role.COMM
-                 and COMM not in u.meta]
+        todo += [n for n in neighbours(node)
+                 if bucket is not None and n.meta.get(BUCKET) == bucket
+                 and n.meta.get(ROLE) == role and COMM not in n.meta]
     return chain
 
 
@@ -56,7 +44,8 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     graph = program.graph
     for collective in program.collectives():
         position = _position(graph)
-        for node in sorted(_pack_chain(collective), key=position.__getitem__):
+        pack = _bucket_chain(collective, lambda n: n.all_input_nodes, Role.BACKWARD)
+        for node in sorted(pack, key=position.__getitem__):
             if not node.all_input_nodes:
                 continue
             anchor = max(node.all_input_nodes, key=position.__getitem__)
@@ -66,7 +55,8 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     waits = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT and COMM in n.meta]
     for wait in waits:
         position = _position(graph)
-        for node in sorted(_unpack_chain(wait), key=position.__getitem__, reverse=True):
+        unpack = _bucket_chain(wait, lambda n: n.users, Role.COMM)
+        for node in sorted(unpack, key=position.__getitem__, reverse=True):
             first_use = min(node.users, key=position.__getitem__)
             if node.next is not first_use:
                 first_use.prepend(node)

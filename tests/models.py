@@ -6,18 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class MLP(nn.Module):
-    def __init__(self, sizes=(16, 32, 32, 4)):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
+from transpiler.bench import MLP
+from transpiler.bench import train_step as lm_step  # logits flattened over tokens
 
 
 class TiedLM(nn.Module):
@@ -69,18 +59,10 @@ def classify_step(model, optimizer, x, y):
     return loss
 
 
-def lm_step(model, optimizer, tokens, targets):
-    optimizer.zero_grad()
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 def make(model_name: str, seed: int = 0):
     torch.manual_seed(seed)
-    return {"mlp": MLP, "tied": TiedLM, "bn": BNNet, "mixed": MixedNet}[model_name]()
+    return {"mlp": lambda: MLP([16, 32, 32, 4]), "tied": TiedLM, "bn": BNNet,
+            "mixed": MixedNet}[model_name]()
 
 
 def batches(model_name: str, steps: int, batch: int, seed: int = 1):

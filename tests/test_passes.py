@@ -24,7 +24,7 @@ CTX = PassContext(world_size=2, rank=0, nrings=2, rings=("ring0", "ring1"))
 
 def _captured(model_name="tiny"):
     torch.manual_seed(0)
-    model = M.MLP((4, 8, 3)) if model_name == "tiny" else M.make(model_name)
+    model = M.MLP([4, 8, 3]) if model_name == "tiny" else M.make(model_name)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
                           momentum=0.9)
     fn = M.step_fn("tied" if model_name == "tied" else "mlp")

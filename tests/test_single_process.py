@@ -44,13 +44,20 @@ def test_scheduler_changes_lr_without_tracing_again():
     assert len(step._built) == 2
 
 
-def test_baked_hyperparameter_change_traces_again_and_says_why(caplog):
+def _steady_mlp():
+    """An MLP, SGD with momentum, its transpiled step past the first two calls
+    (both programs built) and a batch."""
     model = M.make("mlp")
     opt = M.make_optimizer("sgd", model)
     step = transpile(M.classify_step)
     batch = M.batches("mlp", 1, 8)[0]
     step(model, opt, *batch)
     step(model, opt, *batch)
+    return model, opt, step, batch
+
+
+def test_baked_hyperparameter_change_traces_again_and_says_why(caplog):
+    model, opt, step, batch = _steady_mlp()
     opt.param_groups[0]["momentum"] = 0.5
     with caplog.at_level(logging.INFO, logger="transpiler"):
         step(model, opt, *batch)
@@ -93,12 +100,7 @@ def test_returns_any_pytree_of_tensors():
 
 
 def test_replacing_a_parameter_traces_again(caplog):
-    model = M.make("mlp")
-    opt = M.make_optimizer("sgd", model)
-    step = transpile(M.classify_step)
-    batch = M.batches("mlp", 1, 8)[0]
-    step(model, opt, *batch)
-    step(model, opt, *batch)
+    model, opt, step, batch = _steady_mlp()
     # A new parameter object of the same shape: the program must read the new one.
     model.layers[0].weight = torch.nn.Parameter(torch.zeros_like(model.layers[0].weight))
     opt.param_groups[0]["params"][0] = model.layers[0].weight
