@@ -17,8 +17,9 @@ from .roles import COMM
 
 
 def collective_summary(program: Program) -> list[str]:
-    """The program's collectives in order (op, ring, dtype, numel), then its
-    parameter shapes: what must be equal on every rank."""
+    """The program's collectives in order (op, ring, dtype, numel), then the
+    shapes of its parameters, buffers and batch: what must be equal on every
+    rank (unequal shards would also make the averaged gradient wrong)."""
     lines = []
     for node in program.collectives():
         val = node.meta["val"]
@@ -26,7 +27,7 @@ def collective_summary(program: Program) -> list[str]:
                      f"{val.dtype} numel={val.numel()}")
     for node in program.placeholders:
         spec = node.meta["input"]
-        if spec.kind in ("param", "buffer"):
+        if spec.kind in ("param", "buffer", "data"):
             lines.append(f"{program.name}: {spec.kind} {spec.name} {tuple(node.meta['val'].shape)}")
     return lines
 

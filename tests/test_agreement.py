@@ -1,0 +1,69 @@
+"""Ranks that would run different programs, or a rank that cannot build its
+program, make every rank raise a clear error instead of hanging."""
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ran"
+    except TranspileError as exc:
+        return str(exc)
+
+
+def rank_different_batch_shapes():
+    rank = dist.get_rank()
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    x, y = M.batches("mlp", 1, 12)[0]
+    n = 6 if rank == 0 else 4  # rank 1 gets a smaller shard
+    step = transpile(M.classify_step, mode="fuse_all_reduce")
+    return _outcome(lambda: step(model, opt, x[:n], y[:n]))
+
+
+def rank_different_models():
+    rank = dist.get_rank()
+    model = M.make("mlp" if rank == 0 else "bn")
+    opt = M.make_optimizer("sgd", model)
+    x, y = M.batches("mlp", 1, 12)[0]
+    return _outcome(lambda: transpile(M.classify_step)(model, opt, x[:6], y[:6]))
+
+
+def _fails_on_rank_1(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if dist.get_rank() == 1 and loss > 1.0:  # a decision on a value: rank 1 cannot trace it
+        loss = loss * 2
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def rank_one_rank_cannot_build():
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    x, y = M.batches("mlp", 1, 12)[0]
+    return _outcome(lambda: transpile(_fails_on_rank_1)(model, opt, x[:6], y[:6]))
+
+
+def test_different_batch_shapes_raise_on_every_rank(ranks2):
+    for message in ranks2.run(rank_different_batch_shapes, timeout=60):
+        assert "rank 1 built a different program than rank 0" in message
+        assert "every rank must run the same model, batch shapes" in message
+
+
+def test_different_models_raise_on_every_rank(ranks2):
+    for message in ranks2.run(rank_different_models, timeout=60):
+        assert "rank 1 built a different program than rank 0" in message
+
+
+def test_a_rank_that_cannot_build_stops_every_rank(ranks2):
+    rank0, rank1 = ranks2.run(rank_one_rank_cannot_build, timeout=60)
+    assert rank0.startswith("rank 1 could not build the step, so no rank runs it")
+    assert "depends on the value of a tensor" in rank0
+    assert "depends on the value of a tensor" in rank1
