@@ -532,12 +532,11 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     user_spec: list[pytree.TreeSpec] = []
 
     def flat(*values):
-        by_spec = list(zip(inputs.specs, inputs.slots, values))
         traced: dict[int, torch.Tensor] = {}
         leaves = list(step_args.leaves)
         hypers: dict[int, dict] = defaultdict(dict)
         state: dict[int, dict] = defaultdict(dict)
-        for spec, slot, value in by_spec:
+        for spec, slot, value in zip(inputs.specs, inputs.slots, values):
             if spec.kind in ("param", "buffer"):
                 if slot.tensor.requires_grad:
                     value = value.detach().requires_grad_(True)
@@ -573,18 +572,11 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:
-                    given = state[id(opt)].get(id(p), {})
-                    before = real_state[id(opt)].get(p, {})
-                    for key, value in opt.state[traced[id(p)]].items():
-                        if isinstance(value, torch.Tensor):
-                            if value is not given.get(key):
-                                created.append((opt, p, key))
-                                new_state.append(value)
-                        elif key not in before or repr(before[key]) != repr(value):
-                            raise TranspileError(
-                                f"{type(opt).__name__} keeps non-tensor state {key!r} that "
-                                "changes every step; it cannot be captured in a static "
-                                "program. Use an optimizer whose state is tensors.")
+                    for key, value in _state_set_by_step(opt, traced[id(p)],
+                                                         state[id(opt)].get(id(p), {}),
+                                                         real_state[id(opt)].get(p, {})):
+                        created.append((opt, p, key))
+                        new_state.append(value)
             for p_id, tp in traced.items():
                 if tp.grad is not None:
                     _node_of(tp.grad).meta[PARAM] = inputs.param_names[p_id]
@@ -602,6 +594,20 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     fgm = _functionalize(gm, inputs.values)
     program, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created)
     return Captured(program, inputs.slots, targets, user_spec[0])
+
+
+def _state_set_by_step(opt, traced_param, given: dict, before: dict):
+    """(key, tensor) of the optimizer state entries the traced step created or
+    replaced for one parameter; raises on non-tensor state that changed."""
+    for key, value in opt.state[traced_param].items():
+        if isinstance(value, torch.Tensor):
+            if value is not given.get(key):
+                yield key, value
+        elif key not in before or repr(before[key]) != repr(value):
+            raise TranspileError(
+                f"{type(opt).__name__} keeps non-tensor state {key!r} that changes every "
+                "step; it cannot be captured in a static program. Use an optimizer whose "
+                "state is tensors.")
 
 
 def _check_markers(step_fn, markers: _Markers):
