@@ -38,10 +38,13 @@ def test_matches_eager(model_name, opt_name, foreach):
     assert step.program.collectives() == []
 
 
-def test_scheduler_changes_lr_without_tracing_again():
-    _, _, step = _run("mlp", "sgd", None, transpiled=True, steps=6)
+def test_scheduler_changes_lr_without_tracing_again(caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        _, _, step = _run("mlp", "sgd", None, transpiled=True, steps=6)
     # One program for the first step (it creates the momentum buffers), one after.
     assert len(step._built) == 2
+    assert "(the optimizer's first step created its state (momentum_buffer for 6 parameters))" \
+        in caplog.text
 
 
 def _steady_mlp():

@@ -324,6 +324,10 @@ def describe_change(old: tuple, new: tuple) -> str:
     changed += [k for k in old_d if k not in new_d]
     if not changed:
         return "nothing changed"
+    if all(k[0] == "optimizer" and k[2] == "state" and k not in old_d for k in changed):
+        keys = sorted({k[4] for k in changed})
+        return (f"the optimizer's first step created its state ({', '.join(keys)} for "
+                f"{len({k[:4] for k in changed})} parameters)")
     first = changed[0]
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
     what = " ".join(map(str, first))
