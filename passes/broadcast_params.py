@@ -24,7 +24,7 @@ def broadcast_params(program: Program, ctx: PassContext) -> None:
     for value in out.args[0]:
         val = value.meta["val"]
         comm = CommInfo("broadcast", ring=0, params=(value.meta[INPUT].name,),
-                        nbytes=val.numel() * val.element_size())
+                        nbytes=val.nbytes)
         with graph.inserting_before(out):
             sent = new_node(graph, BROADCAST, (value, 0, ctx.rings[0]), Role.COMM, **{COMM: comm})
             results.append(new_node(graph, WAIT, (sent,), Role.COMM, **{COMM: comm}))

@@ -82,8 +82,7 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     grads = {name: g for name, g in program.grads.items() if g.users}
-    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].numel() * g.meta["val"].element_size())
-             for name, g in grads.items()]
+    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):

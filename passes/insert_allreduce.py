@@ -35,7 +35,7 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
         users = list(grad.users)
         val = grad.meta["val"]
         comm = CommInfo("all_reduce", ring=0, params=(grad.meta[PARAM],),
-                        nbytes=val.numel() * val.element_size())
+                        nbytes=val.nbytes)
         with graph.inserting_after(grad):
             reduced = new_node(graph, ALL_REDUCE, (grad, "sum", ctx.rings[0]), Role.COMM,
                                **{COMM: comm})

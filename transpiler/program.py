@@ -232,7 +232,8 @@ def format_graph(graph: fx.Graph) -> str:
 def format_collectives(program: Program) -> str:
     """A table of the program's collectives in issue order."""
     rows = [("#", "op", "ring", "bucket", "dtype", "tensors", "bytes", "parameters")]
-    for i, node in enumerate(program.collectives()):
+    collectives = program.collectives()
+    for i, node in enumerate(collectives):
         comm, val = node.meta[COMM], node.meta["val"]
         bucket = "-" if comm.bucket is None else str(comm.bucket)
         params = ", ".join(comm.params[:4]) + (f", ... ({len(comm.params)})" if len(comm.params) > 4 else "")
@@ -240,6 +241,6 @@ def format_collectives(program: Program) -> str:
                      str(len(comm.params)), str(comm.nbytes), params))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
-    total = sum(node.meta[COMM].nbytes for node in program.collectives())
-    lines.append(f"{len(rows) - 1} collectives, {total} bytes per rank per step")
+    total = sum(node.meta[COMM].nbytes for node in collectives)
+    lines.append(f"{len(collectives)} collectives, {total} bytes per rank per step")
     return "\n".join(lines)

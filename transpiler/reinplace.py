@@ -18,9 +18,9 @@ elementwise, foreach and collective ops whose in-place form computes the same
 values are rewritten, and only when the result has the argument's shape and
 dtype and no other argument aliases it; `slice_scatter` into a buffer nothing
 reads afterwards becomes a copy into a slice of it (how coalesce_tensors packs a
-bucket). Last, a foreach multiply by a scalar
-tensor that only feeds an in-place foreach add becomes one addcmul_ (SGD's
-update by -lr), which saves a temporary per parameter.
+bucket). Last, a foreach multiply by a scalar tensor that only feeds an
+in-place foreach add becomes one addcmul_ (SGD's update by -lr), which saves a
+temporary per parameter.
 """
 
 from __future__ import annotations
@@ -117,18 +117,18 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out = graph.output_node()
-    outputs = list(out.args[0])
-    donated = {placeholders[_input_index(program, spec.target)]
-               for spec in program.outputs if spec.kind == "update"}
+    by_name = {spec.name: node for spec, node in zip(program.inputs, placeholders)}
+    # The placeholder each output writes back to (None for the step's own outputs).
+    written_to = [by_name[spec.target] if spec.kind == "update" else None
+                  for spec in program.outputs]
+    donated = {p for p in written_to if p is not None}
     boundary = _sink_after_gradients(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
 
     def reusable(x, node) -> bool:
-        if not isinstance(x, fx.Node) or not _is_base(x) or x in outputs:
+        if not isinstance(x, fx.Node) or not _is_base(x) or out in x.users:
             return False
         if x.op == "placeholder" and (x not in donated or position[node] <= boundary):
-            return False
-        if x.op != "placeholder" and x.op != "call_function":
             return False
         alias = _aliases(x)
         late = [u for a in alias for u in a.users if u is not node and position[u] > position[node]]
@@ -167,12 +167,11 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
                 continue
             node.target = variant
             node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
-        outputs = list(out.args[0])
     _fuse_scaled_adds(graph)
     graph.lint()
     gm.recompile()
-    in_place = [spec.kind == "update" and value is placeholders[_input_index(program, spec.target)]
-                for spec, value in zip(program.outputs, out.args[0])]
+    in_place = [target is not None and value is target
+                for target, value in zip(written_to, out.args[0])]
     return gm, in_place
 
 
@@ -213,9 +212,6 @@ def _fuse_scaled_adds(graph: fx.Graph) -> None:
             graph.erase_node(item)
         graph.erase_node(mul)
 
-
-def _input_index(program: Program, name: str) -> int:
-    return next(i for i, spec in enumerate(program.inputs) if spec.name == name)
 
 
 def _same_layout(x: fx.Node, val) -> bool:
