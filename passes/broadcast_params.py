@@ -1,9 +1,11 @@
 """broadcast_params: every rank starts from rank 0's parameters and buffers.
 
-Runs on the startup program, which is the identity over the parameters and
-buffers (transpiler/startup.py). Requires nothing before it.
-Produces: each output becomes `wait_tensor(broadcast(input, src=0))` on ring 0, in
-input order. With one rank it does not apply.
+Runs on the startup program (transpiler/startup.py): the identity over the
+parameters and buffers, plus a copy of a parameter for each held tensor it
+initializes. Requires nothing before it.
+Produces: for each parameter and buffer, in input order, `wait_tensor(broadcast(
+input, src=0))` on ring 0, read by every former use of the input (its output
+and the copies). With one rank it does not apply.
 Order: before ring_round_robin.
 """
 
@@ -19,13 +21,16 @@ def broadcast_params(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     graph = program.graph
-    out = program.output_node
-    results = []
-    for value in out.args[0]:
-        val = value.meta["val"]
-        comm = CommInfo("broadcast", ring=0, params=(value.meta[INPUT].name,),
-                        nbytes=val.nbytes)
-        with graph.inserting_before(out):
-            sent = new_node(graph, BROADCAST, (value, 0, ctx.rings[0]), Role.COMM, **{COMM: comm})
-            results.append(new_node(graph, WAIT, (sent,), Role.COMM, **{COMM: comm}))
-    out.args = (tuple(results),)
+    placeholders = program.placeholders
+    first_use = placeholders[-1].next
+    for node in placeholders:
+        spec = node.meta[INPUT]
+        if spec.kind not in ("param", "buffer"):
+            continue
+        comm = CommInfo("broadcast", ring=0, params=(spec.name,), nbytes=node.meta["val"].nbytes)
+        users = list(node.users)
+        with graph.inserting_before(first_use):
+            sent = new_node(graph, BROADCAST, (node, 0, ctx.rings[0]), Role.COMM, **{COMM: comm})
+            received = new_node(graph, WAIT, (sent,), Role.COMM, **{COMM: comm})
+        for user in users:
+            user.replace_input_with(node, received)

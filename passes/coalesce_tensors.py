@@ -1,15 +1,20 @@
-"""coalesce_tensors: all-reduce gradients in fused buckets instead of one by one.
+"""coalesce_tensors: all-reduce gradients (any values to reduce) in fused buckets
+instead of one by one.
 
-Requires: scale_loss_grad, so that the sum over ranks is the mean gradient.
-Produces: buckets of gradients planned by `plan_buckets` (by dtype, in the order
-the backward pass produces the gradients, closed at ctx.bucket_mb, the first one
-per dtype at ctx.first_bucket_mb, a small tail merged into the bucket before). For each bucket, placed right after its last
-gradient: the gradients flattened and concatenated into one buffer (optionally
-cast to ctx.fuse_dtype), one `all_reduce(sum)` on ring 0, its wait, the cast
-back, and the reduced buffer split into views shaped like the gradients, which
-every former use of a gradient now reads (no copy back). Pack nodes have role
-BACKWARD, the rest COMM; all carry meta["bucket"]. Gradients of different dtypes
-never share a buffer. With one rank it does not apply.
+Requires: a pass that marked the values to sum over the ranks (meta["reduce"]):
+scale_loss_grad (the gradients, scaled so that their sum is the mean) or
+local_sgd (the parameter deltas).
+Produces: buckets of the marked values planned by `plan_buckets` (by dtype, in
+program order, which for gradients is the order the backward pass produces
+them, closed at ctx.bucket_mb, the first one per dtype at ctx.first_bucket_mb, a
+small tail merged into the bucket before). For each bucket, placed right after
+its last value: the values flattened and concatenated into one buffer
+(optionally cast to ctx.fuse_dtype), one `all_reduce(sum)` on ring 0, its wait,
+the cast back, and the reduced buffer split into views shaped like the values,
+which every former use of a value now reads (no copy back). Pack nodes have the
+role of the bucket's last value (BACKWARD for gradients), the rest COMM; all
+carry meta["bucket"]. Values of different dtypes never share a buffer. With one
+rank it does not apply.
 Order: before schedule_comm (which overlaps the all-reduces with the backward
 pass) and ring_round_robin (which spreads the buckets over the rings).
 """
@@ -26,7 +31,7 @@ import torch.fx as fx
 from transpiler.collectives import ALL_REDUCE, WAIT
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import BUCKET, COMM, Role
+from transpiler.roles import BUCKET, COMM, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20
@@ -77,11 +82,11 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     return [names for _, names in sorted(buckets, key=lambda item: item[0])]
 
 
-@requires("scale_loss_grad")
+@requires("scale_loss_grad|local_sgd")
 def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
-    grads = {name: g for name, g in program.grads.items() if g.users}
+    grads = program.to_reduce()
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
@@ -96,23 +101,25 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     dtype = vals[0].dtype
     comm_dtype = ctx.fuse_dtype or dtype
     comm = CommInfo("all_reduce", ring=0, bucket=bucket,
-                    params=tuple(g.meta["param"] for g in grads),
+                    params=tuple(g.meta[REDUCE] for g in grads),
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
 
     def node(target, args, role, kwargs=None, **meta):
         return new_node(graph, target, args, role, kwargs, **{BUCKET: bucket}, **meta)
 
-    with graph.inserting_before(max(grads, key=position.__getitem__).next):
+    last = max(grads, key=position.__getitem__)
+    pack = last.meta[ROLE]
+    with graph.inserting_before(last.next):
         sizes = [v.numel() for v in vals]
-        buffer = node(aten.new_empty.default, (grads[0], [sum(sizes)]), Role.BACKWARD,
+        buffer = node(aten.new_empty.default, (grads[0], [sum(sizes)]), pack,
                       {"dtype": comm_dtype})
         offset = 0
         for g, size in zip(grads, sizes):
-            flat = node(aten.reshape.default, (g, [-1]), Role.BACKWARD)
+            flat = node(aten.reshape.default, (g, [-1]), pack)
             if comm_dtype != dtype:
-                flat = node(aten._to_copy.default, (flat,), Role.BACKWARD, {"dtype": comm_dtype})
+                flat = node(aten._to_copy.default, (flat,), pack, {"dtype": comm_dtype})
             buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
-                          Role.BACKWARD)
+                          pack)
             offset += size
         reduced = node(ALL_REDUCE, (buffer, "sum", ctx.rings[0]), Role.COMM, **{COMM: comm})
         waited = node(WAIT, (reduced,), Role.COMM, **{COMM: comm})

@@ -4,7 +4,8 @@ Requires: a captured program; its seed is the node with role BACKWARD|LOSS.
 Produces: `div(seed, world_size)` right after the seed, read by every consumer of
 the seed, so that summing the gradients over the ranks gives their mean (the
 gradient of the mean loss over the global batch). Marked BACKWARD|LOSS: it is the
-seed from now on. With one rank it does not apply and the program is unchanged.
+seed from now on. Every gradient is marked meta["reduce"] = its parameter, for a
+reduction pass to sum. With one rank it does not apply and the program is unchanged.
 Order: before the passes that sum gradients (insert_allreduce, coalesce_tensors).
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from transpiler.pipeline import PassContext
 from transpiler.program import Program, new_node
-from transpiler.roles import ROLE, Role
+from transpiler.roles import REDUCE, ROLE, Role
 
 SEED = Role.BACKWARD | Role.LOSS
 
@@ -34,3 +35,5 @@ def scale_loss_grad(program: Program, ctx: PassContext) -> None:
     with program.graph.inserting_after(seed):
         scaled = new_node(program.graph, torch.ops.aten.div.Tensor, (seed, ctx.world_size), SEED)
     seed.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    for param, grad in program.grads.items():
+        grad.meta[REDUCE] = param

@@ -2,7 +2,7 @@
 
 Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors).
 Produces: the same nodes in a new order. Each collective, with the nodes that
-pack its buffer (meta["bucket"], role BACKWARD), moves up to right after the
+pack its buffer (meta["bucket"], not COMM), moves up to right after the
 last node it depends on, so it is issued as soon as its gradients exist and runs
 while the rest of the backward pass computes; each wait, with the nodes that
 unpack its result, moves down to right before its first use. Values and
@@ -25,9 +25,10 @@ def _position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _bucket_chain(start: fx.Node, neighbours, role: Role) -> list[fx.Node]:
-    """`start` and the nodes of its bucket with `role` reached through
-    `neighbours` (inputs: the packing; users: the unpacking), collectives excluded."""
+def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
+    """`start` and the nodes of its bucket reached through `neighbours` that have
+    role COMM or not as `comm_role` says (inputs, not COMM: the packing; users,
+    COMM: the unpacking), collectives excluded."""
     bucket = start.meta[COMM].bucket
     chain, todo = [], [start]
     while todo:
@@ -35,7 +36,7 @@ def _bucket_chain(start: fx.Node, neighbours, role: Role) -> list[fx.Node]:
         chain.append(node)
         todo += [n for n in neighbours(node)
                  if bucket is not None and n.meta.get(BUCKET) == bucket
-                 and n.meta.get(ROLE) == role and COMM not in n.meta]
+                 and bool(n.meta.get(ROLE, 0) & Role.COMM) == comm_role and COMM not in n.meta]
     return chain
 
 
@@ -44,7 +45,7 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     graph = program.graph
     for collective in program.collectives():
         position = _position(graph)
-        pack = _bucket_chain(collective, lambda n: n.all_input_nodes, Role.BACKWARD)
+        pack = _bucket_chain(collective, lambda n: n.all_input_nodes, comm_role=False)
         for node in sorted(pack, key=position.__getitem__):
             if not node.all_input_nodes:
                 continue
@@ -55,7 +56,7 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     waits = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT and COMM in n.meta]
     for wait in waits:
         position = _position(graph)
-        unpack = _bucket_chain(wait, lambda n: n.users, Role.COMM)
+        unpack = _bucket_chain(wait, lambda n: n.users, comm_role=True)
         for node in sorted(unpack, key=position.__getitem__, reverse=True):
             first_use = min(node.users, key=position.__getitem__)
             if node.next is not first_use:

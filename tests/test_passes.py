@@ -97,8 +97,10 @@ def test_tied_unused_and_frozen_parameters():
     assert sorted(program.grads) == ["embed.weight", "hidden.bias", "hidden.weight"]
     assert [s.name for s in program.state_of("embed.weight")] == ["embed.weight:momentum_buffer"]
     assert program.state_of("unused") == []  # never stepped: no state
+    assert plan_allreduce(program) == []  # nothing is marked to reduce before scale_loss_grad
+    run_passes(program, MAIN[:1], CTX)
     assert [g.meta["param"] for g in plan_allreduce(program)] == list(program.grads)
-    run_passes(program, MAIN, CTX)
+    run_passes(program, MAIN[1:], CTX)
     assert len(program.collectives()) == 3
 
 

@@ -11,6 +11,7 @@ from .errors import TranspileError
 from .modes import MODES
 from .pipeline import PassContext, PassLike, resolve
 from .runtime import TranspiledStep
+from .schedule import EveryStep, LocalSGD
 
 MAX_RINGS = 16
 
@@ -19,19 +20,25 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               passes: Sequence[PassLike] | None = None, nrings: int = 2,
               bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
               fuse_dtype: torch.dtype | None = None,
+              k_steps: int | None = None, begin_step: int | None = None,
+              adaptive: bool | None = None,
               backend: str = "eager") -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
 
     mode: a named preset of passes (see MODES; default "grad_allreduce"); or give
-    `passes=[...]` instead,
-    pass names or functions `(program, ctx) -> None`, run in order.
+    `passes=[...]` instead, pass names or functions `(program, ctx) -> None`,
+    run in order on the program of every step.
     nrings: how many communicators the collectives are spread over.
-    bucket_mb, first_bucket_mb: fused-bucket caps (fuse_all_reduce), in MiB.
-    fuse_dtype: dtype gradients are all-reduced in (fuse_all_reduce), e.g.
-    torch.bfloat16; None keeps each gradient's own dtype.
-    backend: how the program runs ("eager").
+    bucket_mb, first_bucket_mb: fused-bucket caps (fuse_all_reduce, local_sgd), in MiB.
+    fuse_dtype: dtype values are all-reduced in (fuse_all_reduce, local_sgd), e.g.
+    torch.bfloat16; None keeps each value's own dtype.
+    k_steps, begin_step, adaptive (local_sgd only): average the parameters every
+    k_steps steps (default 4), after begin_step steps of gradient averaging
+    (default 0); adaptive=True recomputes k after each average from the loss and
+    the learning rate.
+    backend: how the programs run ("eager").
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -40,12 +47,20 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         if mode not in MODES:
             raise TranspileError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)} "
                                  "or give passes=[...]")
-        passes = MODES[mode]
     elif mode is not None:
         raise TranspileError("give either mode or passes, not both")
-    for p in passes:
-        resolve(p)
-    if not isinstance(nrings, int) or isinstance(nrings, bool) or not 1 <= nrings <= MAX_RINGS:
+    local = {"k_steps": k_steps, "begin_step": begin_step, "adaptive": adaptive}
+    if mode == "local_sgd":
+        schedule = _local_sgd(k_steps, begin_step, adaptive)
+    else:
+        given = [name for name, value in local.items() if value is not None]
+        if given:
+            raise TranspileError(f"{', '.join(given)} apply only to mode='local_sgd'")
+        schedule = EveryStep(MODES[mode] if passes is None else passes)
+    for program_passes in schedule.programs.values():
+        for p in program_passes:
+            resolve(p)
+    if not _is_int(nrings) or not 1 <= nrings <= MAX_RINGS:
         raise TranspileError(f"nrings must be an integer from 1 to {MAX_RINGS}, got {nrings!r}")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -57,5 +72,22 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     if backend not in BACKENDS:
         raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
-                           first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype)
-    return TranspiledStep(step_fn, tuple(passes), settings, backend=backend)
+                           first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
+                           adaptive_k=bool(adaptive))
+    return TranspiledStep(step_fn, schedule, settings, backend=backend)
+
+
+def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:
+    k_steps = 4 if k_steps is None else k_steps
+    begin_step = 0 if begin_step is None else begin_step
+    if not _is_int(k_steps) or k_steps < 1:
+        raise TranspileError(f"k_steps must be an integer >= 1, got {k_steps!r}")
+    if not _is_int(begin_step) or begin_step < 0:
+        raise TranspileError(f"begin_step must be an integer >= 0, got {begin_step!r}")
+    if adaptive is not None and not isinstance(adaptive, bool):
+        raise TranspileError(f"adaptive must be True or False, got {adaptive!r}")
+    return LocalSGD(MODES["local_sgd"], k_steps, begin_step, bool(adaptive))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -83,12 +83,31 @@ class StateSlot:
         return self.optimizer.state[self.param][self.key]
 
     def write(self, value):
-        entry = self.optimizer.state[self.param]
-        old = entry.get(self.key)
-        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
-            old.copy_(value)
-        else:
-            entry[self.key] = value
+        _store(self.optimizer.state[self.param], self.key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldSlot:
+    """A tensor the transpiled step keeps between calls (InputSpec kind held)."""
+
+    store: dict
+    name: str
+
+    def read(self, leaves):
+        return self.store[self.name]
+
+    def write(self, value):
+        _store(self.store, self.name, value)
+
+
+def _store(mapping: dict, key, value: torch.Tensor) -> None:
+    """Copy into the tensor already there when it has the same shape and dtype
+    (so references to it stay valid), else put the new tensor in its place."""
+    old = mapping.get(key)
+    if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+        old.copy_(value)
+    else:
+        mapping[key] = value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,22 @@
-"""Modes: named presets of pass lists."""
+"""Modes: named presets of pass lists, and the programs each mode runs."""
 
-MODES: dict[str, tuple[str, ...]] = {
-    # Paddle's GradAllReduce: mean gradients by scaling the seed and summing.
-    "grad_allreduce": ("scale_loss_grad", "insert_allreduce", "ring_round_robin"),
-    # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
-    "fuse_all_reduce": ("scale_loss_grad", "coalesce_tensors", "ring_round_robin",
-                        "schedule_comm"),
+# Paddle's GradAllReduce: mean gradients by scaling the seed and summing.
+GRAD_ALLREDUCE = ("scale_loss_grad", "insert_allreduce", "ring_round_robin")
+# Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
+FUSE_ALL_REDUCE = ("scale_loss_grad", "coalesce_tensors", "ring_round_robin", "schedule_comm")
+# Paddle's LocalSGD: the local program takes its step without communication; the
+# sync program also averages the parameters, its deltas reduced by the same
+# passes that reduce gradients in fuse_all_reduce.
+LOCAL_SGD = {
+    "warmup": FUSE_ALL_REDUCE,
+    "local": ("snapshot_params",),
+    "sync": ("snapshot_params", "local_sgd") + FUSE_ALL_REDUCE[1:],
+}
+
+MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
+    "grad_allreduce": GRAD_ALLREDUCE,
+    "fuse_all_reduce": FUSE_ALL_REDUCE,
+    "local_sgd": LOCAL_SGD,
 }
 
 # Run once before the first step: every rank starts from rank 0's state.

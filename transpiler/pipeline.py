@@ -24,6 +24,7 @@ class PassContext:
     bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
+    adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
 
 
 Pass = Callable[[Program, PassContext], None]

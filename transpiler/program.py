@@ -19,23 +19,27 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT
-from .roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
+from .roles import BUCKET, COMM, INPUT, PARAM, REDUCE, ROLE, Role
 
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """What a placeholder holds. kind: param | buffer | state | hyper | data."""
+    """What a placeholder holds. kind: param | buffer | state | hyper | data |
+    held (a tensor the transpiled step itself keeps between calls, such as local
+    SGD's snapshot of a parameter; the startup program initializes it as a copy
+    of parameter `param`)."""
 
     kind: str
     name: str
-    param: str | None = None  # for optimizer state: the parameter it belongs to
+    param: str | None = None  # for optimizer state and held tensors: their parameter
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
     """What an output is. kind: user (returned to the caller) | update (the new
     value of input `target`) | state (an optimizer state entry the step created
-    or replaced, `target` naming it as param/key)."""
+    or replaced, `target` naming it as param/key) | held (a value the transpiled
+    step keeps under the name `target`, for its schedule or its next calls)."""
 
     kind: str
     target: str | None = None
@@ -95,6 +99,38 @@ class Program:
             if node.meta[INPUT].name == name:
                 return node
         raise KeyError(name)
+
+    def to_reduce(self) -> dict[str, fx.Node]:
+        """Name -> node of the values a pass marked to be summed over the ranks
+        (meta["reduce"]) and that something reads, in program order."""
+        return {n.meta[REDUCE]: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
+
+    def add_input(self, spec: InputSpec, like: fx.Node, name: str) -> fx.Node:
+        """A new placeholder after the others, holding a tensor shaped like `like`."""
+        with self.graph.inserting_after(self.placeholders[-1]):
+            node = self.graph.placeholder(name)
+        val = like.meta["val"]
+        with val.fake_mode:
+            node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
+        node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+        node.meta[INPUT] = spec
+        self.inputs.append(spec)
+        return node
+
+    def add_output(self, spec: OutputSpec, value: fx.Node) -> None:
+        out = self.output_node
+        out.args = (tuple(out.args[0]) + (value,),)
+        self.outputs.append(spec)
+
+    def copy(self, name: str) -> "Program":
+        """An independent copy (graph, inputs, outputs, history) named `name`;
+        node meta is copied one level deep."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.graph, {}))
+        program = Program(name, fx.GraphModule(self.gm, graph), list(self.inputs),
+                          list(self.outputs))
+        program.history = list(self.history)
+        return program
 
     def collectives(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes
@@ -201,6 +237,9 @@ def _note(node: fx.Node) -> str:
         notes.append(str(node.meta[ROLE]))
     if PARAM in node.meta:
         notes.append(f"grad={node.meta[PARAM]}")
+    if REDUCE in node.meta:
+        same = node.meta[REDUCE] == node.meta.get(PARAM)
+        notes.append("reduce" if same else f"reduce={node.meta[REDUCE]}")
     comm = node.meta.get(COMM)
     if comm is not None:
         notes.append(f"ring={comm.ring}")

@@ -27,3 +27,4 @@ PARAM = "param"        # qualified parameter name on the node holding its gradie
 COMM = "comm"          # CommInfo on collective nodes and their waits
 BUCKET = "bucket"      # bucket index on the nodes that pack and unpack a fused buffer
 INPUT = "input"        # InputSpec on placeholders
+REDUCE = "reduce"      # name of a value the reduction passes must sum over the ranks

@@ -1,30 +1,43 @@
-"""The startup program: run once before the first step, over the parameters and
-buffers of the main program. Captured as the identity; passes (broadcast_params)
-make it what it must do."""
+"""The startup program: run before the first program of a state set, and again
+before a program whose held tensors (local SGD's snapshots) do not exist yet.
+Captured as the identity over the main program's parameters and buffers, plus
+a copy of its parameter for each held tensor to initialize; passes
+(broadcast_params) make it what it must do."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture import Captured
 from .pipeline import record
-from .program import OutputSpec, Program
-from .roles import INPUT
+from .program import InputSpec, OutputSpec, Program
+from .roles import INPUT, ROLE, Role
 
 
-def startup_program(captured: Captured) -> tuple[Program, list]:
-    """The identity program over the main program's parameters and buffers, and
-    the slot each output is written back to."""
+def startup_program(captured: Captured, held: Sequence[InputSpec] = ()) -> tuple[Program, list]:
+    """The startup program and the slot each of its inputs is read from. Its
+    outputs: the parameters and buffers (updates), then the held tensors."""
     chosen = [(spec, slot) for spec, slot in zip(captured.program.inputs, captured.slots)
               if spec.kind in ("param", "buffer")]
+    index = {spec.name: i for i, (spec, _) in enumerate(chosen)}
+    sources = [index[spec.param] for spec in held]
     values = [slot.read(None) for _, slot in chosen]
-    gm = make_fx(lambda *ts: list(ts), tracing_mode="fake")(*values)
+    gm = make_fx(lambda *ts: list(ts) + [torch.clone(ts[i]) for i in sources],
+                 tracing_mode="fake")(*values)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, (spec, _) in zip(placeholders, chosen):
         node.meta[INPUT] = spec
         node._rename(captured.program.input_node(spec.name).name)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[ROLE] = Role.OPTIMIZE
     gm.recompile()
     program = Program("startup", gm, [spec for spec, _ in chosen],
-                      [OutputSpec("update", spec.name) for spec, _ in chosen])
-    record(program, "capture", f"capture: identity over {len(chosen)} parameters and buffers")
+                      [OutputSpec("update", spec.name) for spec, _ in chosen]
+                      + [OutputSpec("held", spec.name) for spec in held])
+    record(program, "capture", f"capture: identity over {len(chosen)} parameters and buffers"
+                               + (f", {len(held)} held copies" if held else ""))
     return program, [slot for _, slot in chosen]
