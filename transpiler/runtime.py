@@ -32,13 +32,31 @@ log = logging.getLogger("transpiler")
 
 
 @dataclasses.dataclass
-class _Built:
+class _Runnable:
+    """A program with the slots its inputs are read from and its outputs written
+    to (None: returned to the caller); compiled on its first run."""
+
     program: Program
-    executable: Executable
-    slots: list      # where each input is read from
-    targets: list    # where each output is written to (None: returned to the caller)
+    slots: list
+    targets: list
+    executable: Executable | None = None
+
+    @property
+    def held(self) -> list[str]:
+        return [spec.name for spec in self.program.inputs if spec.kind == "held"]
+
+
+@dataclasses.dataclass
+class _Built:
+    """Everything built for one signature of the arguments."""
+
+    programs: dict[str, _Runnable]
+    startup: _Runnable | None
     out_spec: pytree.TreeSpec
-    state_key: tuple
+    state_key: tuple   # identity of the parameters and buffers it runs on
+
+
+_LOADED = "loaded"   # held tensors restored by load_state_dict, for the next state set
 
 
 class TranspiledStep:
@@ -47,50 +65,53 @@ class TranspiledStep:
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
-        self._captured: dict[tuple, Captured] = {}
-        self._built: dict[tuple[tuple, str], _Built] = {}
+        self._built: dict[tuple, _Built] = {}
         self._last_traced: tuple | None = None   # signature of the last trace
         self._last: _Built | None = None
-        self._last_signature: tuple | None = None
+        self._last_run: str | None = None
         self._synced: set[tuple] = set()          # state sets broadcast from rank 0
+        self._restored = False                    # trust the next state set as loaded
         self._held: dict[str, torch.Tensor] = {}  # snapshots and the like, by name
-        self._held_key: tuple | None = None       # state set they belong to (None: any)
-        self._restored = False
+        # The state set the held tensors are current for: None once a program
+        # that does not carry them has run (or before the first startup).
+        self._held_for: tuple | str | None = None
         self.startup_program: Program | None = None
         self.build_seconds = 0.0  # one-time costs so far: trace, passes, compile, startup
 
     @property
     def program(self) -> Program:
-        """The program last run (or built)."""
-        if self._last is None:
-            raise TranspileError("the step has not been called yet: the program is built "
-                                 "on the first call, from the real arguments")
-        return self._last.program
+        """The program last run."""
+        return self._last_built().programs[self._last_run].program
 
     @property
     def programs(self) -> dict[str, Program]:
-        """The programs built so far for the arguments of the last call, by name
-        ("main"; local_sgd: "warmup", "local", "sync")."""
-        return {name: b.program for (sig, name), b in self._built.items()
-                if sig == self._last_signature}
+        """Every program of the schedule, built for the arguments of the last call,
+        by name ("main"; local_sgd: "warmup", "local", "sync")."""
+        return {name: r.program for name, r in self._last_built().programs.items()}
+
+    def _last_built(self) -> _Built:
+        if self._last is None:
+            raise TranspileError("the step has not been called yet: the programs are built "
+                                 "on the first call, from the real arguments")
+        return self._last
 
     def explain(self, name: str | None = None) -> str:
         """The collectives of a program (default: the one last run) as a table:
         one row per collective (a bucket in fuse_all_reduce), with its ring,
         dtype, size and parameters."""
-        if name is None:
-            return format_collectives(self.program)
-        if name not in self.programs:
-            raise TranspileError(f"no program {name!r} has been built yet; built: "
-                                 f"{', '.join(self.programs)}")
-        return format_collectives(self.programs[name])
+        programs = self.programs
+        if name is not None and name not in programs:
+            raise TranspileError(f"no program {name!r}; this step has {', '.join(programs)}")
+        return format_collectives(programs[name] if name else self.program)
 
     def state_dict(self) -> dict:
         """The step's own state: its schedule (step counter; local_sgd: steps since
-        the last sync, k) and its held tensors (local_sgd: the snapshots).
-        Together with the model's and the optimizer's state_dict it resumes a run."""
+        the last sync, k) and its held tensors while they are current (local_sgd:
+        the snapshots). With the model's and the optimizer's state_dict it resumes
+        a run exactly."""
+        current = self._held_for is not None
         return {"schedule": self.schedule.state_dict(),
-                "held": {k: v.detach().clone() for k, v in self._held.items()}}
+                "held": {k: v.detach().clone() for k, v in self._held.items()} if current else {}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict saved. The next call trusts each rank's model as
@@ -99,60 +120,73 @@ class TranspiledStep:
         self.schedule.load_state_dict(state["schedule"])
         self._held.clear()
         self._held.update({k: v.detach().clone() for k, v in state["held"].items()})
-        self._held_key = None
+        self._held_for = _LOADED if self._held else None
         self._restored = True
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
         sig = signature(step_args)
-        name = self.schedule.next_program()
-        built = self._built.get((sig, name))
+        built = self._built.get(sig)
         if built is None:
             start = time.perf_counter()
-            built = self._build(step_args, sig, name)
-            self._built[(sig, name)] = built
+            built = self._built[sig] = self._build(step_args, sig)
             self.build_seconds += time.perf_counter() - start
-        self._last, self._last_signature = built, sig
-        outputs = _execute(built.executable, built.slots, built.targets, step_args.leaves)
+        name = self.schedule.next_program()
+        runnable = built.programs[name]
+        if self._restored:
+            self._synced.add(built.state_key)
+            self._restored = False
+        if built.startup is not None and (built.state_key not in self._synced
+                                          or not self._held_current(runnable, built.state_key)):
+            self._run_startup(built)
+        outputs = self._run(runnable, step_args.leaves)
+        if not runnable.held:
+            self._held_for = None   # the parameters moved on without their snapshots
+        self._last, self._last_run = built, name
         self.schedule.advance(name, self._held)
-        n_user = built.out_spec.num_leaves
-        return pytree.tree_unflatten(list(outputs[:n_user]), built.out_spec)
+        return pytree.tree_unflatten(list(outputs[:built.out_spec.num_leaves]), built.out_spec)
 
-    def _build(self, step_args, sig, name: str) -> _Built:
+    def _held_current(self, runnable: _Runnable, state_key: tuple) -> bool:
+        if not runnable.held:
+            return True
+        if self._held_for == _LOADED and all(n in self._held for n in runnable.held):
+            self._held_for = state_key
+        return self._held_for == state_key
+
+    def _build(self, step_args, sig) -> _Built:
+        """Trace the step and run the passes of every program of the schedule and
+        of the startup program; the ranks agree on all of them before any runs."""
         world_size, rank = world()
         ctx = dataclasses.replace(self.settings, world_size=world_size, rank=rank,
                                   rings=ring_names(self.settings.nrings))
-        error, programs, built, startup = None, [], None, None
+        error, built, to_agree = None, None, []
         try:
-            captured = self._captured.get(sig) or self._trace(step_args, sig)
+            captured = self._trace(step_args, sig)
             start = time.perf_counter()
-            program = captured.program.copy(name)
-            run_passes(program, self.schedule.programs[name], ctx)
-            slots, targets = self._bind(program, captured)
+            programs = {}
+            for name, passes in self.schedule.programs.items():
+                program = captured.program.copy(name)
+                run_passes(program, passes, ctx)
+                programs[name] = _Runnable(program, *self._bind(program, captured))
+            held = {spec.name: spec for r in programs.values() for spec in r.program.inputs
+                    if spec.kind == "held"}
+            startup = None
+            if world_size > 1 or held:
+                program, _ = startup_program(captured, list(held.values()))
+                run_passes(program, STARTUP_PASSES, ctx)
+                startup = _Runnable(program, *self._bind(program, captured))
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(program, compile_program(program, self.backend), slots, targets,
-                           captured.out_spec, state_key)
-            programs = [program]
-            if self._restored:
-                self._synced.add(state_key)
-            fresh = self._held_key in (None, state_key)
-            missing = [s for s in program.inputs
-                       if s.kind == "held" and not (fresh and s.name in self._held)]
-            if (world_size > 1 and state_key not in self._synced) or missing:
-                startup, _ = startup_program(captured, missing)
-                run_passes(startup, STARTUP_PASSES, ctx)
-                programs.append(startup)
-            log.info("transpiler: built program %r in %.2fs; %d collectives", name,
-                     time.perf_counter() - start, len(program.collectives()))
+            built = _Built(programs, startup, captured.out_spec, state_key)
+            to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
+            log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
+                     ", ".join(programs), time.perf_counter() - start,
+                     ", ".join(f"{n} {len(r.program.collectives())}" for n, r in programs.items()))
         except TranspileError as exc:
             error = exc
         if world_size > 1:
-            agreement.agree(programs, error)
+            agreement.agree(to_agree, error)
         elif error is not None:
             raise error
-        self._restored = False
-        if startup is not None:
-            self._run_startup(startup, captured, built.state_key)
         return built
 
     def _trace(self, step_args, sig) -> Captured:
@@ -165,7 +199,6 @@ class TranspiledStep:
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
                                             f"nodes from {fn_name} ({why})")
         log.info("transpiler: traced %s (%s) in %.2fs", fn_name, why, time.perf_counter() - start)
-        self._captured[sig] = captured
         return captured
 
     def _bind(self, program: Program, captured: Captured) -> tuple[list, list]:
@@ -182,22 +215,33 @@ class TranspiledStep:
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
 
-    def _run_startup(self, startup: Program, captured: Captured, state_key: tuple) -> None:
-        if self._held_key not in (None, state_key):
+    def _run(self, runnable: _Runnable, leaves) -> list:
+        """Run a program on the live tensors; write the new state back only once
+        the whole program has succeeded (outputs it wrote in place need none)."""
+        if runnable.executable is None:
+            start = time.perf_counter()
+            runnable.executable = compile_program(runnable.program, self.backend)
+            self.build_seconds += time.perf_counter() - start
+        executable = runnable.executable
+        with torch.no_grad():
+            outputs = executable.run([slot.read(leaves) for slot in runnable.slots])
+            for target, value, written in zip(runnable.targets, outputs, executable.written):
+                if target is not None and not written:
+                    target.write(value)
+        return outputs
+
+    def _run_startup(self, built: _Built) -> None:
+        """Broadcast the parameters and buffers from rank 0 and initialize the
+        held tensors from them."""
+        start = time.perf_counter()
+        if self._held_for not in (None, built.state_key):
             self._held.clear()   # they belonged to another model
-        slots, targets = self._bind(startup, captured)
-        _execute(compile_program(startup, "eager"), slots, targets, None)
-        self.startup_program = startup
-        self._synced.add(state_key)
-        self._held_key = state_key
+        if built.startup.executable is None:
+            built.startup.executable = compile_program(built.startup.program, "eager")
+        self._run(built.startup, None)
+        self.startup_program = built.startup.program
+        self._synced.add(built.state_key)
+        self._held_for = built.state_key
+        self.build_seconds += time.perf_counter() - start
 
 
-def _execute(executable: Executable, slots: list, targets: list, leaves) -> list:
-    """Run a program on the live tensors; write the new state back only once the
-    whole program has succeeded (outputs it wrote in place need no write-back)."""
-    with torch.no_grad():
-        outputs = executable.run([slot.read(leaves) for slot in slots])
-        for target, value, written in zip(targets, outputs, executable.written):
-            if target is not None and not written:
-                target.write(value)
-    return outputs

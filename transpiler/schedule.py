@@ -55,7 +55,8 @@ class LocalSGD:
 
     def __init__(self, programs: Mapping[str, Sequence[PassLike]], k_steps: int,
                  begin_step: int, adaptive: bool):
-        self.programs = {name: tuple(p) for name, p in programs.items()}
+        runs = {"warmup": begin_step > 0, "local": k_steps > 1 or adaptive, "sync": True}
+        self.programs = {name: tuple(p) for name, p in programs.items() if runs[name]}
         self.k_steps, self.begin_step, self.adaptive = k_steps, begin_step, adaptive
         self.step = 0
         self.since_sync = 0           # local steps since the last sync
