@@ -59,7 +59,7 @@ def test_golden_main(upto):
 
 @pytest.mark.parametrize("upto", range(1, len(STARTUP_PASSES) + 1))
 def test_golden_startup(upto):
-    startup, _ = startup_program(_captured())
+    startup = startup_program(_captured())
     run_passes(startup, STARTUP_PASSES[:upto], CTX)
     _check_golden(f"startup_{upto}_{STARTUP_PASSES[upto - 1]}", str(startup))
 

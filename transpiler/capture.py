@@ -55,6 +55,20 @@ _COPY_ = torch.ops.aten.copy_.default
 _T = torch.ops.aten.t.default
 
 
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """native_batch_norm updates the running statistics in place but its schema
+    does not say so: functionalization would leave that mutation inside the
+    program. _native_batch_norm_legit is the same kernel with a schema that does."""
+    if running_mean is None:
+        return torch.ops.aten._native_batch_norm_legit.no_stats(input, weight, bias, training,
+                                                                momentum, eps)
+    return torch.ops.aten._native_batch_norm_legit.default(input, weight, bias, running_mean,
+                                                           running_var, training, momentum, eps)
+
+
+_DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm}
+
+
 # ------------------------------------------------------------ slots
 
 @dataclasses.dataclass(frozen=True)
@@ -606,7 +620,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             return tuple(out_leaves) + tuple(new_state)
 
     try:
-        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs.values)
+        gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
+                     _allow_non_fake_inputs=True)(*inputs.values)
     except TranspileError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
@@ -683,7 +698,8 @@ def _assign_roles(graph: fx.Graph, markers: _Markers):
 
 class _RoleCarrier(fx.Interpreter):
     """Runs the traced graph under functionalization and gives each node it
-    creates in the new graph the role (and gradient mark) of the node it came from."""
+    creates in the new graph the role (and gradient mark) of the node it came
+    from; the loss and the seed keep their LOSS role on the node of their value."""
 
     def run_node(self, n):
         before = _last_node()
@@ -694,9 +710,15 @@ class _RoleCarrier(fx.Interpreter):
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
             node = node.next
-        if PARAM in n.meta:
+        if PARAM in n.meta or n.meta[ROLE] & Role.LOSS:
+            # The node of the value itself: a getitem of a multi-output op is
+            # created with that op and took its role above.
             inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
-            _node_of(inner).meta[PARAM] = n.meta[PARAM]
+            node = _node_of(inner)
+            if PARAM in n.meta:
+                node.meta[PARAM] = n.meta[PARAM]
+            if n.meta[ROLE] & Role.LOSS:
+                node.meta[ROLE] = n.meta[ROLE]
         return result
 
 

@@ -51,7 +51,8 @@ class _Built:
     """Everything built for one signature of the arguments."""
 
     programs: dict[str, _Runnable]
-    startup: _Runnable | None
+    startup: _Runnable | None   # broadcast from rank 0, then initialize the held tensors
+    refresh: _Runnable | None   # initialize the held tensors only
     out_spec: pytree.TreeSpec
     state_key: tuple   # identity of the parameters and buffers it runs on
 
@@ -136,9 +137,11 @@ class TranspiledStep:
         if self._restored:
             self._synced.add(built.state_key)
             self._restored = False
-        if built.startup is not None and (built.state_key not in self._synced
-                                          or not self._held_current(runnable, built.state_key)):
-            self._run_startup(built)
+        if built.startup is not None and built.state_key not in self._synced:
+            self._run_startup(built, built.startup)
+            self._synced.add(built.state_key)
+        elif not self._held_current(runnable, built.state_key):
+            self._run_startup(built, built.refresh)
         outputs = self._run(runnable, step_args.leaves)
         if not runnable.held:
             self._held_for = None   # the parameters moved on without their snapshots
@@ -168,15 +171,18 @@ class TranspiledStep:
                 program = captured.program.copy(name)
                 run_passes(program, passes, ctx)
                 programs[name] = _Runnable(program, *self._bind(program, captured))
-            held = {spec.name: spec for r in programs.values() for spec in r.program.inputs
-                    if spec.kind == "held"}
-            startup = None
-            if world_size > 1 or held:
-                program, _ = startup_program(captured, list(held.values()))
+            held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
+                         if spec.kind == "held"}.values())
+            startup = refresh = None
+            if world_size > 1:
+                program = startup_program(captured, held)
                 run_passes(program, STARTUP_PASSES, ctx)
                 startup = _Runnable(program, *self._bind(program, captured))
+            if held:
+                program = startup_program(captured, held, name="refresh")
+                refresh = _Runnable(program, *self._bind(program, captured))
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(programs, startup, captured.out_spec, state_key)
+            built = _Built(programs, startup, refresh, captured.out_spec, state_key)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -230,17 +236,15 @@ class TranspiledStep:
                     target.write(value)
         return outputs
 
-    def _run_startup(self, built: _Built) -> None:
-        """Broadcast the parameters and buffers from rank 0 and initialize the
-        held tensors from them."""
+    def _run_startup(self, built: _Built, startup: _Runnable) -> None:
+        """Run the startup program (or the refresh of the held tensors alone)."""
         start = time.perf_counter()
         if self._held_for not in (None, built.state_key):
             self._held.clear()   # they belonged to another model
-        if built.startup.executable is None:
-            built.startup.executable = compile_program(built.startup.program, "eager")
-        self._run(built.startup, None)
-        self.startup_program = built.startup.program
-        self._synced.add(built.state_key)
+        if startup.executable is None:
+            startup.executable = compile_program(startup.program, "eager")
+        self._run(startup, None)
+        self.startup_program = startup.program
         self._held_for = built.state_key
         self.build_seconds += time.perf_counter() - start
 

@@ -1,8 +1,9 @@
-"""The startup program: run before the first program of a state set, and again
-before a program whose held tensors (local SGD's snapshots) do not exist yet.
-Captured as the identity over the main program's parameters and buffers, plus
-a copy of its parameter for each held tensor to initialize; passes
-(broadcast_params) make it what it must do."""
+"""The startup program: run before the first program of a state set. Captured
+as the identity over the main program's parameters and buffers, plus a copy of
+its parameter for each held tensor (local SGD's snapshots); passes
+(broadcast_params) make it what it must do. Without passes, the same capture is
+the refresh program, which initializes the held tensors again before a program
+that reads them runs after one that left them stale (the warm-up)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from .program import InputSpec, OutputSpec, Program
 from .roles import INPUT, ROLE, Role
 
 
-def startup_program(captured: Captured, held: Sequence[InputSpec] = ()) -> tuple[Program, list]:
-    """The startup program and the slot each of its inputs is read from. Its
-    outputs: the parameters and buffers (updates), then the held tensors."""
+def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
+                    name: str = "startup") -> Program:
+    """Outputs: the parameters and buffers (updates), then the held tensors."""
     chosen = [(spec, slot) for spec, slot in zip(captured.program.inputs, captured.slots)
               if spec.kind in ("param", "buffer")]
     index = {spec.name: i for i, (spec, _) in enumerate(chosen)}
@@ -35,9 +36,9 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = ()) -> tuple
         if node.op == "call_function":
             node.meta[ROLE] = Role.OPTIMIZE
     gm.recompile()
-    program = Program("startup", gm, [spec for spec, _ in chosen],
+    program = Program(name, gm, [spec for spec, _ in chosen],
                       [OutputSpec("update", spec.name) for spec, _ in chosen]
                       + [OutputSpec("held", spec.name) for spec in held])
     record(program, "capture", f"capture: identity over {len(chosen)} parameters and buffers"
                                + (f", {len(held)} held copies" if held else ""))
-    return program, [slot for _, slot in chosen]
+    return program
