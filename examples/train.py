@@ -1,9 +1,11 @@
 """Train a small MLP on synthetic data with the transpiled step, on every rank.
 
-    torchrun --nproc-per-node 2 examples/train.py [--steps 10] [--mode grad_allreduce]
+    torchrun --nproc-per-node 2 examples/train.py [--steps 20] [--mode grad_allreduce]
+                                                  [--k-steps 4]  (local_sgd)
 
 Each rank trains on its own shard of every batch; the transpiled step all-reduces
-the gradients, so all ranks hold the same model after every step.
+the gradients (or, in local_sgd, averages the parameters every k steps), so all
+ranks hold the same model at the end.
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", default="grad_allreduce", choices=sorted(MODES))
     parser.add_argument("--nrings", type=int, default=2)
+    parser.add_argument("--k-steps", type=int, default=4, help="local_sgd: steps per average")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -43,7 +46,8 @@ def main():
                           nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    step = transpile(train_step, mode=args.mode, nrings=args.nrings)
+    local = {"k_steps": args.k_steps} if args.mode == "local_sgd" else {}
+    step = transpile(train_step, mode=args.mode, nrings=args.nrings, **local)
 
     data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     teacher = torch.randn(32, 4, generator=data)

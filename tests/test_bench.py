@@ -16,12 +16,12 @@ def test_bench_cli_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "transpiler.bench", "--world-size", "2", "--models", "deep",
-         "--steps", "2", "--warmup", "1", "--configs", "local,ddp,grad_allreduce",
+         "--steps", "2", "--warmup", "1", "--configs", "local,ddp,grad_allreduce,local_sgd",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "grad_allreduce" in proc.stdout and "step_ms" in proc.stdout
-    assert "[1/4] deep local" in proc.stderr
+    assert "[1/5] deep local" in proc.stderr
 
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2
@@ -29,7 +29,7 @@ def test_bench_cli_writes_json(tmp_path):
     assert list(doc["models"]) == ["deep"]
     # The references of vs_ddp and vs_limit are always run.
     results = doc["models"]["deep"]
-    assert set(results) == {"local", "allreduce_only", "ddp", "grad_allreduce"}
+    assert set(results) == {"local", "allreduce_only", "ddp", "grad_allreduce", "local_sgd"}
     for config, fields in results.items():
         assert set(fields) == set(bench.FIELDS), config
         for name, value in fields.items():

@@ -1,6 +1,7 @@
 """Golden listings of each pass on a tiny model, the plan functions, and the
 pass pipeline's checks. No process group needed: passes only edit graphs."""
 
+import dataclasses
 import os
 import pathlib
 
@@ -62,6 +63,34 @@ def test_golden_startup(upto):
     startup = startup_program(_captured())
     run_passes(startup, STARTUP_PASSES[:upto], CTX)
     _check_golden(f"startup_{upto}_{STARTUP_PASSES[upto - 1]}", str(startup))
+
+
+SYNC = MODES["local_sgd"]["sync"]
+
+
+@pytest.mark.parametrize("upto", [2, len(SYNC)])
+def test_golden_local_sgd_sync(upto):
+    program = _captured().program.copy("sync")
+    run_passes(program, SYNC[:upto], dataclasses.replace(CTX, adaptive_k=True))
+    _check_golden(f"sync_{upto}_{SYNC[upto - 1]}", str(program))
+
+
+def test_golden_startup_with_snapshots():
+    captured = _captured()
+    local = captured.program.copy("local")
+    run_passes(local, MODES["local_sgd"]["local"], CTX)
+    startup = startup_program(captured, [s for s in local.inputs if s.kind == "held"])
+    run_passes(startup, STARTUP_PASSES, CTX)
+    _check_golden("startup_snapshots", str(startup))
+
+
+def test_copy_is_independent():
+    program = _captured().program
+    before = program.listing()
+    copy = program.copy("sync")
+    run_passes(copy, SYNC, CTX)
+    assert program.listing() == before and program.applied == ["capture"]
+    assert copy.name == "sync" and len(copy.inputs) > len(program.inputs)
 
 
 def test_listing_is_deterministic():
@@ -127,6 +156,8 @@ def test_requirement_error_names_pass_and_requirement():
         run_passes(program, ["insert_allreduce"], CTX)
     with pytest.raises(PassError, match="ring_round_robin requires insert_allreduce or"):
         run_passes(program, ["ring_round_robin"], CTX)
+    with pytest.raises(PassError, match="pass local_sgd requires snapshot_params"):
+        run_passes(program, ["local_sgd"], CTX)
 
 
 def test_unknown_pass():

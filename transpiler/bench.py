@@ -21,6 +21,9 @@ optimizer (SGD, lr 0.01, momentum 0.9):
     grad_allreduce_nrings1  the same with nrings=1
     ...                     one line of CONFIGS per transpiler mode; a mode is
                             listed only when transpiler.MODES has it
+    local_sgd               mode="local_sgd", k_steps=8: each timed sample is a
+                            whole period (7 local steps and a sync), and its
+                            step_ms the period's time divided by 8
 
 What is measured, and how:
 
@@ -85,6 +88,7 @@ log = logging.getLogger("transpiler.bench")
 CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
+LOCAL_SGD_K = 8
 FIELDS = ("step_ms", "vs_ddp", "vs_limit", "peak_rss_mb", "setup_s")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
 
@@ -220,10 +224,13 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "grad_allreduce": _transpiled("grad_allreduce"),              # nrings=2, the default
     "grad_allreduce_nrings1": _transpiled("grad_allreduce", nrings=1),
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
-    "local_sgd": _transpiled("local_sgd"),
+    "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
 }
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
+# Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
+# sample is a whole period and step_ms its time divided by k.
+PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K}
 
 
 # ------------------------------------------------------------ one configuration, in a rank
@@ -266,7 +273,13 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
 
     step, setup_s = _between_barriers(build_and_first_call)
     built_s = _build_seconds(step)
-    times = [_between_barriers(step, *batch)[1] for batch in batches[1:]]
+    period = PERIOD.get(job.config, 1)
+
+    def sample(i):
+        for j in range(i * period, (i + 1) * period):
+            step(*batches[1 + j % (len(batches) - 1)])
+
+    times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
     setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
             "base_rss_mb": base_rss}

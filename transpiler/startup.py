@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .capture import Captured
+from .capture import Captured, _identifier
 from .pipeline import record
 from .program import InputSpec, OutputSpec, Program
 from .roles import INPUT, ROLE, Role
@@ -32,9 +32,10 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
     for node, (spec, _) in zip(placeholders, chosen):
         node.meta[INPUT] = spec
         node._rename(captured.program.input_node(spec.name).name)
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.meta[ROLE] = Role.OPTIMIZE
+    copies = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for node, spec in zip(copies, held):
+        node.meta[ROLE] = Role.OPTIMIZE
+        node._rename(_identifier("", spec.name))
     gm.recompile()
     program = Program(name, gm, [spec for spec, _ in chosen],
                       [OutputSpec("update", spec.name) for spec, _ in chosen]
