@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import hpu
 from .backends import BACKENDS
 from .errors import TranspileError
 from .modes import MODES
@@ -38,7 +39,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     k_steps steps (default 4), after begin_step steps of gradient averaging
     (default 0); adaptive=True recomputes k after each average from the loss and
     the learning rate.
-    backend: how the programs run ("eager").
+    backend: how the programs run: "eager" (op by op, the reference), "inductor"
+    (torch.compile, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
+    program), "hpu" (Intel Gaudi), or "auto" (hpu on a Gaudi device, else
+    inductor). Each program compiles on its first run.
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -71,6 +75,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
                              f"got {fuse_dtype!r}")
     if backend not in BACKENDS:
         raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if backend == "hpu":
+        hpu.require()
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive))

@@ -1,28 +1,201 @@
-"""Backends: turn a Program into an Executable. One place where compilers plug in."""
+"""Backends: turn a Program into an Executable. One place where compilers plug in.
+
+    eager       the program's graph run op by op, with in-place updates
+                (transpiler/reinplace.py): the reference
+    inductor    torch.compile of the program, collectives included (CPU and CUDA)
+    cudagraphs  inductor, and the whole step captured as one CUDA graph (CUDA only)
+    hpu         Intel Gaudi: hpu_backend in eager mode, an HPU graph in lazy mode
+    auto        hpu on a Gaudi device, else inductor
+
+The compiled backends compile a variant of the program that writes each state
+update into its input (a copy_ at the end, which the compiler fuses into the
+kernel that computes it), so no write-back is left to the runtime. The
+updates depend on the gradients, which depend on every collective that reduced
+them, so they run after those collectives as in the eager backend.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
 
 from .errors import TranspileError
 from .program import Program
 from .reinplace import reinplace
 
-BACKENDS = ("eager",)
+log = logging.getLogger("transpiler")
+
+BACKENDS = ("eager", "inductor", "cudagraphs", "hpu", "auto")
+# The process-group backend each device needs.
+PROCESS_GROUP = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 
 
 @dataclasses.dataclass
 class Executable:
     """run: input tensors -> output tensors. written[i]: output i is a state
-    update the program already wrote into its input (no write-back needed)."""
+    update the program already wrote into its input (no write-back needed;
+    its value in the list returned by run is not used)."""
 
     run: Callable[[list], list]
     written: list[bool]
+
+
+def device_of(program: Program) -> torch.device:
+    """The device of the program's parameters (cpu for a program without any)."""
+    for node in program.placeholders:
+        if node.meta["input"].kind == "param":
+            return node.meta["val"].device
+    return torch.device("cpu")
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The concrete backend for a program on `device`; raises if it cannot run there."""
+    if backend == "auto":
+        return "hpu" if device.type == "hpu" else "inductor"
+    if device.type == "hpu" and backend in ("inductor", "cudagraphs"):
+        raise TranspileError(f"backend={backend!r} does not run on Intel Gaudi, where the "
+                             "model's parameters are: use backend='hpu' (or 'auto')")
+    if backend == "cudagraphs" and device.type != "cuda":
+        raise TranspileError(f"backend='cudagraphs' captures CUDA graphs, but the model's "
+                             f"parameters are on {device.type}: move the model to a CUDA "
+                             "device, or use backend='inductor' or 'eager'")
+    if backend == "hpu":
+        from . import hpu
+        hpu.require()
+    if backend == "hpu" and device.type != "hpu":
+        raise TranspileError(f"backend='hpu' runs on Intel Gaudi, but the model's parameters "
+                             f"are on {device.type}: move the model to 'hpu', or use "
+                             "backend='auto'")
+    return backend
+
+
+def check_process_group(device: torch.device) -> None:
+    """The default process group must be able to reduce tensors of `device`."""
+    need = PROCESS_GROUP.get(device.type)
+    have = dist.get_backend()
+    # A group may name a backend per device: "cpu:gloo,cuda:nccl".
+    per_device = dict(part.split(":", 1) for part in have.split(",") if ":" in part)
+    got = per_device.get(device.type, have)
+    if need is not None and got != need:
+        raise TranspileError(
+            f"the model's parameters are on {device.type} but the default process group "
+            f"uses {got!r}: initialize it with backend={need!r} for {device.type} tensors "
+            f"(torch.distributed.init_process_group({need!r}))")
 
 
 def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
         gm, written = reinplace(program)
         return Executable(lambda inputs: gm(*inputs), written)
+    if backend == "inductor":
+        return _with_outputs(*_updating_inputs(program), _inductor)
+    if backend == "cudagraphs":
+        return _with_outputs(*_updating_inputs(program), _cudagraphs)
+    if backend == "hpu":
+        from . import hpu   # imports the Gaudi stack, only when asked for
+        return _with_outputs(*_updating_inputs(program), hpu.compile_graph)
     raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+# The program's node order is already scheduled for overlap (schedule_comm):
+# inductor's own reordering for memory would move the gradients a bucket waits
+# for after the rest of the backward pass.
+_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+
+
+def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) -> Callable:
+    """Inductor on the program's graph as it is: it is already whole, functional
+    and ATen-level, so it goes to the compiler directly (no Dynamo re-trace, no
+    guards), compiled on the first call from the real inputs."""
+    patches = dict(_INDUCTOR_OPTIONS, **({"triton.cudagraphs": True} if cudagraphs else {}))
+    compiled = None
+
+    def run(*inputs):
+        nonlocal compiled
+        if compiled is None:
+            if cudagraphs:
+                # Read and updated where they are; the other inputs (the batch,
+                # the hyperparameters) are copied into the graph's own buffers.
+                for tensor, is_static in zip(inputs, static):
+                    if is_static:
+                        torch._dynamo.mark_static_address(tensor)
+            compiled = compile_fx(gm, list(inputs), config_patches=patches)
+        return compiled(*inputs)
+    return run
+
+
+def _cudagraphs(gm: fx.GraphModule, static: list[bool]) -> Callable:
+    return _inductor(gm, static, cudagraphs=True)
+
+
+def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph) -> Executable:
+    # Parameters, buffers, optimizer state and held tensors keep their addresses
+    # from call to call: a captured graph may use them in place.
+    static = [n.meta["input"].kind in ("param", "buffer", "state", "held")
+              for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = compile_graph(gm, static)
+
+    def run(inputs):
+        returned = iter(compiled(*inputs))
+        return [None if w else next(returned) for w in written]
+    return Executable(run, written)
+
+
+def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
+    """A copy of the program that writes every `update` output into its input
+    (copy_ at the end) and returns only the other outputs; for each output of
+    the program, whether it is written that way."""
+    graph = copy.deepcopy(program.graph)
+    placeholders = {spec.name: n for spec, n in
+                    zip(program.inputs, [n for n in graph.nodes if n.op == "placeholder"])}
+    out = graph.output_node()
+    kept, written = [], []
+    with graph.inserting_before(out):
+        for spec, value in zip(program.outputs, out.args[0]):
+            if spec.kind == "update":
+                target = placeholders[spec.target]
+                if value is not target:
+                    graph.call_function(torch.ops.aten.copy_.default, (target, value))
+            else:
+                kept.append(value)
+            written.append(spec.kind == "update")
+    out.args = (tuple(kept),)
+    _packs_as_cat(graph)
+    graph.lint()
+    return fx.GraphModule(program.gm, graph), written
+
+
+def _packs_as_cat(graph: fx.Graph) -> None:
+    """new_empty, then slice_scatter of each value into its slice (how
+    coalesce_tensors packs a bucket, which runs well op by op) -> one cat of
+    the values, which a compiler lowers to one write per value into its slice
+    (a chain of slice_scatters compiles to a select per element among all of them)."""
+    scatter = torch.ops.aten.slice_scatter.default
+    for node in list(graph.nodes):
+        if node.target is not scatter or any(u.target is scatter for u in node.users):
+            continue
+        chain = [node]
+        while chain[-1].args[0].target is scatter:
+            chain.append(chain[-1].args[0])
+        chain.reverse()
+        base = chain[0].args[0]
+        ends = [0] + [n.args[4] for n in chain]
+        if (base.target is not torch.ops.aten.new_empty.default
+                or any(n.args[2] != 0 or n.args[3] != start for n, start in zip(chain, ends))
+                or ends[-1] != base.meta["val"].numel()
+                or any(len(n.users) > 1 for n in chain[:-1])):
+            continue
+        with graph.inserting_before(node):
+            cat = graph.call_function(torch.ops.aten.cat.default, ([n.args[1] for n in chain],))
+        cat.meta.update(node.meta)
+        node.replace_all_uses_with(cat)
+        for n in reversed(chain):
+            graph.erase_node(n)
+        graph.erase_node(base)

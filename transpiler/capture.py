@@ -136,10 +136,11 @@ class HyperSlot:
     group: int
     key: str
     dtype: torch.dtype
+    device: torch.device   # the group's: a compiled device graph reads no host tensor
 
     def read(self, leaves):
         return torch.tensor(float(self.optimizer.param_groups[self.group][self.key]),
-                            dtype=self.dtype)
+                            dtype=self.dtype, device=self.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,9 +262,11 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
                                StateSlot(opt, p, key), value)
         for gi, group in enumerate(opt.param_groups):
             wide = any(p.dtype == torch.float64 for p in group["params"])
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
             for key in LIFTED_HYPERPARAMETERS.get(type(opt), ()):
                 if _is_number(group.get(key)):
-                    slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32)
+                    slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32,
+                                     device)
                     inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):

@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import agreement
-from .backends import Executable, compile_program
+from .backends import Executable, check_process_group, compile_program, device_of, resolve
 from .capture import Captured, HeldSlot, describe_change, flatten_args, signature, trace_step
 from .errors import TranspileError
 from .modes import STARTUP_PASSES
@@ -39,6 +39,7 @@ class _Runnable:
     program: Program
     slots: list
     targets: list
+    backend: str
     executable: Executable | None = None
 
     @property
@@ -55,6 +56,7 @@ class _Built:
     refresh: _Runnable | None   # initialize the held tensors only
     out_spec: pytree.TreeSpec
     state_key: tuple   # identity of the parameters and buffers it runs on
+    backend: str       # the concrete backend its programs compile with
 
 
 _LOADED = "loaded"   # held tensors restored by load_state_dict, for the next state set
@@ -77,7 +79,9 @@ class TranspiledStep:
         # that does not carry them has run (or before the first startup).
         self._held_for: tuple | str | None = None
         self.startup_program: Program | None = None
-        self.build_seconds = 0.0  # one-time costs so far: trace, passes, compile, startup
+        # One-time costs so far: traces, passes, and the first run of each program
+        # (which is when compiled backends compile).
+        self.build_seconds = 0.0
 
     @property
     def program(self) -> Program:
@@ -89,6 +93,11 @@ class TranspiledStep:
         """Every program of the schedule, built for the arguments of the last call,
         by name ("main"; local_sgd: "warmup", "local", "sync")."""
         return {name: r.program for name, r in self._last_built().programs.items()}
+
+    @property
+    def compiled_backend(self) -> str:
+        """The backend the programs of the last call run with ("auto" resolved)."""
+        return self._last_built().backend
 
     def _last_built(self) -> _Built:
         if self._last is None:
@@ -166,23 +175,27 @@ class TranspiledStep:
         try:
             captured = self._trace(step_args, sig)
             start = time.perf_counter()
+            device = device_of(captured.program)
+            backend = resolve(self.backend, device)
+            if world_size > 1:
+                check_process_group(device)
             programs = {}
             for name, passes in self.schedule.programs.items():
                 program = captured.program.copy(name)
                 run_passes(program, passes, ctx)
-                programs[name] = _Runnable(program, *self._bind(program, captured))
+                programs[name] = _Runnable(program, *self._bind(program, captured), backend)
             held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
                          if spec.kind == "held"}.values())
             startup = refresh = None
             if world_size > 1:
                 program = startup_program(captured, held)
                 run_passes(program, STARTUP_PASSES, ctx)
-                startup = _Runnable(program, *self._bind(program, captured))
+                startup = _Runnable(program, *self._bind(program, captured), "eager")
             if held:
                 program = startup_program(captured, held, name="refresh")
-                refresh = _Runnable(program, *self._bind(program, captured))
+                refresh = _Runnable(program, *self._bind(program, captured), "eager")
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(programs, startup, refresh, captured.out_spec, state_key)
+            built = _Built(programs, startup, refresh, captured.out_spec, state_key, backend)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -224,28 +237,29 @@ class TranspiledStep:
     def _run(self, runnable: _Runnable, leaves) -> list:
         """Run a program on the live tensors; write the new state back only once
         the whole program has succeeded (outputs it wrote in place need none)."""
-        if runnable.executable is None:
-            start = time.perf_counter()
-            runnable.executable = compile_program(runnable.program, self.backend)
-            self.build_seconds += time.perf_counter() - start
+        first = runnable.executable is None
+        if first:
+            runnable.executable = compile_program(runnable.program, runnable.backend)
+        start = time.perf_counter()
         executable = runnable.executable
         with torch.no_grad():
             outputs = executable.run([slot.read(leaves) for slot in runnable.slots])
             for target, value, written in zip(runnable.targets, outputs, executable.written):
                 if target is not None and not written:
                     target.write(value)
+        if first:   # compilers compile on the first run
+            seconds = time.perf_counter() - start
+            self.build_seconds += seconds
+            log.info("transpiler: first run of program %r (%s) took %.2fs",
+                     runnable.program.name, runnable.backend, seconds)
         return outputs
 
     def _run_startup(self, built: _Built, startup: _Runnable) -> None:
         """Run the startup program (or the refresh of the held tensors alone)."""
-        start = time.perf_counter()
         if self._held_for not in (None, built.state_key):
             self._held.clear()   # they belonged to another model
-        if startup.executable is None:
-            startup.executable = compile_program(startup.program, "eager")
         self._run(startup, None)
         self.startup_program = startup.program
         self._held_for = built.state_key
-        self.build_seconds += time.perf_counter() - start
 
 

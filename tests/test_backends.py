@@ -1,0 +1,139 @@
+"""Compiled backends. inductor gives the parameters eager gives, in every mode,
+on 2 CPU ranks; auto picks it on CPU; a learning-rate change never recompiles;
+a backend the device cannot run is a clear error before anything runs. The
+CUDA and cudagraphs paths run where a GPU is present and skip elsewhere."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+from transpiler import backends, hpu
+
+STEPS = 5
+BATCH = 12
+CASES = [("grad_allreduce", "adamw", {}), ("fuse_all_reduce", "sgd", {}),
+         ("local_sgd", "nesterov", {"k_steps": 2})]
+
+
+def _train(backend, mode, opt_name, options, rank=0, world_size=1, device="cpu"):
+    model = M.make("mlp", seed=rank).to(device)
+    opt = M.make_optimizer(opt_name, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+    step = transpile(M.classify_step, mode=mode, backend=backend, **options)
+    for batch in M.batches("mlp", STEPS, BATCH):
+        step(model, opt, *(t.to(device) for t in M.shard(batch, rank, world_size)))
+        scheduler.step()
+    return M.state_of(model, opt), step
+
+
+def rank_inductor_vs_eager(mode, opt_name, options):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    frames = torch._dynamo.utils.counters["aot_autograd"]["total"]
+    compiled, step = _train("inductor", mode, opt_name, options, rank, world_size)
+    compiles = torch._dynamo.utils.counters["aot_autograd"]["total"] - frames
+    eager, _ = _train("eager", mode, opt_name, options, rank, world_size)
+    return compiled, eager, compiles, step.compiled_backend
+
+
+@pytest.mark.parametrize("mode,opt_name,options", CASES, ids=[c[0] for c in CASES])
+def test_inductor_equals_eager_on_ranks(mode, opt_name, options, ranks2):
+    for compiled, eager, compiles, backend in ranks2.run(rank_inductor_vs_eager, mode, opt_name,
+                                                         options):
+        assert backend == "inductor"
+        assert M.max_rel_error(compiled, eager) <= 1e-5
+        # One compile per program that ran: the first step's (it creates the
+        # optimizer state), then the steady state's (local_sgd: local and
+        # sync). The scheduler changes the lr every step without a recompile.
+        assert compiles == (3 if mode == "local_sgd" else 2)
+
+
+def test_auto_is_inductor_on_cpu():
+    compiled, step = _train("auto", "grad_allreduce", "sgd", {})
+    eager, _ = _train("eager", "grad_allreduce", "sgd", {})
+    assert step.compiled_backend == "inductor"
+    assert M.max_rel_error(compiled, eager) <= 1e-5
+
+
+def test_new_batch_shape_recompiles_once_and_says_why(caplog):
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step, backend="inductor")
+    big, small = M.batches("mlp", 1, 8)[0], M.batches("mlp", 1, 4)[0]
+    for batch in (big, big, big):
+        step(model, opt, *batch)
+    frames = torch._dynamo.utils.counters["aot_autograd"]["total"]
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        for batch in (small, small, big):
+            step(model, opt, *batch)
+    assert torch._dynamo.utils.counters["aot_autograd"]["total"] - frames == 1
+    assert "float32[8, 16] on cpu -> float32[4, 16] on cpu" in caplog.text
+
+
+def test_failed_step_leaves_state_untouched_under_inductor():
+    model = M.make("tied")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(M.lm_step, backend="inductor")
+    tokens, targets = M.batches("tied", 1, 4)[0]
+    for _ in range(2):
+        step(model, opt, tokens, targets)
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    bad = tokens.clone()
+    bad[0, 0] = 1000  # out of the embedding's range
+    with pytest.raises(Exception, match="index out of bounds|out of range"):
+        step(model, opt, bad, targets)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(v, after[p][k]) for p, st in before[1]["state"].items()
+               for k, v in st.items())
+
+
+def test_cudagraphs_on_a_cpu_model_is_a_clear_error():
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    before = copy.deepcopy(model.state_dict())
+    step = transpile(M.classify_step, backend="cudagraphs")
+    with pytest.raises(TranspileError, match="backend='cudagraphs' captures CUDA graphs, but "
+                                             "the model's parameters are on cpu"):
+        step(model, opt, *M.batches("mlp", 1, 4)[0])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.skipif(hpu.present(), reason="the Gaudi stack is installed")
+def test_hpu_without_the_gaudi_stack_says_to_install_it():
+    with pytest.raises(TranspileError, match="needs the Intel Gaudi software stack"):
+        transpile(M.classify_step, backend="hpu")
+
+
+@pytest.mark.parametrize("device,group,message", [
+    ("cpu", "nccl", "on cpu but the default process group uses 'nccl': initialize it "
+                    "with backend='gloo'"),
+    ("cuda", "gloo", "on cuda but the default process group uses 'gloo'"),
+    ("cuda", "cpu:gloo,cuda:gloo", "uses 'gloo'"),
+])
+def test_process_group_must_match_the_device(device, group, message, monkeypatch):
+    monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
+    with pytest.raises(TranspileError, match=message):
+        backends.check_process_group(torch.device(device))
+
+
+def test_process_group_matching_the_device_passes(monkeypatch):
+    for device, group in [("cpu", "gloo"), ("cuda", "nccl"), ("cpu", "cpu:gloo,cuda:nccl")]:
+        monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
+        backends.check_process_group(torch.device(device))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["inductor", "cudagraphs", "auto"])
+def test_cuda_backend_equals_eager(backend):
+    compiled, step = _train(backend, "grad_allreduce", "adamw", {}, device="cuda")
+    eager, _ = _train("eager", "grad_allreduce", "adamw", {}, device="cuda")
+    assert M.max_rel_error(compiled, eager) <= 1e-5
+    assert step.compiled_backend == ("inductor" if backend == "auto" else backend)
