@@ -137,3 +137,19 @@ def test_cuda_backend_equals_eager(backend):
     eager, _ = _train("eager", "grad_allreduce", "adamw", {}, device="cuda")
     assert M.max_rel_error(compiled, eager) <= 1e-5
     assert step.compiled_backend == ("inductor" if backend == "auto" else backend)
+
+
+@pytest.mark.parametrize("opt_name,foreach", [("sgd", False), ("nesterov", False), ("adam", False),
+                                              ("adamw", False), ("adamw", True)])
+def test_optimizers_compile(opt_name, foreach):
+    # The trace takes every optimizer's foreach, capturable formulation whatever
+    # the user chose, so the single-tensor and foreach variants compile alike.
+    states = []
+    for backend in ("inductor", "eager"):
+        model = M.make("mlp")
+        opt = M.make_optimizer(opt_name, model, foreach=foreach)
+        step = transpile(M.classify_step, backend=backend)
+        for batch in M.batches("mlp", 3, BATCH):
+            step(model, opt, *batch)
+        states.append(M.state_of(model, opt))
+    assert M.max_rel_error(*states) <= 1e-5

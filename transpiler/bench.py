@@ -378,27 +378,41 @@ def combine(per_rank: list[dict]) -> Measurement:
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
-              warmup: int) -> dict[str, dict[str, Measurement | str]]:
-    """Every config on every model, each in fresh ranks: a Measurement, or the
-    error text of a failed configuration."""
+              warmup: int, repeat: int = 1) -> dict[str, dict[str, Measurement | str]]:
+    """Every config on every model, each in fresh ranks, `repeat` rounds of the
+    whole list (so that a machine whose speed drifts affects every config
+    alike): a Measurement whose step_ms is the median over the rounds and whose
+    setup_s is the first round's (cold compile caches), or the error text of a
+    failed configuration."""
     jobs = [Job(m, c, warmup, steps) for m in models for c in configs]
+    rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
     with _cold_inductor_cache():
-        for i, job in enumerate(jobs, 1):
-            tag = f"[{i}/{len(jobs)}] {job.model} {job.config}"
-            log.info("%s ...", tag)
-            start = time.perf_counter()
-            try:
-                m = combine(run_ranks(job, world_size))
-            except BenchError as exc:
-                log.error("%s FAILED: %s", tag, exc)
-                lines = str(exc).strip().splitlines()
-                out[job.model][job.config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
-                continue
-            out[job.model][job.config] = m
-            log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
-                     m.setup_s, time.perf_counter() - start)
-    return out
+        for r in range(1, repeat + 1):
+            for i, job in enumerate(jobs, 1):
+                if isinstance(out[job.model].get(job.config), str):
+                    continue   # failed in an earlier round
+                tag = (f"[{i}/{len(jobs)}]" + (f" round {r}/{repeat}" if repeat > 1 else "")
+                       + f" {job.model} {job.config}")
+                log.info("%s ...", tag)
+                start = time.perf_counter()
+                try:
+                    m = combine(run_ranks(job, world_size))
+                except BenchError as exc:
+                    log.error("%s FAILED: %s", tag, exc)
+                    lines = str(exc).strip().splitlines()
+                    out[job.model][job.config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
+                    continue
+                rounds[job].append(m)
+                log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
+                         m.setup_s, time.perf_counter() - start)
+    for job, ms in rounds.items():
+        if ms and job.config not in out[job.model]:
+            out[job.model][job.config] = Measurement(
+                step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
+                peak_rss_mb=max(m.peak_rss_mb for m in ms),
+                base_rss_mb=max(m.base_rss_mb for m in ms))
+    return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
 def _ratio(value: float, reference: float | None) -> float | None:
@@ -423,7 +437,7 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
 # ------------------------------------------------------------ output
 
 def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
-                 load: float) -> list[str]:
+                 load: float, repeat: int = 1) -> list[str]:
     base = [m.base_rss_mb for r in raw.values() for m in r.values() if isinstance(m, Measurement)]
     base_text = f"{min(base):.0f}-{max(base):.0f} MB" if base else "n/a"
     return [
@@ -432,7 +446,8 @@ def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
         f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {load:.2f} at start)",
         f"# step_ms: median over {steps} timed steps (after {warmup} warm-up) of the slowest "
-        "rank's time for the step, each step between dist.barrier()s; gloo, CPU, 1 thread/rank",
+        "rank's time for the step, each step between dist.barrier()s; gloo, CPU, 1 thread/rank"
+        + (f"; median of {repeat} interleaved rounds" if repeat > 1 else ""),
         "# vs_ddp = step_ms / ddp;  vs_limit = step_ms / max(local, allreduce_only)",
         "# peak_rss_mb: ru_maxrss of fresh rank processes that ran only this config, max over "
         f"ranks (includes python, torch, model, data: {base_text} before the step was built)",
@@ -539,6 +554,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed steps after the first call (default 5)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated, of {', '.join(CONFIGS)} (default all)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of the whole list of configs; step_ms is the median over "
+                        "them (default 1)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     return p.parse_args(argv)
@@ -550,8 +568,9 @@ def main(argv=None) -> int:
     try:
         models = _names(args.models, MODELS, "model")
         configs = _with_references(_names(args.configs, CONFIGS, "config"))
-        if args.world_size < 1 or args.steps < 1 or args.warmup < 0:
-            raise BenchError("need --world-size >= 1, --steps >= 1 and --warmup >= 0")
+        if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+            raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0 and "
+                             "--repeat >= 1")
         if args.plot:
             _pyplot()      # fail now, not after minutes of benchmarking
     except BenchError as exc:
@@ -559,9 +578,9 @@ def main(argv=None) -> int:
         return 2
     start, load = time.perf_counter(), os.getloadavg()[0]
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
-                    warmup=args.warmup)
+                    warmup=args.warmup, repeat=args.repeat)
     summary = summarize(raw)
-    header = header_lines(args.world_size, args.steps, args.warmup, raw, load)
+    header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat)
     print("\n".join(header + [format_table(raw, summary)]), flush=True)
     log.info("bench finished in %.1fs", time.perf_counter() - start)
     if args.json:
