@@ -7,6 +7,7 @@ test session: spawning ranks costs seconds, so tests share them.
 `fn` must be a module-level function; an exception on any rank is raised here
 with that rank's traceback; a rank that does not answer within the timeout
 fails the call and the pool is torn down (no test waits forever).
+`RankPool(2, pg_timeout_s=5)` gives the process group that timeout.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import torch.multiprocessing as mp
 _TIMEOUT_S = 180
 
 
-def _worker(rank, world_size, store_path, tasks, results):
+def _worker(rank, world_size, store_path, tasks, results, pg_timeout_s):
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = None if pg_timeout_s is None else datetime.timedelta(seconds=pg_timeout_s)
     dist.init_process_group("gloo", init_method=f"file://{store_path}",
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, timeout=timeout)
     while True:
         task = tasks.get()
         if task is None:
@@ -45,7 +49,7 @@ class RankFailure(Exception):
 
 
 class RankPool:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, pg_timeout_s: float | None = None):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory()
@@ -53,30 +57,35 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, store, self._tasks[r], self._results))
+                                   args=(r, world_size, store, self._tasks[r], self._results,
+                                         pg_timeout_s))
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = _TIMEOUT_S, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = _TIMEOUT_S, only: list[int] | None = None,
+            **kwargs) -> list:
+        """fn on every rank; the results of every rank, or of the ranks in `only`
+        (for a test in which the others die)."""
         if not self.alive:
             raise RankFailure("the rank pool was torn down by an earlier failure")
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        waited = set(range(self.world_size) if only is None else only)
         got: dict[int, tuple] = {}
         try:
-            while len(got) < self.world_size:
+            while not waited <= set(got):
                 rank, ok, value = self._results.get(timeout=timeout)
                 got[rank] = (ok, value)
         except queue.Empty:
             self.close(kill=True)
-            raise RankFailure(f"ranks {sorted(set(range(self.world_size)) - set(got))} did not "
+            raise RankFailure(f"ranks {sorted(waited - set(got))} did not "
                               f"answer {fn.__name__} within {timeout}s") from None
-        errors = {r: v for r, (ok, v) in got.items() if not ok}
+        errors = {r: v for r, (ok, v) in got.items() if not ok and r in waited}
         if errors:
             rank = min(errors)
             raise RankFailure(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
-        return [got[r][1] for r in range(self.world_size)]
+        return [got[r][1] for r in sorted(waited)]
 
     @property
     def alive(self) -> bool:
