@@ -1,11 +1,13 @@
 """Ranks that would run different programs, or a rank that cannot build its
-program, make every rank raise a clear error instead of hanging."""
+program, make every rank raise a clear error instead of hanging; ranks whose
+parameters diverged are found by check_consistency."""
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests import models as M
-from transpiler import TranspileError, transpile
+from transpiler import DivergenceError, TranspileError, transpile
 
 
 def _outcome(fn):
@@ -67,3 +69,53 @@ def test_a_rank_that_cannot_build_stops_every_rank(ranks2):
     assert rank0.startswith("rank 1 could not build the step, so no rank runs it")
     assert "depends on the value of a tensor" in rank0
     assert "depends on the value of a tensor" in rank1
+
+
+def rank_consistency():
+    rank = dist.get_rank()
+    model = M.make("mlp", seed=rank)
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step, mode="fuse_all_reduce")
+    batches = M.batches("mlp", 3, 12)
+    for batch in batches:
+        step(model, opt, *M.shard(batch, rank, 2))
+    agreed = step.check_consistency()
+    if rank == 1:
+        with torch.no_grad():
+            model.layers[1].bias[0] += 1e-7   # one value, by about one ulp
+    return agreed, step.check_consistency()
+
+
+def test_check_consistency_names_the_parameter_and_rank(ranks2):
+    for agreed, diverged in ranks2.run(rank_consistency):
+        assert agreed == []
+        assert diverged == ["layers.1.bias: ranks 1 differ from rank 0"]
+
+
+def rank_check_every(mode, options):
+    rank = dist.get_rank()
+    model = M.make("mlp", seed=rank)
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step, mode=mode, check_every=2, **options)
+    for i, batch in enumerate(M.batches("mlp", 6, 12)):
+        if i == 3 and rank == 1 and mode != "local_sgd":
+            with torch.no_grad():
+                model.layers[0].weight.mul_(1.5)
+        try:
+            step(model, opt, *M.shard(batch, rank, 2))
+        except DivergenceError as exc:
+            return i, str(exc)
+    return None
+
+
+def test_check_every_raises_on_every_rank(ranks2):
+    for outcome in ranks2.run(rank_check_every, "grad_allreduce", {}):
+        assert outcome is not None
+        i, message = outcome
+        assert i == 3   # the edit before step 3 is seen after it (step count 4)
+        assert "differ after step 4: layers.0.weight: ranks 1 differ from rank 0" in message
+
+
+def test_check_every_waits_for_local_sgd_syncs(ranks2):
+    # Between syncs the ranks differ by design; the checks run after syncs only.
+    assert ranks2.run(rank_check_every, "local_sgd", {"k_steps": 3}) == [None, None]

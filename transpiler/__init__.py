@@ -6,11 +6,11 @@
 """
 
 from .api import transpile
-from .errors import PassError, TranspileError
+from .errors import DivergenceError, PassError, TranspileError
 from .modes import MODES
 from .pipeline import PassContext, run_passes
 from .program import Program
 from .roles import Role
 
-__all__ = ["transpile", "TranspileError", "PassError", "MODES", "PassContext",
+__all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "MODES", "PassContext",
            "run_passes", "Program", "Role"]

@@ -23,7 +23,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               fuse_dtype: torch.dtype | None = None,
               k_steps: int | None = None, begin_step: int | None = None,
               adaptive: bool | None = None,
-              backend: str = "eager") -> TranspiledStep:
+              backend: str = "eager", check_every: int | None = None) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -43,6 +43,9 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     (torch.compile, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
     program), "hpu" (Intel Gaudi), or "auto" (hpu on a Gaudi device, else
     inductor). Each program compiles on its first run.
+    check_every: every this many steps, compare a checksum of the parameters
+    across the ranks (local_sgd: at the next sync) and raise DivergenceError if
+    they differ; None: never (call step.check_consistency() yourself).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -77,10 +80,12 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if backend == "hpu":
         hpu.require()
+    if check_every is not None and (not _is_int(check_every) or check_every < 1):
+        raise TranspileError(f"check_every must be an integer >= 1 or None, got {check_every!r}")
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive))
-    return TranspiledStep(step_fn, schedule, settings, backend=backend)
+    return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every)
 
 
 def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:

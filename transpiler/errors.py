@@ -8,3 +8,7 @@ class TranspileError(Exception):
 
 class PassError(TranspileError):
     """A pass failed or its requirements were not met."""
+
+
+class DivergenceError(TranspileError):
+    """The ranks' parameters are no longer the same (check_consistency)."""

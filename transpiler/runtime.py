@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import agreement
+from . import agreement, consistency
 from .backends import Executable, check_process_group, compile_program, device_of, resolve
 from .capture import Captured, HeldSlot, describe_change, flatten_args, signature, trace_step
-from .errors import TranspileError
+from .errors import DivergenceError, TranspileError
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
 from .program import Program, format_collectives
@@ -63,8 +63,11 @@ _LOADED = "loaded"   # held tensors restored by load_state_dict, for the next st
 
 
 class TranspiledStep:
-    def __init__(self, step_fn: Callable, schedule, settings: PassContext, *, backend: str):
+    def __init__(self, step_fn: Callable, schedule, settings: PassContext, *, backend: str,
+                 check_every: int | None = None):
         self.step_fn = step_fn
+        self.check_every = check_every
+        self._check_due = False
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
@@ -114,6 +117,28 @@ class TranspiledStep:
             raise TranspileError(f"no program {name!r}; this step has {', '.join(programs)}")
         return format_collectives(programs[name] if name else self.program)
 
+    def check_consistency(self) -> list[str]:
+        """Compare a checksum of every parameter across the ranks: one line per
+        parameter that differs, naming the ranks (empty when they all agree). A
+        collective: call it on every rank at the same step. (Under local SGD the
+        ranks differ between syncs by design.)"""
+        built = self._last_built()
+        if world()[0] == 1:
+            return []
+        runnable = next(iter(built.programs.values()))
+        named = [(spec.name, slot.read(None)) for spec, slot
+                 in zip(runnable.program.inputs, runnable.slots) if spec.kind == "param"]
+        return consistency.divergent(named)
+
+    def _raise_if_divergent(self) -> None:
+        lines = self.check_consistency()
+        if lines:
+            raise DivergenceError(
+                f"the ranks' parameters differ after step {self.schedule.step}: "
+                + "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+                + ". Something outside the transpiled step changed them on some ranks "
+                "(a different seed, data-dependent code, an in-place edit).")
+
     def state_dict(self) -> dict:
         """The step's own state: its schedule (step counter; local_sgd: steps since
         the last sync, k) and its held tensors while they are current (local_sgd:
@@ -156,6 +181,11 @@ class TranspiledStep:
             self._held_for = None   # the parameters moved on without their snapshots
         self._last, self._last_run = built, name
         self.schedule.advance(name, self._held)
+        if self.check_every and self.schedule.step % self.check_every == 0:
+            self._check_due = True
+        if self._check_due and name != "local":   # local SGD's ranks differ until the sync
+            self._check_due = False
+            self._raise_if_divergent()
         return pytree.tree_unflatten(list(outputs[:built.out_spec.num_leaves]), built.out_spec)
 
     def _held_current(self, runnable: _Runnable, state_key: tuple) -> bool:
