@@ -23,7 +23,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               fuse_dtype: torch.dtype | None = None,
               k_steps: int | None = None, begin_step: int | None = None,
               adaptive: bool | None = None,
-              backend: str = "eager", check_every: int | None = None) -> TranspiledStep:
+              backend: str = "eager", check_every: int | None = None,
+              skip_nonfinite: bool = False) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -43,6 +44,9 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     (torch.compile, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
     program), "hpu" (Intel Gaudi), or "auto" (hpu on a Gaudi device, else
     inductor). Each program compiles on its first run.
+    skip_nonfinite: skip the update (parameters, buffers, optimizer state) of a
+    step whose summed gradients contain NaN or Inf, on every rank alike, and
+    count it in step.skipped_steps.
     check_every: every this many steps, compare a checksum of the parameters
     across the ranks (local_sgd: at the next sync) and raise DivergenceError if
     they differ; None: never (call step.check_consistency() yourself).
@@ -64,6 +68,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         if given:
             raise TranspileError(f"{', '.join(given)} apply only to mode='local_sgd'")
         schedule = EveryStep(MODES[mode] if passes is None else passes)
+    if not isinstance(skip_nonfinite, bool):
+        raise TranspileError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    if skip_nonfinite:
+        schedule.programs = {name: p + ("skip_nonfinite",) for name, p in schedule.programs.items()}
     for program_passes in schedule.programs.values():
         for p in program_passes:
             resolve(p)

@@ -98,6 +98,11 @@ class TranspiledStep:
         return {name: r.program for name, r in self._last_built().programs.items()}
 
     @property
+    def skipped_steps(self) -> int:
+        """Steps whose update skip_nonfinite skipped (non-finite summed gradients)."""
+        return self.schedule.skipped
+
+    @property
     def compiled_backend(self) -> str:
         """The backend the programs of the last call run with ("auto" resolved)."""
         return self._last_built().backend
@@ -181,6 +186,9 @@ class TranspiledStep:
             self._held_for = None   # the parameters moved on without their snapshots
         self._last, self._last_run = built, name
         self.schedule.advance(name, self._held)
+        for spec in runnable.program.outputs:   # read by the schedule; gone with the step
+            if spec.kind == "held" and spec.target not in runnable.held:
+                self._held.pop(spec.target, None)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
         if self._check_due and name != "local":   # local SGD's ranks differ until the sync

@@ -23,29 +23,46 @@ log = logging.getLogger("transpiler")
 MEAN_LOSS = "local_sgd.mean_loss"
 LR = "local_sgd.lr"
 MAX_K = 16
+# Held value a program outputs with skip_nonfinite: whether it skipped its update.
+NONFINITE = "skip_nonfinite.skipped"
 
 
-class EveryStep:
+class Schedule:
+    """Counts the steps taken and the updates skip_nonfinite skipped."""
+
+    programs: dict[str, tuple[PassLike, ...]]
+
+    def __init__(self):
+        self.step = 0
+        self.skipped = 0
+
+    def next_program(self) -> str:
+        raise NotImplementedError
+
+    def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
+        self.step += 1
+        if NONFINITE in held:
+            self.skipped += int(held[NONFINITE])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.skipped = int(state["step"]), int(state.get("skipped", 0))
+
+
+class EveryStep(Schedule):
     """One program, "main", at every step."""
 
     def __init__(self, passes: Sequence[PassLike]):
-        self.programs: dict[str, tuple[PassLike, ...]] = {"main": tuple(passes)}
-        self.step = 0
+        super().__init__()
+        self.programs = {"main": tuple(passes)}
 
     def next_program(self) -> str:
         return "main"
 
-    def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
-        self.step += 1
 
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-
-
-class LocalSGD:
+class LocalSGD(Schedule):
     """Steps before `begin_step` run "warmup" (gradients averaged every step).
     Then each period of k steps runs "local" k-1 times and ends with "sync",
     which averages the parameters. With `adaptive`, k is recomputed after each
@@ -55,10 +72,10 @@ class LocalSGD:
 
     def __init__(self, programs: Mapping[str, Sequence[PassLike]], k_steps: int,
                  begin_step: int, adaptive: bool):
+        super().__init__()
         runs = {"warmup": begin_step > 0, "local": k_steps > 1 or adaptive, "sync": True}
         self.programs = {name: tuple(p) for name, p in programs.items() if runs[name]}
         self.k_steps, self.begin_step, self.adaptive = k_steps, begin_step, adaptive
-        self.step = 0
         self.since_sync = 0           # local steps since the last sync
         self.k = k_steps
         self.loss0: float | None = None
@@ -70,7 +87,7 @@ class LocalSGD:
         return "sync" if self.since_sync + 1 >= self.k else "local"
 
     def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
-        self.step += 1
+        super().advance(program, held)
         if program == "local":
             self.since_sync += 1
         elif program == "sync":
@@ -91,9 +108,10 @@ class LocalSGD:
         return min(MAX_K, max(1, math.ceil(math.sqrt(ratio * self.k_steps))))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "since_sync": self.since_sync, "k": self.k,
+        return {**super().state_dict(), "since_sync": self.since_sync, "k": self.k,
                 "loss0": self.loss0, "lr0": self.lr0}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.since_sync, self.k = (int(state[k]) for k in ("step", "since_sync", "k"))
+        super().load_state_dict(state)
+        self.since_sync, self.k = int(state["since_sync"]), int(state["k"])
         self.loss0, self.lr0 = state["loss0"], state["lr0"]

@@ -1,0 +1,53 @@
+"""skip_nonfinite: skip the update of a step whose summed values are not all finite.
+
+Requires nothing; reads what the reduction passes produced, so it runs after them.
+Produces: `ok`, a 0-d bool that is true when every result of an all-reduce
+(summed gradients, local SGD's summed deltas) is finite; a program without
+collectives checks its gradients. Then each `update` output v of input x
+becomes where(ok, v, x), and each optimizer state entry the step creates
+where(ok, v, 0) (zeros are what SGD's momentum and Adam's moments and step count
+start from); a held output (transpiler.schedule.NONFINITE) says whether the step
+was skipped, for the schedule to count. Every rank computes ok from the same
+reduced values, so every rank skips alike. New nodes have role OPTIMIZE.
+Order: after insert_allreduce or coalesce_tensors (and local_sgd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transpiler.collectives import WAIT
+from transpiler.pipeline import PassContext
+from transpiler.program import OutputSpec, Program, new_node
+from transpiler.roles import COMM, Role
+from transpiler.schedule import NONFINITE
+
+aten = torch.ops.aten
+
+
+def skip_nonfinite(program: Program, ctx: PassContext) -> None:
+    graph, out = program.graph, program.output_node
+    summed = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT
+              and n.meta[COMM].op == "all_reduce"]
+    checked = summed or list(program.grads.values())
+    if not checked:
+        return
+    placeholders = {spec.name: n for spec, n in zip(program.inputs, program.placeholders)}
+
+    def node(target, args):
+        return new_node(graph, target, args, Role.OPTIMIZE)
+
+    with graph.inserting_before(out):
+        ok = None
+        for value in checked:
+            finite = node(aten.all.default, (node(aten.isfinite.default, (value,)),))
+            ok = finite if ok is None else node(aten.logical_and.default, (ok, finite))
+        values = list(out.args[0])
+        for i, spec in enumerate(program.outputs):
+            if spec.kind == "update":
+                values[i] = node(aten.where.self, (ok, values[i], placeholders[spec.target]))
+            elif spec.kind == "state":
+                values[i] = node(aten.where.self, (ok, values[i],
+                                                   node(aten.zeros_like.default, (values[i],))))
+        out.args = (tuple(values),)
+        program.add_output(OutputSpec("held", NONFINITE), node(aten.logical_not.default, (ok,)))
