@@ -2,6 +2,7 @@
 program, make every rank raise a clear error instead of hanging; ranks whose
 parameters diverged are found by check_consistency."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -119,3 +120,25 @@ def test_check_every_raises_on_every_rank(ranks2):
 def test_check_every_waits_for_local_sgd_syncs(ranks2):
     # Between syncs the ranks differ by design; the checks run after syncs only.
     assert ranks2.run(rank_check_every, "local_sgd", {"k_steps": 3}) == [None, None]
+
+
+def rank_different_options(options_by_rank):
+    rank = dist.get_rank()
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    x, y = M.batches("mlp", 1, 12)[0]
+    step = transpile(M.classify_step, **options_by_rank[rank])
+    return _outcome(lambda: step(model, opt, x[6 * rank:6 * rank + 6], y[6 * rank:6 * rank + 6]))
+
+
+@pytest.mark.parametrize("options,what", [
+    ([{"mode": "grad_allreduce"}, {"mode": "fuse_all_reduce"}], "programs"),
+    ([{"nrings": 1}, {"nrings": 3}], "nrings 3 where rank 0 has 1"),
+    ([{"mode": "local_sgd", "k_steps": 4}, {"mode": "local_sgd", "k_steps": 2}], "schedule"),
+    # A warm-up is a program of its own.
+    ([{"mode": "local_sgd", "begin_step": 0}, {"mode": "local_sgd", "begin_step": 3}], "programs"),
+])
+def test_ranks_with_different_modes_or_options_raise(options, what, ranks2):
+    # Before any ring is created: rings are groups every rank must create alike.
+    for outcome in ranks2.run(rank_different_options, options):
+        assert f"rank 1 transpiled the step with {what}" in outcome, outcome

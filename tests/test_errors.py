@@ -160,3 +160,74 @@ def test_optimizer_that_cannot_be_traced_is_named():
     opt = torch.optim.SparseAdam(model.parameters(), lr=0.1)
     with pytest.raises(TranspileError, match=r"SparseAdam.step\(\) cannot be captured at .*optimizer.step\(\)"):
         transpile(M.classify_step)(model, opt, x, y)
+
+
+def test_module_captured_from_a_closure():
+    head = torch.nn.Linear(4, 4)   # reached through the closure, not an argument
+
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(head(model(x)), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    _raises_and_touches_nothing(transpile(step_fn), r"uses a parameter of shape \(4, 4\) that is "
+                                "not among its arguments .* pass every module", None, None,
+                                None, None)
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("bucket_mb", 0, "bucket_mb must be a positive number"),
+    ("first_bucket_mb", -1.0, "first_bucket_mb must be a positive number"),
+    ("check_every", 0, "check_every must be an integer >= 1 or None"),
+    ("skip_nonfinite", "yes", "skip_nonfinite must be True or False"),
+    ("backend", "tpu", "unknown backend 'tpu'; available: eager, inductor"),
+    ("passes", ["scale_loss_grad", "no_such_pass"], "unknown pass 'no_such_pass'"),
+])
+def test_bad_options(option, value, message):
+    with pytest.raises(TranspileError, match=message):
+        transpile(M.classify_step, **{option: value})
+
+
+def test_passes_in_an_order_that_breaks_a_requirement():
+    with pytest.raises(TranspileError, match="pass coalesce_tensors requires scale_loss_grad or "
+                                             "local_sgd to run before it; passes run so far: "
+                                             "capture"):
+        transpile(M.classify_step, passes=["coalesce_tensors", "scale_loss_grad"])
+
+
+def test_new_parameter_group_traces_again_and_trains_it(caplog):
+    import logging
+    steps = []
+    for transpiled in (True, False):
+        torch.manual_seed(0)
+        model = M.make("mlp")
+        frozen = model.layers[0]
+        frozen.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        fn = transpile(M.classify_step) if transpiled else M.classify_step
+        batches = M.batches("mlp", 4, 8)
+        with caplog.at_level(logging.INFO, logger="transpiler"):
+            for i, batch in enumerate(batches):
+                if i == 2:   # unfreeze the first layer and give it to the optimizer
+                    frozen.requires_grad_(True)
+                    opt.add_param_group({"params": list(frozen.parameters()), "lr": 0.05})
+                fn(model, opt, *batch)
+        steps.append(M.state_of(model, opt))
+    assert M.max_rel_error(*steps) <= 1e-6
+    assert "traced classify_step (" in caplog.text and caplog.text.count("traced classify_step") == 2
+
+
+def test_model_cast_after_tracing_traces_again_with_the_reason(caplog):
+    import logging
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(M.classify_step)
+    x, y = M.batches("mlp", 1, 8)[0]
+    step(model, opt, x, y)
+    model.double()
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, x.double(), y)
+    assert "float32" in caplog.text and "float64" in caplog.text
+    assert all(p.dtype == torch.float64 for p in model.parameters())

@@ -57,6 +57,19 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
                 "same model, batch shapes, mode and options")
 
 
+def agree_on_settings(settings: dict[str, str]) -> None:
+    """Before the first collective of a transpiled step (and before its rings
+    are created, which every rank must do alike): the ranks compare how they
+    transpiled it; a difference raises on every rank."""
+    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(settings))]
+    for rank, theirs in enumerate(everyone):
+        for key in everyone[0]:
+            if theirs.get(key) != everyone[0][key]:
+                raise TranspileError(
+                    f"rank {rank} transpiled the step with {key} {theirs.get(key)} where rank 0 "
+                    f"has {everyone[0][key]}; every rank must use the same mode and options")
+
+
 def _first_difference(a: list[str], b: list[str]) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -10,7 +10,7 @@ from . import hpu
 from .backends import BACKENDS
 from .errors import TranspileError
 from .modes import MODES
-from .pipeline import PassContext, PassLike, resolve
+from .pipeline import PassContext, PassLike, check_order
 from .runtime import TranspiledStep
 from .schedule import EveryStep, LocalSGD
 
@@ -73,8 +73,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     if skip_nonfinite:
         schedule.programs = {name: p + ("skip_nonfinite",) for name, p in schedule.programs.items()}
     for program_passes in schedule.programs.values():
-        for p in program_passes:
-            resolve(p)
+        check_order(program_passes)
     if not _is_int(nrings) or not 1 <= nrings <= MAX_RINGS:
         raise TranspileError(f"nrings must be an integer from 1 to {MAX_RINGS}, got {nrings!r}")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):

@@ -630,11 +630,28 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
         raise _trace_error(step_fn, exc, markers) from exc
 
+    _check_no_captured_parameters(step_fn, gm)
     _assign_roles(gm.graph, markers)
     _drop_profiler_nodes(gm.graph)
     fgm = _functionalize(gm, inputs.values)
     program, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created)
     return Captured(program, inputs.slots, targets, user_spec[0])
+
+
+def _check_no_captured_parameters(step_fn, gm: fx.GraphModule) -> None:
+    """A parameter the step reaches through a closure or a global, not through
+    its arguments, would be traced as a constant: never updated, never reduced."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter)
+                                                or value.requires_grad):
+            raise TranspileError(
+                f"{_name(step_fn)} uses a parameter of shape {tuple(value.shape)} that is not "
+                "among its arguments (a module captured from a closure or a global?): pass "
+                "every module whose parameters the step uses as an argument, e.g. "
+                "step(model, optimizer, x, y)")
 
 
 def _state_set_by_step(opt, traced_param, given: dict, before: dict):

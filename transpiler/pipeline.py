@@ -69,6 +69,23 @@ def record(program: Program, name: str, provenance: str) -> None:
     program.history.append(HistoryEntry(name, provenance, program.listing()))
 
 
+def _check_requirements(fn: Pass, before: list[str]) -> None:
+    for need in getattr(fn, "requires", ()):
+        if not any(alt in before for alt in need.split("|")):
+            raise PassError(
+                f"pass {fn.__name__} requires {need.replace('|', ' or ')} to run before it; "
+                f"passes run so far: {', '.join(before)}")
+
+
+def check_order(passes: Sequence[PassLike]) -> None:
+    """Raise now if a pass of the list would find its requirements unmet."""
+    before = ["capture"]
+    for p in passes:
+        fn = resolve(p)
+        _check_requirements(fn, before)
+        before.append(fn.__name__)
+
+
 def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -> Program:
     """Run the passes in order on the program, in place. After each: the graph is
     linted, every node must have a role, the module is recompiled and the
@@ -78,11 +95,7 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
         fn = resolve(p)
         name = fn.__name__
         before = list(program.applied)
-        for need in getattr(fn, "requires", ()):
-            if not any(alt in before for alt in need.split("|")):
-                raise PassError(
-                    f"pass {name} requires {need.replace('|', ' or ')} to run before it; "
-                    f"passes run so far: {', '.join(before)}")
+        _check_requirements(fn, before)
         n_before = len(program.graph.nodes)
         try:
             fn(program, ctx)

@@ -68,6 +68,7 @@ class TranspiledStep:
         self.step_fn = step_fn
         self.check_every = check_every
         self._check_due = False
+        self._settings_agreed = False
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
@@ -207,6 +208,9 @@ class TranspiledStep:
         """Trace the step and run the passes of every program of the schedule and
         of the startup program; the ranks agree on all of them before any runs."""
         world_size, rank = world()
+        if world_size > 1 and not self._settings_agreed:
+            agreement.agree_on_settings(self._describe_settings())
+            self._settings_agreed = True
         ctx = dataclasses.replace(self.settings, world_size=world_size, rank=rank,
                                   rings=ring_names(self.settings.nrings))
         error, built, to_agree = None, None, []
@@ -245,6 +249,16 @@ class TranspiledStep:
         elif error is not None:
             raise error
         return built
+
+    def _describe_settings(self) -> dict[str, str]:
+        options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
+                   if f.name not in ("world_size", "rank", "rings")}
+        programs = {name: [getattr(p, "__name__", p) for p in passes]
+                    for name, passes in self.schedule.programs.items()}
+        return {"programs": str(programs), **{k: repr(v) for k, v in options.items()},
+                "backend": repr(self.backend), "check_every": repr(self.check_every),
+                "schedule": f"{type(self.schedule).__name__} "
+                            f"{ {k: v for k, v in vars(self.schedule).items() if k != 'programs'} }"}
 
     def _trace(self, step_args, sig) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
