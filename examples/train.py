@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train.py [--steps 20] [--mode grad_allreduce]
                                                   [--k-steps 4]  (local_sgd)
+                                                  [--backend eager|inductor|auto]
 
 Each rank trains on its own shard of every batch; the transpiled step all-reduces
 the gradients (or, in local_sgd, averages the parameters every k steps), so all
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from transpiler import MODES, transpile
+from transpiler.backends import BACKENDS
 
 
 def train_step(model, optimizer, x, y):
@@ -33,6 +35,7 @@ def main():
     parser.add_argument("--mode", default="grad_allreduce", choices=sorted(MODES))
     parser.add_argument("--nrings", type=int, default=2)
     parser.add_argument("--k-steps", type=int, default=4, help="local_sgd: steps per average")
+    parser.add_argument("--backend", default="eager", choices=BACKENDS)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -47,7 +50,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     local = {"k_steps": args.k_steps} if args.mode == "local_sgd" else {}
-    step = transpile(train_step, mode=args.mode, nrings=args.nrings, **local)
+    step = transpile(train_step, mode=args.mode, nrings=args.nrings, backend=args.backend,
+                     check_every=10, **local)
 
     data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     teacher = torch.randn(32, 4, generator=data)

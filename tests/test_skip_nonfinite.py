@@ -47,3 +47,22 @@ def test_nonfinite_step_is_skipped_on_every_rank(mode, options, ranks2):
     params = [k for k in rank0 if k.startswith("model.") and "running" not in k
               and "num_batches" not in k]
     assert all(torch.equal(rank0[k], rank1[k]) for k in params)
+
+
+def test_one_process_and_compiled():
+    # With one process the check reads the local gradients; inductor compiles
+    # the where/isfinite selection like any other op.
+    states = []
+    for backend in ("inductor", "eager"):
+        model = M.make("bn")
+        opt = M.make_optimizer("adamw", model)
+        step = transpile(M.classify_step, backend=backend, skip_nonfinite=True)
+        for i, (x, y) in enumerate(M.batches("bn", 5, 12)):
+            if i == BAD_STEP:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            step(model, opt, x, y)
+        assert step.skipped_steps == 1
+        states.append(M.state_of(model, opt))
+    assert M.max_rel_error(*states) <= 1e-5
+    assert all(torch.isfinite(v.float()).all() for v in states[0].values())
