@@ -230,3 +230,16 @@ def test_model_cast_after_tracing_traces_again_with_the_reason(caplog):
         step(model, opt, x.double(), y)
     assert "float32" in caplog.text and "float64" in caplog.text
     assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_step_raising_during_trace_names_the_line():
+    def step_fn(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[:, :5]), y)   # the model wants 16 features
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    _raises_and_touches_nothing(transpile(step_fn), r"tracing .*step_fn failed at .*test_errors.py:"
+                                r"\d+ \(loss = F.cross_entropy\(model\(x\[:, :5\]\), y\).*\): "
+                                r"RuntimeError: .*\[8, 5\] X \[16, 32\]", None, None, None, None)
