@@ -272,3 +272,26 @@ def test_one_process_trains_locally():
         M.classify_step(expected_model, expected_opt, *batch)
     assert M.max_rel_error(M.state_of(model, opt), M.state_of(expected_model, expected_opt)) <= 1e-6
     assert all(p.collectives() == [] for p in step.programs.values())
+
+
+def rank_composed_passes():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    states = []
+    for options in ({"passes": ["snapshot_params", "local_sgd", "insert_allreduce",
+                                "ring_round_robin"]},
+                    {"mode": "local_sgd", "k_steps": 1}):
+        model = M.make("mlp", seed=rank)
+        opt = _optimizer("sgd", model)
+        step = transpile(M.classify_step, **options)
+        for batch in M.batches("mlp", 6, BATCH):
+            step(model, opt, *M.shard(batch, rank, world_size))
+        states.append(M.state_of(model, opt))
+    return states, len(step.programs["sync"].collectives())
+
+
+def test_local_sgd_composes_with_the_other_reduction_pass(ranks2):
+    # The same averaging, reduced one parameter at a time instead of in buckets:
+    # with two ranks a sum is a sum, bit for bit.
+    for (composed, mode), n_buckets in ranks2.run(rank_composed_passes):
+        assert all(torch.equal(composed[k], mode[k]) for k in mode)
+        assert n_buckets < 6
