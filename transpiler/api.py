@@ -41,7 +41,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     (default 0); adaptive=True recomputes k after each average from the loss and
     the learning rate.
     backend: how the programs run: "eager" (op by op, the reference), "inductor"
-    (torch.compile, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
+    (compiled by inductor, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
     program), "hpu" (Intel Gaudi), or "auto" (hpu on a Gaudi device, else
     inductor). Each program compiles on its first run.
     skip_nonfinite: skip the update (parameters, buffers, optimizer state) of a

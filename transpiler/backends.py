@@ -2,7 +2,7 @@
 
     eager       the program's graph run op by op, with in-place updates
                 (transpiler/reinplace.py): the reference
-    inductor    torch.compile of the program, collectives included (CPU and CUDA)
+    inductor    the program compiled by inductor, collectives included (CPU and CUDA)
     cudagraphs  inductor, and the whole step captured as one CUDA graph (CUDA only)
     hpu         Intel Gaudi: hpu_backend in eager mode, an HPU graph in lazy mode
     auto        hpu on a Gaudi device, else inductor
@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._inductor.compile_fx import compile_fx
 
 from .errors import TranspileError
 from .program import Program
 from .reinplace import reinplace
-
-log = logging.getLogger("transpiler")
 
 BACKENDS = ("eager", "inductor", "cudagraphs", "hpu", "auto")
 # The process-group backend each device needs.
@@ -66,9 +62,6 @@ def resolve(backend: str, device: torch.device) -> str:
         raise TranspileError(f"backend='cudagraphs' captures CUDA graphs, but the model's "
                              f"parameters are on {device.type}: move the model to a CUDA "
                              "device, or use backend='inductor' or 'eager'")
-    if backend == "hpu":
-        from . import hpu
-        hpu.require()
     if backend == "hpu" and device.type != "hpu":
         raise TranspileError(f"backend='hpu' runs on Intel Gaudi, but the model's parameters "
                              f"are on {device.type}: move the model to 'hpu', or use "
@@ -94,10 +87,9 @@ def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
         gm, written = reinplace(program)
         return Executable(lambda inputs: gm(*inputs), written)
-    if backend == "inductor":
-        return _with_outputs(*_updating_inputs(program), _inductor)
-    if backend == "cudagraphs":
-        return _with_outputs(*_updating_inputs(program), _cudagraphs)
+    if backend in ("inductor", "cudagraphs"):
+        return _with_outputs(*_updating_inputs(program), _inductor,
+                             cudagraphs=backend == "cudagraphs")
     if backend == "hpu":
         from . import hpu   # imports the Gaudi stack, only when asked for
         return _with_outputs(*_updating_inputs(program), hpu.compile_graph)
@@ -126,21 +118,18 @@ def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) 
                 for tensor, is_static in zip(inputs, static):
                     if is_static:
                         torch._dynamo.mark_static_address(tensor)
+            from torch._inductor.compile_fx import compile_fx   # heavy: only when used
             compiled = compile_fx(gm, list(inputs), config_patches=patches)
         return compiled(*inputs)
     return run
 
 
-def _cudagraphs(gm: fx.GraphModule, static: list[bool]) -> Callable:
-    return _inductor(gm, static, cudagraphs=True)
-
-
-def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph) -> Executable:
+def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:
     # Parameters, buffers, optimizer state and held tensors keep their addresses
     # from call to call: a captured graph may use them in place.
     static = [n.meta["input"].kind in ("param", "buffer", "state", "held")
               for n in gm.graph.nodes if n.op == "placeholder"]
-    compiled = compile_graph(gm, static)
+    compiled = compile_graph(gm, static, **options)
 
     def run(inputs):
         returned = iter(compiled(*inputs))

@@ -41,10 +41,13 @@ class _Runnable:
     targets: list
     backend: str
     executable: Executable | None = None
+    held: list[str] = dataclasses.field(init=False)       # held tensors it reads
+    transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 
-    @property
-    def held(self) -> list[str]:
-        return [spec.name for spec in self.program.inputs if spec.kind == "held"]
+    def __post_init__(self):
+        self.held = [spec.name for spec in self.program.inputs if spec.kind == "held"]
+        self.transient = [spec.target for spec in self.program.outputs
+                          if spec.kind == "held" and spec.target not in self.held]
 
 
 @dataclasses.dataclass
@@ -187,9 +190,8 @@ class TranspiledStep:
             self._held_for = None   # the parameters moved on without their snapshots
         self._last, self._last_run = built, name
         self.schedule.advance(name, self._held)
-        for spec in runnable.program.outputs:   # read by the schedule; gone with the step
-            if spec.kind == "held" and spec.target not in runnable.held:
-                self._held.pop(spec.target, None)
+        for name in runnable.transient:   # read by the schedule; gone with the step
+            self._held.pop(name, None)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
         if self._check_due and name != "local":   # local SGD's ranks differ until the sync
