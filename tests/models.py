@@ -95,6 +95,21 @@ def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None):
     raise ValueError(name)
 
 
+def change_every_hyperparameter(opt):
+    """Change every hyperparameter value of SGD/Adam/AdamW's groups; a term
+    that is off (zero) stays off."""
+    for group in opt.param_groups:
+        group["lr"] *= 0.8
+        group["weight_decay"] *= 1.5
+        if "betas" in group:
+            group["betas"] = (group["betas"][0] - 0.02, group["betas"][1] - 0.003)
+            group["eps"] *= 10
+        else:
+            group["momentum"] -= 0.1
+            if group["dampening"]:
+                group["dampening"] += 0.1
+
+
 def shard(batch, rank: int, world_size: int):
     return tuple(t.chunk(world_size)[rank] for t in batch)
 

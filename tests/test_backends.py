@@ -1,5 +1,5 @@
 """Compiled backends. inductor gives the parameters eager gives, in every mode,
-on 2 CPU ranks; auto picks it on CPU; a learning-rate change never recompiles;
+on 2 CPU ranks; auto picks it on CPU; a hyperparameter change never recompiles;
 a backend the device cannot run is a clear error before anything runs. The
 CUDA and cudagraphs paths run where a GPU is present and skip elsewhere."""
 
@@ -28,6 +28,7 @@ def _train(backend, mode, opt_name, options, rank=0, world_size=1, device="cpu")
     for batch in M.batches("mlp", STEPS, BATCH):
         step(model, opt, *(t.to(device) for t in M.shard(batch, rank, world_size)))
         scheduler.step()
+        M.change_every_hyperparameter(opt)
     return M.state_of(model, opt), step
 
 
@@ -48,7 +49,8 @@ def test_inductor_equals_eager_on_ranks(mode, opt_name, options, ranks2):
         assert M.max_rel_error(compiled, eager) <= 1e-5
         # One compile per program that ran: the first step's (it creates the
         # optimizer state), then the steady state's (local_sgd: local and
-        # sync). The scheduler changes the lr every step without a recompile.
+        # sync). The lr and every other hyperparameter change every step
+        # without a recompile.
         assert compiles == (3 if mode == "local_sgd" else 2)
 
 

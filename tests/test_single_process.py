@@ -59,18 +59,65 @@ def _steady_mlp():
     return model, opt, step, batch
 
 
-def test_baked_hyperparameter_change_traces_again_and_says_why(caplog):
+# Every hyperparameter of each optimizer with every term on, so that changing
+# the values switches nothing on or off.
+ALL_TERMS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
+                                           weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(ALL_TERMS))
+def test_changing_hyperparameter_values_never_traces_again(opt_name, caplog):
+    states = []
+    for transpiled in (True, False):
+        model = M.make("mlp")
+        opt = ALL_TERMS[opt_name](model.parameters())
+        step = transpile(M.classify_step) if transpiled else M.classify_step
+        for i, batch in enumerate(M.batches("mlp", 6, 8)):
+            with caplog.at_level(logging.INFO, logger="transpiler"):
+                step(model, opt, *batch)
+            M.change_every_hyperparameter(opt)
+        states.append(M.state_of(model, opt))
+        if transpiled:
+            # The first step's program (it creates the optimizer state) and the steady one.
+            assert len(step._built) == 2
+            assert caplog.text.count("traced classify_step") == 2
+    # SGD's update is eager's, bit for bit. Adam's is torch's capturable
+    # formulation, which rounds differently from its default one.
+    assert M.max_rel_error(*states) <= (0.0 if opt_name in ("sgd", "nesterov") else 1e-5)
+
+
+def test_switching_a_term_on_traces_again_and_says_why(caplog):
     model, opt, step, batch = _steady_mlp()
-    opt.param_groups[0]["momentum"] = 0.5
-    with caplog.at_level(logging.INFO, logger="transpiler"):
-        step(model, opt, *batch)
-    assert "momentum: 0.9 -> 0.5" in caplog.text
     reference = copy.deepcopy(model)
     ref_opt = M.make_optimizer("sgd", reference)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    step(model, opt, *batch)
+    for o in (opt, ref_opt):
+        o.param_groups[0]["dampening"] = 0.5
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, *batch)
+    assert ("optimizer 0 group 0 terms: ('weight_decay', 'momentum') -> "
+            "('weight_decay', 'momentum', 'dampening')") in caplog.text
     M.classify_step(reference, ref_opt, *batch)
     assert M.max_rel_error(M.state_of(model, opt), M.state_of(reference, ref_opt)) <= 1e-6
+
+
+def test_a_hyperparameter_torch_takes_as_a_tensor_is_part_of_the_signature(caplog):
+    model = M.make("mlp")
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01), capturable=True,
+                           foreach=True)
+    step = transpile(M.classify_step)
+    batch = M.batches("mlp", 1, 8)[0]
+    step(model, opt, *batch)
+    step(model, opt, *batch)
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step(model, opt, *batch)
+    assert "optimizer 0 group 0 betas: (0.9, 0.999) -> (0.8, 0.99)" in caplog.text
 
 
 def test_shape_change_traces_again_and_says_why(caplog):

@@ -29,18 +29,9 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, m
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .errors import TranspileError
+from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
 from .program import InputSpec, OutputSpec, Program
 from .roles import INPUT, PARAM, ROLE, Role
-
-# Hyperparameters each optimizer's foreach path accepts as tensors. They become
-# graph inputs, so a scheduler's change takes effect without tracing again. The
-# others are baked into the graph and are part of the signature: a change traces
-# again and says so.
-LIFTED_HYPERPARAMETERS: dict[type, tuple[str, ...]] = {
-    torch.optim.SGD: ("lr",),
-    torch.optim.Adam: ("lr",),
-    torch.optim.AdamW: ("lr",),
-}
 
 # Group options forced while tracing: the foreach path, and capturable=True
 # where it exists, keep every step-dependent quantity a tensor (no .item()).
@@ -126,7 +117,8 @@ def _store(mapping: dict, key, value: torch.Tensor) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class HyperSlot:
-    """A lifted hyperparameter: param_groups[group][key], fed as a 0-d tensor of
+    """A lifted hyperparameter: a value of param_groups[group] (or one derived
+    from it on the host, such as 1 - beta1: optimizers.hyper_value), fed as a 0-d tensor of
     float64 if the group has a float64 parameter, else float32. Kernels compute
     a float32 (or bf16/fp16) tensor op in float32 whatever the scalar's width,
     so this rounds exactly as eager's Python-float alpha, and saves a conversion
@@ -139,7 +131,7 @@ class HyperSlot:
     device: torch.device   # the group's: a compiled device graph reads no host tensor
 
     def read(self, leaves):
-        return torch.tensor(float(self.optimizer.param_groups[self.group][self.key]),
+        return torch.tensor(hyper_value(self.optimizer.param_groups[self.group], self.key),
                             dtype=self.dtype, device=self.device)
 
 
@@ -260,14 +252,13 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
                 if isinstance(value, torch.Tensor):
                     inputs.add(InputSpec("state", f"{oname}{pname}:{key}", param=pname),
                                StateSlot(opt, p, key), value)
-        for gi, group in enumerate(opt.param_groups):
+        form = formulation_of(opt)
+        for gi, group in enumerate(opt.param_groups if form else ()):
             wide = any(p.dtype == torch.float64 for p in group["params"])
             device = group["params"][0].device if group["params"] else torch.device("cpu")
-            for key in LIFTED_HYPERPARAMETERS.get(type(opt), ()):
-                if _is_number(group.get(key)):
-                    slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32,
-                                     device)
-                    inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
+            for key in form.lifted(form.terms(group)):
+                slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)
+                inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):
             inputs.add(InputSpec("data", step_args.names[i]), DataSlot(i), leaf)
@@ -276,10 +267,6 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
 
 def _opt_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # ------------------------------------------------------------ signature
@@ -326,11 +313,14 @@ def signature(step_args: StepArgs) -> tuple:
         for name, t in _named_state(module):
             sig.append((("module", mi, name), _tensor_sig(t)))
     for oi, opt in enumerate(step_args.optimizers):
-        lifted = LIFTED_HYPERPARAMETERS.get(type(opt), ())
+        form = formulation_of(opt)
+        lifted = form.group_keys if form else ()
         for gi, group in enumerate(opt.param_groups):
             sig.append((("optimizer", oi, "group", gi, "params"), tuple(map(id, group["params"]))))
+            if form:
+                sig.append((("optimizer", oi, "group", gi, "terms"), form.terms(group)))
             for key, value in group.items():
-                if key != "params" and not (key in lifted and _is_number(value)):
+                if key != "params" and key not in lifted:
                     sig.append((("optimizer", oi, "group", gi, key), _hashable(value)))
         for pi, p in enumerate(_opt_params(opt)):
             for key, value in opt.state.get(p, {}).items():
@@ -488,8 +478,7 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
 
 
 @contextlib.contextmanager
-def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], hypers: dict[tuple, torch.Tensor],
-                        state: dict[int, dict]):
+def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, dict]):
     """Point an optimizer at traced tensors for the duration of the trace."""
     saved_groups = [dict(g) for g in opt.param_groups]
     saved_state = opt.state
@@ -504,9 +493,6 @@ def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], hypers: dict[tuple
             for key, value in _TRACE_GROUP_OPTIONS.items():
                 if key in group:
                     group[key] = value
-            for (g, key), value in hypers.items():
-                if g == gi:
-                    group[key] = value
         opt.state = new_state
         yield
     finally:
@@ -514,6 +500,21 @@ def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], hypers: dict[tuple
         for group, saved in zip(opt.param_groups, saved_groups):
             group.clear()
             group.update(saved)
+
+
+def _formulated_groups(optimizers, traced: dict[int, torch.Tensor],
+                       hypers: dict[tuple, torch.Tensor]) -> dict[int, tuple]:
+    """id of a traced parameter -> (formulation, group, terms, {name: hyper
+    input}) for the groups whose update takes its hyperparameters as inputs."""
+    groups = {}
+    for opt in optimizers:
+        form = formulation_of(opt)
+        for gi, group in enumerate(opt.param_groups if form else ()):
+            terms = form.terms(group)
+            h = {key: hypers[(id(opt), gi, key)] for key in form.lifted(terms)}
+            for p in group["params"]:
+                groups[id(traced[id(p)])] = (form, group, terms, h)
+    return groups
 
 
 def _name(step_fn) -> str:
@@ -574,7 +575,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     def flat(*values):
         traced: dict[int, torch.Tensor] = {}
         leaves = list(step_args.leaves)
-        hypers: dict[int, dict] = defaultdict(dict)
+        hypers: dict[tuple, torch.Tensor] = {}
         state: dict[int, dict] = defaultdict(dict)
         for spec, slot, value in zip(inputs.specs, inputs.slots, values):
             if spec.kind in ("param", "buffer"):
@@ -584,9 +585,10 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             elif spec.kind == "state":
                 state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
             elif spec.kind == "hyper":
-                hypers[id(slot.optimizer)][(slot.group, slot.key)] = value
+                hypers[(id(slot.optimizer), slot.group, slot.key)] = value
             else:
                 leaves[slot.leaf] = value
+        formulated = _formulated_groups(optimizers, traced, hypers)
         real_state = {id(opt): opt.state for opt in optimizers}
         real_params = {id(opt): _opt_params(opt) for opt in optimizers}
         with contextlib.ExitStack() as stack:
@@ -594,8 +596,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
                 mapping = {n: traced[id(t)] for n, t in _named_state(module)}
                 stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True))
             for opt in optimizers:
-                stack.enter_context(_redirect_optimizer(opt, traced, hypers[id(opt)],
-                                                        state[id(opt)]))
+                stack.enter_context(_redirect_optimizer(opt, traced, state[id(opt)]))
+            stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             stack.enter_context(_compiling_flag())
             stack.enter_context(_backward_marker(markers, step_fn))
             stack.enter_context(_optimizer_markers(markers, optimizers, modules))

@@ -1,0 +1,234 @@
+"""The optimizer updates a program computes, with every hyperparameter a tensor.
+
+torch's SGD, Adam and AdamW branch on their hyperparameters in Python and hand
+them to kernels as Python numbers (`alpha=weight_decay`), which a trace bakes
+into the program. While a step is captured, the arithmetic of their step() (the
+functional sgd()/adam() it calls once per parameter group, after torch has
+gathered the gradients and created the state) is done by the updates below
+instead: the foreach ops of torch's capturable path, in its order, with each
+value read from a 0-d tensor input of the program. Changing a value (lr,
+momentum, dampening, weight decay, betas, eps) never traces or compiles again.
+
+Which terms exist is the program's structure: weight decay, momentum and
+dampening on or off, and the flags (nesterov, maximize, amsgrad, ...). A term
+that is off costs nothing; switching one on traces again, once, and says why.
+
+The values torch derives in Python (1 - beta1, 1 - dampening) are derived here
+on the host in double precision, so they round as eager's do, and where torch
+fuses a scalar into a kernel (`add(g, p, alpha=wd)`, one rounding) the program
+uses addcmul by the 0-d tensor, which rounds once too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from typing import Callable
+
+import torch
+
+from .errors import TranspileError
+
+# How each lifted value is derived from a param group, on the host.
+_DERIVE: dict[str, Callable[[dict], float]] = {
+    "lr": lambda g: g["lr"],
+    "momentum": lambda g: g["momentum"],
+    "one_minus_dampening": lambda g: 1 - g["dampening"],
+    "weight_decay": lambda g: g["weight_decay"],
+    "beta1": lambda g: g["betas"][0],
+    "beta2": lambda g: g["betas"][1],
+    "one_minus_beta1": lambda g: 1 - g["betas"][0],
+    "one_minus_beta2": lambda g: 1 - g["betas"][1],
+    "eps": lambda g: g["eps"],
+}
+
+
+def hyper_value(group: dict, name: str) -> float:
+    return float(_DERIVE[name](group))
+
+
+@dataclasses.dataclass(frozen=True)
+class Formulation:
+    """An optimizer's update, with its hyperparameters as inputs.
+
+    group_keys: the param-group entries whose values are lifted (they leave the
+    signature; terms() stands for them there). terms(group): the terms that are
+    on, in a fixed order. lifted(terms): the values the update reads.
+    functionals: (module, name) of the functions step() calls per group."""
+
+    group_keys: tuple[str, ...]
+    terms: Callable[[dict], tuple[str, ...]]
+    lifted: Callable[[tuple[str, ...]], tuple[str, ...]]
+    functionals: tuple[tuple[str, str], ...]
+    update: Callable
+
+
+def _nonzero(group: dict, keys) -> tuple[str, ...]:
+    return tuple(k for k in keys if group[k] != 0)
+
+
+# ------------------------------------------------------------ SGD
+
+def _sgd_terms(group):
+    terms = _nonzero(group, ("weight_decay", "momentum"))
+    if "momentum" in terms and group["dampening"] != 0:
+        terms += ("dampening",)
+    return terms
+
+
+def _sgd_lifted(terms):
+    return (("lr",) + tuple(t for t in ("weight_decay", "momentum") if t in terms)
+            + (("one_minus_dampening",) if "dampening" in terms else ()))
+
+
+def _sgd_update(group, h, terms, params, grads, momentum_buffer_list, **_):
+    """torch.optim.sgd._multi_tensor_sgd, its traced (compiling) branch."""
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if "weight_decay" in terms:
+        grads = _add_scaled(grads, params, h["weight_decay"])
+    if "momentum" in terms:
+        momentum = h["momentum"]
+        bufs = momentum_buffer_list
+        if all(b is not None for b in bufs):
+            torch._foreach_mul_(bufs, momentum)
+            _add_dampened_(bufs, grads, h, terms)
+        else:
+            for i, (buf, grad) in enumerate(zip(bufs, grads)):
+                if buf is None:
+                    bufs[i] = grad.detach().clone()
+                else:
+                    buf.mul_(momentum)
+                    _add_dampened_([buf], [grad], h, terms)
+        if group["nesterov"]:
+            grads = _add_scaled(grads, bufs, momentum)
+        else:
+            grads = bufs
+    torch._foreach_addcmul_(params, grads, [-h["lr"]] * len(params))
+
+
+def _add_dampened_(bufs, grads, h, terms):
+    if "dampening" in terms:
+        torch._foreach_addcmul_(bufs, grads, [h["one_minus_dampening"]] * len(bufs))
+    else:
+        torch._foreach_add_(bufs, grads)
+
+
+def _add_scaled(xs, ys, scale):
+    """xs + ys * scale, rounded once like torch's add(xs, ys, alpha=scale):
+    addcmul by a 0-d tensor is one fused multiply-add, a mul then an add is two
+    roundings."""
+    return torch._foreach_addcmul(xs, ys, [scale] * len(xs))
+
+
+# ------------------------------------------------------------ Adam, AdamW
+
+def _adam_terms(group):
+    return _nonzero(group, ("weight_decay",))
+
+
+def _adam_lifted(terms):
+    return ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps") + terms
+
+
+def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                 state_steps, **_):
+    """torch.optim.adam._multi_tensor_adam, its capturable branch."""
+    n = len(params)
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    torch._foreach_add_(state_steps, 1)
+    if "weight_decay" in terms:
+        if group.get("decoupled_weight_decay", False):
+            torch._foreach_mul_(params, 1 - h["lr"] * h["weight_decay"])
+        else:
+            grads = _add_scaled(grads, params, h["weight_decay"])
+    torch._foreach_lerp_(exp_avgs, grads, [h["one_minus_beta1"]] * n)
+    torch._foreach_mul_(exp_avg_sqs, h["beta2"])
+    torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, h["one_minus_beta2"]), grads)
+
+    bias_correction1 = torch._foreach_pow([h["beta1"]] * n, state_steps)
+    bias_correction2 = torch._foreach_pow([h["beta2"]] * n, state_steps)
+    torch._foreach_sub_(bias_correction1, 1)
+    torch._foreach_sub_(bias_correction2, 1)
+    torch._foreach_neg_(bias_correction2)
+    torch._foreach_div_(bias_correction1, h["lr"])
+    torch._foreach_reciprocal_(bias_correction1)
+    torch._foreach_sqrt_(bias_correction2)
+    step_size, bias_correction2_sqrt = bias_correction1, bias_correction2
+
+    if group["amsgrad"]:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
+    # A Python-level _foreach_add_(list, tensor) would take the tensor for a
+    # Scalar and read its value: name the Tensor overload.
+    torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
+    torch._foreach_div_(exp_avg_sq_sqrt, step_size)
+    torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt)
+
+
+_SGD = Formulation(("lr", "momentum", "dampening", "weight_decay"), _sgd_terms, _sgd_lifted,
+                   (("torch.optim.sgd", "sgd"),), _sgd_update)
+_ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_lifted,
+                    (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update)
+FORMULATIONS: dict[type, Formulation] = {
+    torch.optim.SGD: _SGD, torch.optim.Adam: _ADAM, torch.optim.AdamW: _ADAM,
+}
+
+
+def formulation_of(opt: torch.optim.Optimizer) -> Formulation | None:
+    """The optimizer's formulation, or None where its step is traced as torch
+    wrote it (another optimizer type, a hyperparameter that is not a Python
+    number, complex parameters): then every hyperparameter is part of the
+    signature and a change traces again."""
+    form = FORMULATIONS.get(type(opt))
+    if form is None:
+        return None
+    for group in opt.param_groups:
+        values = [group.get(k) for k in form.group_keys]
+        values = [v for value in values for v in (value if isinstance(value, tuple) else (value,))]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return None
+        if any(p.is_complex() for p in group["params"]):
+            return None
+    return form
+
+
+@contextlib.contextmanager
+def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
+    """While tracing, route the functional updates of the groups in `groups`
+    (id of a traced parameter -> (formulation, group, terms, {name: tensor}))
+    to the formulations. Groups of other optimizers take torch's own path."""
+    patched = []
+
+    def route(original):
+        def functional(params, grads, *lists, **kwargs):
+            target = groups.get(id(params[0])) if params else None
+            if target is None:
+                return original(params, grads, *lists, **kwargs)
+            form, group, terms, h = target
+            if kwargs.get("has_sparse_grad") or kwargs.get("grad_scale") is not None \
+                    or kwargs.get("found_inf") is not None:
+                raise TranspileError(
+                    "sparse gradients and GradScaler's grad_scale/found_inf cannot be captured "
+                    "in a program's optimizer update; use dense gradients and unscale outside "
+                    "the optimizer")
+            form.update(group, h, terms, params, grads, *lists)
+        return functional
+
+    modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}
+    try:
+        for module_name, name in sorted(modules):
+            module = importlib.import_module(module_name)
+            original = getattr(module, name, None)
+            if original is not None:
+                patched.append((module, name, original))
+                setattr(module, name, route(original))
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
