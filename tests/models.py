@@ -96,8 +96,9 @@ def make_optimizer(name: str, model: nn.Module, foreach: bool | None = None):
 
 
 def change_every_hyperparameter(opt):
-    """Change every hyperparameter value of SGD/Adam/AdamW's groups; a term
-    that is off (zero) stays off."""
+    """Change every hyperparameter value of SGD/Adam/AdamW's groups. Weight
+    decay and momentum that are off (zero) stay off: switching them on changes
+    the program; dampening is switched on."""
     for group in opt.param_groups:
         group["lr"] *= 0.8
         group["weight_decay"] *= 1.5
@@ -106,7 +107,7 @@ def change_every_hyperparameter(opt):
             group["eps"] *= 10
         else:
             group["momentum"] -= 0.1
-            if group["dampening"]:
+            if not group["nesterov"]:   # nesterov requires zero dampening
                 group["dampening"] += 0.1
 
 

@@ -9,8 +9,8 @@ instead: the foreach ops of torch's capturable path, in its order, with each
 value read from a 0-d tensor input of the program. Changing a value (lr,
 momentum, dampening, weight decay, betas, eps) never traces or compiles again.
 
-Which terms exist is the program's structure: weight decay, momentum and
-dampening on or off, and the flags (nesterov, maximize, amsgrad, ...). A term
+Which terms exist is the program's structure: weight decay and momentum on or
+off, and the flags (nesterov, maximize, amsgrad, ...). A term
 that is off costs nothing; switching one on traces again, once, and says why.
 
 The values torch derives in Python (1 - beta1, 1 - dampening) are derived here
@@ -71,15 +71,13 @@ def _nonzero(group: dict, keys) -> tuple[str, ...]:
 # ------------------------------------------------------------ SGD
 
 def _sgd_terms(group):
-    terms = _nonzero(group, ("weight_decay", "momentum"))
-    if "momentum" in terms and group["dampening"] != 0:
-        terms += ("dampening",)
-    return terms
+    return _nonzero(group, ("weight_decay", "momentum"))
 
 
 def _sgd_lifted(terms):
-    return (("lr",) + tuple(t for t in ("weight_decay", "momentum") if t in terms)
-            + (("one_minus_dampening",) if "dampening" in terms else ()))
+    # 1 - dampening is read whenever momentum is on: a multiply-add by 1.0 is an
+    # exact add, so dampening never changes the program's structure.
+    return ("lr",) + terms + (("one_minus_dampening",) if "momentum" in terms else ())
 
 
 def _sgd_update(group, h, terms, params, grads, momentum_buffer_list, **_):
@@ -89,18 +87,17 @@ def _sgd_update(group, h, terms, params, grads, momentum_buffer_list, **_):
     if "weight_decay" in terms:
         grads = _add_scaled(grads, params, h["weight_decay"])
     if "momentum" in terms:
-        momentum = h["momentum"]
+        momentum, undamped = h["momentum"], h["one_minus_dampening"]
         bufs = momentum_buffer_list
         if all(b is not None for b in bufs):
             torch._foreach_mul_(bufs, momentum)
-            _add_dampened_(bufs, grads, h, terms)
+            torch._foreach_addcmul_(bufs, grads, [undamped] * len(bufs))
         else:
             for i, (buf, grad) in enumerate(zip(bufs, grads)):
                 if buf is None:
                     bufs[i] = grad.detach().clone()
                 else:
-                    buf.mul_(momentum)
-                    _add_dampened_([buf], [grad], h, terms)
+                    buf.mul_(momentum).addcmul_(grad, undamped)
         if group["nesterov"]:
             grads = _add_scaled(grads, bufs, momentum)
         else:
@@ -108,17 +105,10 @@ def _sgd_update(group, h, terms, params, grads, momentum_buffer_list, **_):
     torch._foreach_addcmul_(params, grads, [-h["lr"]] * len(params))
 
 
-def _add_dampened_(bufs, grads, h, terms):
-    if "dampening" in terms:
-        torch._foreach_addcmul_(bufs, grads, [h["one_minus_dampening"]] * len(bufs))
-    else:
-        torch._foreach_add_(bufs, grads)
-
-
 def _add_scaled(xs, ys, scale):
     """xs + ys * scale, rounded once like torch's add(xs, ys, alpha=scale):
-    addcmul by a 0-d tensor is one fused multiply-add, a mul then an add is two
-    roundings."""
+    addcmul by a 0-d tensor is one fused multiply-add (as are the in-place
+    addcmul_ above), a mul then an add is two roundings."""
     return torch._foreach_addcmul(xs, ys, [scale] * len(xs))
 
 
