@@ -117,12 +117,12 @@ def _store(mapping: dict, key, value: torch.Tensor) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class HyperSlot:
-    """A lifted hyperparameter: a value of param_groups[group] (or one derived
-    from it on the host, such as 1 - beta1: optimizers.hyper_value), fed as a 0-d tensor of
-    float64 if the group has a float64 parameter, else float32. Kernels compute
-    a float32 (or bf16/fp16) tensor op in float32 whatever the scalar's width,
-    so this rounds exactly as eager's Python-float alpha, and saves a conversion
-    per tensor."""
+    """A lifted hyperparameter: a value of param_groups[group], or one derived
+    from it on the host such as 1 - beta1 (optimizers.hyper_value), fed as a 0-d
+    tensor of float64 if the group has a float64 parameter, else float32.
+    Kernels compute a float32 (or bf16/fp16) tensor op in float32 whatever the
+    scalar's width, so this rounds exactly as eager's Python-float alpha, and
+    saves a conversion per tensor."""
 
     optimizer: torch.optim.Optimizer
     group: int
@@ -484,7 +484,7 @@ def _redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, d
     saved_state = opt.state
     try:
         new_state = defaultdict(dict)
-        for gi, group in enumerate(opt.param_groups):
+        for group in opt.param_groups:
             originals = group["params"]
             group["params"] = [traced[id(p)] for p in originals]
             for p, tp in zip(originals, group["params"]):

@@ -10,8 +10,8 @@ value read from a 0-d tensor input of the program. Changing a value (lr,
 momentum, dampening, weight decay, betas, eps) never traces or compiles again.
 
 Which terms exist is the program's structure: weight decay and momentum on or
-off, and the flags (nesterov, maximize, amsgrad, ...). A term
-that is off costs nothing; switching one on traces again, once, and says why.
+off, and the flags (nesterov, maximize, amsgrad, ...). A term that is off
+costs nothing; switching one on traces again, once, and says why.
 
 The values torch derives in Python (1 - beta1, 1 - dampening) are derived here
 on the host in double precision, so they round as eager's do, and where torch
