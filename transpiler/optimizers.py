@@ -80,7 +80,7 @@ def _sgd_lifted(terms):
     return ("lr",) + terms + (("one_minus_dampening",) if "momentum" in terms else ())
 
 
-def _sgd_update(group, h, terms, params, grads, momentum_buffer_list, **_):
+def _sgd_update(group, h, terms, params, grads, momentum_buffer_list):
     """torch.optim.sgd._multi_tensor_sgd, its traced (compiling) branch."""
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
@@ -123,7 +123,7 @@ def _adam_lifted(terms):
 
 
 def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                 state_steps, **_):
+                 state_steps):
     """torch.optim.adam._multi_tensor_adam, its capturable branch."""
     n = len(params)
     if group["maximize"]:
