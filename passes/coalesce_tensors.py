@@ -1,15 +1,16 @@
 """coalesce_tensors: all-reduce gradients (any values to reduce) in fused buckets
 instead of one by one.
 
-Requires: a pass that marked the values to sum over the ranks (meta["reduce"]):
-scale_loss_grad (the gradients, scaled so that their sum is the mean) or
-local_sgd (the parameter deltas).
-Produces: buckets of the marked values planned by `plan_buckets` (by dtype, in
+Requires: a pass that marked the values to reduce over the ranks
+(meta["reduce"], a Reduction): average_grads (the gradients, MEAN) or local_sgd
+(the parameter deltas, SUM).
+Produces: buckets of the marked values planned by `plan_buckets` (by dtype and op, in
 program order, which for gradients is the order the backward pass produces
 them, closed at ctx.bucket_mb, the first one per dtype at ctx.first_bucket_mb, a
 small tail merged into the bucket before). For each bucket, placed right after
 its last value: the values flattened and concatenated into one buffer
-(optionally cast to ctx.fuse_dtype), one `all_reduce(sum)` on ring 0, its wait,
+(optionally cast to ctx.fuse_dtype), for a MEAN the buffer times 1 / world_size
+(DDP's reducer scales the same way), one `all_reduce(sum)` on ring 0, its wait,
 the cast back, and the reduced buffer split into views shaped like the values,
 which every former use of a value now reads (no copy back). Pack nodes have the
 role of the bucket's last value (BACKWARD for gradients), the rest COMM; all
@@ -28,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import ALL_REDUCE, WAIT
+from transpiler.collectives import ALL_REDUCE, WAIT, ReduceOp
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import CommInfo, Program, new_node
 from transpiler.roles import BUCKET, COMM, REDUCE, ROLE, Role
@@ -42,14 +43,15 @@ class GradInfo:
     name: str
     dtype: torch.dtype
     nbytes: int
+    op: ReduceOp = ReduceOp.SUM
 
 
 def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
     """Group gradients, given in the order they are produced, into buckets.
 
-    Each dtype fills its own open bucket; a bucket closes once it holds at least
-    its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
+    Each dtype (and reduce op) fills its own open bucket; a bucket closes once
+    it holds at least its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
     bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
     What is left at the end forms a last bucket, merged into the one before it
     when it is smaller than first_bucket_bytes: it would be reduced only a few
@@ -60,20 +62,21 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     """
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise ValueError("bucket sizes must be positive")
-    closed: dict[torch.dtype, list[tuple[int, list[str]]]] = {}
-    open_: dict[torch.dtype, tuple[list[str], int]] = {}
+    closed: dict[tuple, list[tuple[int, list[str]]]] = {}
+    open_: dict[tuple, tuple[list[str], int]] = {}
     for i, g in enumerate(grads):
-        names, size = open_.get(g.dtype, ([], 0))
+        kind = (g.dtype, g.op)
+        names, size = open_.get(kind, ([], 0))
         names, size = names + [g.name], size + g.nbytes
-        done = closed.setdefault(g.dtype, [])
+        done = closed.setdefault(kind, [])
         if size >= (bucket_bytes if done else first_bucket_bytes):
             done.append((i, names))
-            open_.pop(g.dtype, None)
+            open_.pop(kind, None)
         else:
-            open_[g.dtype] = (names, size)
+            open_[kind] = (names, size)
     last = {g.name: i for i, g in enumerate(grads)}
-    for dtype, (names, size) in open_.items():
-        done = closed[dtype]
+    for kind, (names, size) in open_.items():
+        done = closed[kind]
         if done and size < first_bucket_bytes:
             done[-1] = (last[names[-1]], done[-1][1] + names)
         else:
@@ -82,12 +85,13 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     return [names for _, names in sorted(buckets, key=lambda item: item[0])]
 
 
-@requires("scale_loss_grad|local_sgd")
+@requires("average_grads|local_sgd")
 def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     grads = program.to_reduce()
-    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes) for name, g in grads.items()]
+    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op)
+             for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):
@@ -101,7 +105,7 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     dtype = vals[0].dtype
     comm_dtype = ctx.fuse_dtype or dtype
     comm = CommInfo("all_reduce", ring=0, bucket=bucket,
-                    params=tuple(g.meta[REDUCE] for g in grads),
+                    params=tuple(g.meta[REDUCE].key for g in grads),
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
 
     def node(target, args, role, kwargs=None, **meta):
@@ -121,6 +125,8 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
             buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
                           pack)
             offset += size
+        if grads[0].meta[REDUCE].op is ReduceOp.MEAN:
+            buffer = node(aten.mul.Tensor, (buffer, 1 / ctx.world_size), pack)
         reduced = node(ALL_REDUCE, (buffer, "sum", ctx.rings[0]), Role.COMM, **{COMM: comm})
         waited = node(WAIT, (reduced,), Role.COMM, **{COMM: comm})
         if comm_dtype != dtype:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from transpiler.collectives import Reduction
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import OutputSpec, Program, new_node
 from transpiler.roles import REDUCE, ROLE, Role
@@ -57,10 +58,10 @@ def local_sgd(program: Program, ctx: PassContext) -> None:
                 continue
             if spec.target in snaps:
                 summed[i] = node(aten.sub.Tensor, (snaps[spec.target], values[i]),
-                                 **{REDUCE: spec.target})
+                                 **{REDUCE: Reduction(spec.target)})
             elif kinds[spec.target] == "buffer" and values[i].meta["val"].is_floating_point():
-                summed[i] = node(aten.clone.default, (values[i],), **{REDUCE: spec.target})
-        loss = node(aten.clone.default, (_loss(program),), **{REDUCE: "loss"}) \
+                summed[i] = node(aten.clone.default, (values[i],), **{REDUCE: Reduction(spec.target)})
+        loss = node(aten.clone.default, (_loss(program),), **{REDUCE: Reduction("loss")}) \
             if ctx.adaptive_k else None
         for i, total in summed.items():
             target = program.outputs[i].target

@@ -22,6 +22,13 @@ def ranks3() -> RankPool:
     return _pool(3)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests on real ranks are the slow ones: `pytest -m "not slow"` runs the rest."""
+    for item in items:
+        if {"ranks2", "ranks3"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

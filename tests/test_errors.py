@@ -94,37 +94,102 @@ def test_item_inside_the_step():
                                 r"\.item\(\)", None, None, None, None)
 
 
-def test_backward_twice():
+def test_backward_after_step():
     def step_fn(model, optimizer, x, y):
         optimizer.zero_grad()
-        out = model(x)
-        F.cross_entropy(out, y).backward(retain_graph=True)
-        out.pow(2).mean().backward()
+        F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        F.cross_entropy(model(x), y).backward()
 
-    _raises_and_touches_nothing(transpile(step_fn), "calls backward\\(\\) a second time at .*sum the losses",
+    _raises_and_touches_nothing(transpile(step_fn),
+                                r"calls backward\(\) after optimizer.step\(\) at .*test_errors.py",
                                 None, None, None, None)
 
 
-def test_no_zero_grad():
+def _scheduled_step(call_scheduler, before_step=False):
     def step_fn(model, optimizer, x, y):
-        F.cross_entropy(model(x), y).backward()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if before_step:
+            call_scheduler(optimizer)
         optimizer.step()
+        if not before_step:
+            call_scheduler(optimizer)
+        return loss
+    return step_fn
 
-    _raises_and_touches_nothing(transpile(step_fn), "never calls optimizer.zero_grad", None, None, None, None)
+
+def test_scheduler_before_optimizer_step():
+    schedulers = {}
+
+    def call(opt):
+        schedulers.setdefault(id(opt), torch.optim.lr_scheduler.StepLR(opt, 1)).step()
+
+    _raises_and_touches_nothing(transpile(_scheduled_step(call, before_step=True)),
+                                r"StepLR.step\(\) is called before optimizer.step\(\) .* at .*"
+                                r"test_errors.py.*call it after optimizer.step\(\)",
+                                None, None, None, None)
 
 
-def test_no_backward_or_no_step():
+def test_scheduler_with_a_metric():
+    schedulers = {}
+
+    def call(opt):
+        schedulers.setdefault(id(opt), torch.optim.lr_scheduler.ReduceLROnPlateau(opt)).step(1.0)
+
+    _raises_and_touches_nothing(transpile(_scheduled_step(call)),
+                                r"ReduceLROnPlateau.step\(\) is given arguments .*outside the step",
+                                None, None, None, None)
+
+
+def test_hyperparameter_assigned_inside_the_step():
+    def assign(opt):
+        opt.param_groups[0]["lr"] = 0.5
+
+    _raises_and_touches_nothing(transpile(_scheduled_step(assign, before_step=True)),
+                                r"changes host-side state: optimizer 0 param_groups\[0\]\['lr'\] "
+                                r"0.01 -> 0.5.*lr_scheduler", None, None, None, None)
+
+
+def test_python_counter_on_the_module():
+    def count(model, optimizer, x, y):
+        optimizer.zero_grad()
+        model.calls = getattr(model, "calls", 0) + 1
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model, opt, (x, y) = _setup()
+    model.calls = 0
+    with pytest.raises(TranspileError, match=r"changes host-side state: model.calls 0 -> 1.*"
+                                             r"register_buffer"):
+        transpile(count)(model, opt, x, y)
+    assert model.calls == 0   # undone
+
+
+def test_mode_switched_inside_the_step():
+    def evaluates(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        model.eval()
+        return loss
+
+    model, opt, (x, y) = _setup()
+    with pytest.raises(TranspileError, match=r"model.training True -> False.*train\(\)/eval\(\)"):
+        transpile(evaluates)(model, opt, x, y)
+    assert all(m.training for m in model.modules())
+
+
+def test_no_backward():
     def no_backward(model, optimizer, x, y):
         optimizer.zero_grad()
         optimizer.step()
 
-    def no_step(model, optimizer, x, y):
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-
     _raises_and_touches_nothing(transpile(no_backward), "never calls loss.backward", None, None, None, None)
-    _raises_and_touches_nothing(transpile(no_step), "never calls optimizer.step", None, None, None, None)
 
 
 def test_non_tensor_output():
@@ -182,7 +247,7 @@ def test_module_captured_from_a_closure():
     ("check_every", 0, "check_every must be an integer >= 1 or None"),
     ("skip_nonfinite", "yes", "skip_nonfinite must be True or False"),
     ("backend", "tpu", "unknown backend 'tpu'; available: eager, inductor"),
-    ("passes", ["scale_loss_grad", "no_such_pass"], "unknown pass 'no_such_pass'"),
+    ("passes", ["average_grads", "no_such_pass"], "unknown pass 'no_such_pass'"),
 ])
 def test_bad_options(option, value, message):
     with pytest.raises(TranspileError, match=message):
@@ -190,10 +255,10 @@ def test_bad_options(option, value, message):
 
 
 def test_passes_in_an_order_that_breaks_a_requirement():
-    with pytest.raises(TranspileError, match="pass coalesce_tensors requires scale_loss_grad or "
+    with pytest.raises(TranspileError, match="pass coalesce_tensors requires average_grads or "
                                              "local_sgd to run before it; passes run so far: "
                                              "capture"):
-        transpile(M.classify_step, passes=["coalesce_tensors", "scale_loss_grad"])
+        transpile(M.classify_step, passes=["coalesce_tensors", "average_grads"])
 
 
 def test_new_parameter_group_traces_again_and_trains_it(caplog):

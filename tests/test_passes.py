@@ -126,7 +126,7 @@ def test_tied_unused_and_frozen_parameters():
     assert sorted(program.grads) == ["embed.weight", "hidden.bias", "hidden.weight"]
     assert [s.name for s in program.state_of("embed.weight")] == ["embed.weight:momentum_buffer"]
     assert program.state_of("unused") == []  # never stepped: no state
-    assert plan_allreduce(program) == []  # nothing is marked to reduce before scale_loss_grad
+    assert plan_allreduce(program) == []  # nothing is marked to reduce before average_grads
     run_passes(program, MAIN[:1], CTX)
     assert [g.meta["param"] for g in plan_allreduce(program)] == list(program.grads)
     run_passes(program, MAIN[1:], CTX)
@@ -152,7 +152,7 @@ def test_ring_round_robin_sets_group_and_meta():
 
 def test_requirement_error_names_pass_and_requirement():
     program = _captured().program
-    with pytest.raises(PassError, match="pass insert_allreduce requires scale_loss_grad"):
+    with pytest.raises(PassError, match="pass insert_allreduce requires average_grads"):
         run_passes(program, ["insert_allreduce"], CTX)
     with pytest.raises(PassError, match="ring_round_robin requires insert_allreduce or"):
         run_passes(program, ["ring_round_robin"], CTX)
@@ -170,8 +170,8 @@ def test_failing_pass_is_named_with_the_passes_before():
         raise RuntimeError("boom")
 
     program = _captured().program
-    with pytest.raises(PassError, match=r"pass broken failed .*after capture, scale_loss_grad.*boom"):
-        run_passes(program, ["scale_loss_grad", broken], CTX)
+    with pytest.raises(PassError, match=r"pass broken failed .*after capture, average_grads.*boom"):
+        run_passes(program, ["average_grads", broken], CTX)
 
 
 def test_node_without_role_is_rejected():

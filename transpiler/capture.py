@@ -105,6 +105,22 @@ class HeldSlot:
         _store(self.store, self.name, value)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradSlot:
+    """A parameter's .grad: read when the step starts with one (InputSpec kind
+    grad), set to the program's value when the step leaves one (OutputSpec kind
+    grad). The value is the program's own tensor (for a reduced gradient, a
+    view of its bucket, as DDP's gradient_as_bucket_view), not a copy."""
+
+    param: torch.Tensor
+
+    def read(self, leaves):
+        return self.param.grad
+
+    def write(self, value):
+        self.param.grad = value
+
+
 def _store(mapping: dict, key, value: torch.Tensor) -> None:
     """Copy into the tensor already there when it has the same shape and dtype
     (so references to it stay valid), else put the new tensor in its place."""
@@ -151,6 +167,12 @@ class Captured:
     slots: list            # one per program input
     targets: list          # one per program output: None (user) or the slot written
     out_spec: pytree.TreeSpec
+    schedulers: list       # LR schedulers the step steps after its optimizer.step()
+    cleared: list          # parameters whose .grad the step leaves None
+    # Whether what the program computes depends on the .grad the parameters have
+    # when the step starts (it accumulates into them, or keeps them as zeros):
+    # then which parameters have one is part of the program's signature.
+    reads_grads: bool
 
 
 # ------------------------------------------------------------ arguments
@@ -218,8 +240,11 @@ def _unique(items):
 class _Inputs:
     specs: list[InputSpec] = dataclasses.field(default_factory=list)
     slots: list = dataclasses.field(default_factory=list)
+    # What the trace sees of each input: the tensor, or a tensor of its layout.
+    # Parameters are detached: fake tensors would otherwise also copy their .grad.
     values: list[torch.Tensor] = dataclasses.field(default_factory=list)
     param_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # by param_names order
 
     def add(self, spec, slot, value):
         self.specs.append(spec)
@@ -235,7 +260,8 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
         for name, p in module.named_parameters():
             if id(p) not in inputs.param_names:
                 inputs.param_names[id(p)] = prefix + name
-                inputs.add(InputSpec("param", prefix + name), ParamSlot(p), p)
+                inputs.params.append(p)
+                inputs.add(InputSpec("param", prefix + name), ParamSlot(p), p.detach())
         for name, b in module.named_buffers():
             inputs.add(InputSpec("buffer", prefix + name), ParamSlot(b), b)
     for oi, opt in enumerate(optimizers):
@@ -243,7 +269,16 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             if id(p) not in inputs.param_names:
                 name = f"opt{oi}.param{len(inputs.param_names)}"
                 inputs.param_names[id(p)] = name
-                inputs.add(InputSpec("param", name), ParamSlot(p), p)
+                inputs.params.append(p)
+                inputs.add(InputSpec("param", name), ParamSlot(p), p.detach())
+    for p in inputs.params:
+        if p.grad is not None:
+            # Tracing reads only its layout: a stand-in, because a .grad that is a
+            # view of a reduced bucket, cast since by module.to(), is a view of a
+            # tensor of another dtype, which fake tensors refuse.
+            g, name = p.grad, inputs.param_names[id(p)]
+            stand_in = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
+            inputs.add(InputSpec("grad", f"{name}.grad", param=name), GradSlot(p), stand_in)
     for oi, opt in enumerate(optimizers):
         oname = f"opt{oi}." if len(optimizers) > 1 else ""
         for p in _opt_params(opt):
@@ -288,13 +323,19 @@ for _register in (torch.nn.modules.module.register_module_parameter_registration
     _register(_bump_epoch)
 
 
-def _named_state(module) -> list:
-    """(name, tensor) of every parameter (tied ones once) and buffer, cached."""
+def _walk(module) -> tuple[list, list]:
+    """(name, tensor) of every parameter (tied ones once) and buffer, and every
+    submodule; cached."""
     cached = _module_state.get(id(module))
     if cached is None or cached[0] != _epoch[0]:
-        cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()])
+        cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()],
+                  list(module.modules()))
         _module_state[id(module)] = cached
-    return cached[1]
+    return cached[1], cached[2]
+
+
+def _named_state(module) -> list:
+    return _walk(module)[0]
 
 
 def signature(step_args: StepArgs) -> tuple:
@@ -310,8 +351,11 @@ def signature(step_args: StepArgs) -> tuple:
         else:
             sig.append((("input", name), _hashable(leaf)))
     for mi, module in enumerate(step_args.modules):
-        for name, t in _named_state(module):
+        state, submodules = _walk(module)
+        for name, t in state:
             sig.append((("module", mi, name), _tensor_sig(t)))
+        # train() or eval(): dropout, BatchNorm's statistics
+        sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))
     for oi, opt in enumerate(step_args.optimizers):
         form = formulation_of(opt)
         lifted = form.group_keys if form else ()
@@ -326,6 +370,21 @@ def signature(step_args: StepArgs) -> tuple:
             for key, value in opt.state.get(p, {}).items():
                 sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
                             if isinstance(value, torch.Tensor) else _hashable(value)))
+    return tuple(sig)
+
+
+def grad_signature(step_args: StepArgs) -> tuple:
+    """Which parameters have a .grad, and its type: part of the signature of a
+    program that reads the gradients the step starts with."""
+    sig = []
+    for mi, module in enumerate(step_args.modules):
+        for name, t in _named_state(module):
+            if t.grad is not None:
+                sig.append((("grad", mi, name), _tensor_sig(t.grad)))
+    for oi, opt in enumerate(step_args.optimizers):
+        for pi, p in enumerate(_opt_params(opt)):
+            if p.grad is not None:
+                sig.append((("grad", "optimizer", oi, pi), _tensor_sig(p.grad)))
     return tuple(sig)
 
 
@@ -350,6 +409,9 @@ def describe_change(old: tuple, new: tuple) -> str:
     changed += [k for k in old_d if k not in new_d]
     if not changed:
         return "nothing changed"
+    # Which parameters have a .grad is the reason only when nothing else is:
+    # it changes along with the rest, and most programs do not read it.
+    changed = [k for k in changed if k[0] != "grad"] or changed
     if all(k[0] == "optimizer" and k[2] == "state" and k not in old_d for k in changed):
         keys = sorted({k[4] for k in changed})
         return (f"the optimizer's first step created its state ({', '.join(keys)} for "
@@ -378,13 +440,19 @@ def _fmt(v) -> str:
 class _Markers:
     """What happened during the trace, as positions in the graph being built."""
 
-    backward_calls: int = 0
-    zero_grad_calls: int = 0
-    seed: fx.Node | None = None
-    loss: fx.Node | None = None
-    backward: tuple[fx.Node, fx.Node] | None = None   # (last node before, last node of)
+    # traced parameters whose .grad a zero_grad(set_to_none=True) dropped before
+    # the first backward(): the program does not depend on what they had
+    reset: set[int] = dataclasses.field(default_factory=set)
+    seeds: list[fx.Node] = dataclasses.field(default_factory=list)    # one per backward()
+    losses: list[fx.Node] = dataclasses.field(default_factory=list)   # one per backward()
+    backwards: list[tuple[fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+    # parameter name -> node of its .grad where the last backward() ended
+    grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    # ... as it stood when the first optimizer.step() began: the gradients to reduce
+    reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
+    schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
 
 
 def _last_node() -> fx.Node:
@@ -407,16 +475,18 @@ def _compiling_flag():
 
 
 @contextlib.contextmanager
-def _backward_marker(markers: _Markers, step_fn):
+def _backward_marker(markers: _Markers, step_fn, grads_now: Callable[[], dict]):
+    """Mark each backward() (its seed, its loss, its nodes) and record every
+    parameter's .grad where it ends: after the last one before optimizer.step(),
+    those are the gradients the program reduces."""
     original = torch.autograd.backward
 
     def backward(tensors, grad_tensors=None, *args, **kwargs):
-        markers.backward_calls += 1
-        if markers.backward_calls > 1:
+        if markers.steps:
             raise TranspileError(
-                f"{_name(step_fn)} calls backward() a second time{_user_line(step_fn)}; "
-                "a transpiled step must call backward() exactly once: sum the losses "
-                "and call backward() on the sum")
+                f"{_name(step_fn)} calls backward() after optimizer.step(){_user_line(step_fn)}; "
+                "a transpiled step computes its gradients before the optimizer's step: "
+                "move this backward() into the next call of the step")
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         if len(tensors) != 1:
             raise TranspileError("backward() on several tensors at once is not supported; "
@@ -429,11 +499,12 @@ def _backward_marker(markers: _Markers, step_fn):
         else:
             given = grad_tensors if isinstance(grad_tensors, torch.Tensor) else grad_tensors[0]
             seed = torch.clone(given)
-        markers.loss = _node_of(loss)
-        markers.seed = _node_of(seed)
+        markers.losses.append(_node_of(loss))
+        markers.seeds.append(_node_of(seed))
         before = _last_node()
         original(loss, seed, *args, **kwargs)
-        markers.backward = (before, _last_node())
+        markers.backwards.append((before, _last_node()))
+        markers.grads = grads_now()
 
     torch.autograd.backward = backward
     try:
@@ -442,11 +513,61 @@ def _backward_marker(markers: _Markers, step_fn):
         torch.autograd.backward = original
 
 
+def _scheduler_classes() -> list[type]:
+    """torch's LR scheduler classes that define their own step()."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "step" in vars(cls):
+            found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+@contextlib.contextmanager
+def _scheduler_marker(markers: _Markers, optimizers, step_fn):
+    """A scheduler of one of the step's optimizers stepped inside the step is not
+    run by the trace (its change would be frozen into the program): it is
+    recorded, and the runtime steps it on the host after every call."""
+    ours = {id(opt) for opt in optimizers}
+    patched = []
+
+    def intercept(original):
+        def step(self, *args, **kwargs):
+            if id(getattr(self, "optimizer", None)) not in ours:
+                return original(self, *args, **kwargs)
+            where = _user_line(step_fn)
+            if args or kwargs:
+                raise TranspileError(
+                    f"{type(self).__name__}.step() is given arguments inside "
+                    f"{_name(step_fn)}{where}: a metric or an epoch is a host value the "
+                    "program cannot compute; call this scheduler's step() outside the step")
+            if not markers.steps:
+                raise TranspileError(
+                    f"{type(self).__name__}.step() is called before optimizer.step() inside "
+                    f"{_name(step_fn)}{where}: call it after optimizer.step() (the order torch "
+                    "requires) or outside the step")
+            markers.schedulers.append(self)
+        return step
+
+    try:
+        for cls in _scheduler_classes():
+            patched.append((cls, vars(cls)["step"]))
+            cls.step = intercept(vars(cls)["step"])
+        yield
+    finally:
+        for cls, original in patched:
+            cls.step = original
+
+
 @contextlib.contextmanager
 def _optimizer_markers(markers: _Markers, optimizers, modules):
     handles = []
 
     def pre(opt, *_):
+        if not markers.steps:
+            markers.reduced = dict(markers.grads)
         markers.stepping = opt
         markers.steps.append([_last_node(), None])
 
@@ -454,12 +575,15 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
         markers.stepping = None
         markers.steps[-1][1] = _last_node()
 
-    def counted(obj):
+    def tracked(obj):
         method = obj.zero_grad
 
-        def zero_grad(*a, **k):
-            markers.zero_grad_calls += 1
-            return method(*a, **k)
+        def zero_grad(set_to_none: bool = True):
+            if set_to_none and not markers.backwards:
+                params = _opt_params(obj) if isinstance(obj, torch.optim.Optimizer) \
+                    else obj.parameters()
+                markers.reset.update(id(p) for p in params)
+            return method(set_to_none)
         return zero_grad
 
     for opt in optimizers:
@@ -467,7 +591,7 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
         handles.append(opt.register_step_post_hook(post))
     patched = list(optimizers) + list(modules)
     for obj in patched:
-        object.__setattr__(obj, "zero_grad", counted(obj))
+        object.__setattr__(obj, "zero_grad", tracked(obj))
     try:
         yield
     finally:
@@ -475,6 +599,59 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
             h.remove()
         for obj in patched:
             object.__delattr__(obj, "zero_grad")
+
+
+_PLAIN = (bool, int, float, str, tuple, type(None))
+
+
+def _host_values(modules, optimizers) -> dict[str, Any]:
+    """The host-side values a step could change: each submodule's public
+    attributes of plain types (a counter, the training flag) and the values of
+    each optimizer's param groups."""
+    values = {}
+    for mi, module in enumerate(modules):
+        root = f"model{mi}" if len(modules) > 1 else "model"
+        for name, sub in module.named_modules():
+            for key, value in vars(sub).items():
+                if not key.startswith("_") and isinstance(value, _PLAIN):
+                    values[f"{root}.{name + '.' if name else ''}{key}"] = (sub, key, value)
+    for oi, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key != "params" and key not in _TRACE_GROUP_OPTIONS:
+                    values[f"optimizer {oi} param_groups[{gi}][{key!r}]"] = (None, key, value)
+    return values
+
+
+@contextlib.contextmanager
+def _host_state_unchanged(step_fn, modules, optimizers):
+    """Python state the step changes would change once, while it is traced, and
+    never again when the program runs: refuse it (and undo it on the modules;
+    the optimizers' groups are restored by _redirect_optimizer)."""
+    before = _host_values(modules, optimizers)
+    yield
+    after = _host_values(modules, optimizers)
+    changed = [k for k in before if k not in after or repr(after[k][2]) != repr(before[k][2])]
+    if not changed:
+        return
+    for key in changed:
+        owner, attr, value = before[key]
+        if owner is not None:
+            object.__setattr__(owner, attr, value)
+    first = changed[0]
+    new = repr(after[first][2]) if first in after else "deleted"
+    if first.startswith("optimizer"):
+        advice = ("set hyperparameters outside the step, or step a torch.optim.lr_scheduler "
+                  "after optimizer.step() inside it (the transpiled step runs it on the host "
+                  "after every call)")
+    else:
+        advice = ("call model.train()/eval() and change such attributes outside the step, or "
+                  "keep a counter in a tensor buffer (register_buffer) that the step updates")
+    raise TranspileError(
+        f"{_name(step_fn)} changes host-side state: {first} {before[first][2]!r} -> {new}"
+        + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+        + ". The program runs without the step's Python, so this change would happen once, "
+        f"while the step is traced, and never again: {advice}")
 
 
 @contextlib.contextmanager
@@ -571,6 +748,9 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     markers = _Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     user_spec: list[pytree.TreeSpec] = []
+    left: list[torch.Tensor] = []      # parameters the step leaves a .grad
+    cleared: list[torch.Tensor] = []   # ... and those it leaves none
+    kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
 
     def flat(*values):
         traced: dict[int, torch.Tensor] = {}
@@ -586,9 +766,15 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
                 state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
             elif spec.kind == "hyper":
                 hypers[(id(slot.optimizer), slot.group, slot.key)] = value
+            elif spec.kind == "grad":
+                traced[id(slot.param)].grad = value
             else:
                 leaves[slot.leaf] = value
         formulated = _formulated_groups(optimizers, traced, hypers)
+
+        def grads_now():
+            return {inputs.param_names[i]: _node_of(t.grad) for i, t in traced.items()
+                    if t.grad is not None}
         real_state = {id(opt): opt.state for opt in optimizers}
         real_params = {id(opt): _opt_params(opt) for opt in optimizers}
         with contextlib.ExitStack() as stack:
@@ -599,8 +785,10 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
                 stack.enter_context(_redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             stack.enter_context(_compiling_flag())
-            stack.enter_context(_backward_marker(markers, step_fn))
+            stack.enter_context(_backward_marker(markers, step_fn, grads_now))
             stack.enter_context(_optimizer_markers(markers, optimizers, modules))
+            stack.enter_context(_scheduler_marker(markers, optimizers, step_fn))
+            stack.enter_context(_host_state_unchanged(step_fn, modules, optimizers))
             result = step_args.call(step_fn, leaves)
             _check_markers(step_fn, markers)
             out_leaves, spec = pytree.tree_flatten(result)
@@ -619,10 +807,17 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
                                                          real_state[id(opt)].get(p, {})):
                         created.append((opt, p, key))
                         new_state.append(value)
-            for p_id, tp in traced.items():
+            for name, node in markers.reduced.items():
+                node.meta[PARAM] = name
+            grads = []
+            for p in inputs.params:
+                tp = traced[id(p)]
+                (left if tp.grad is not None else cleared).append(p)
                 if tp.grad is not None:
-                    _node_of(tp.grad).meta[PARAM] = inputs.param_names[p_id]
-            return tuple(out_leaves) + tuple(new_state)
+                    grads.append(tp.grad)
+                if tp.requires_grad and id(tp) not in markers.reset:
+                    kept.append(p)
+            return tuple(out_leaves) + tuple(new_state) + tuple(grads)
 
     try:
         gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
@@ -636,8 +831,10 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     _assign_roles(gm.graph, markers)
     _drop_profiler_nodes(gm.graph)
     fgm = _functionalize(gm, inputs.values)
-    program, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created)
-    return Captured(program, inputs.slots, targets, user_spec[0])
+    program, slots, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created, left)
+    reads_grads = bool(kept) or any(spec.kind == "grad" for spec in program.inputs)
+    return Captured(program, slots, targets, user_spec[0], markers.schedulers, cleared,
+                    reads_grads)
 
 
 def _check_no_captured_parameters(step_fn, gm: fx.GraphModule) -> None:
@@ -671,15 +868,9 @@ def _state_set_by_step(opt, traced_param, given: dict, before: dict):
 
 
 def _check_markers(step_fn, markers: _Markers):
-    if markers.backward_calls == 0:
+    if not markers.backwards:
         raise TranspileError(f"{_name(step_fn)} never calls loss.backward(): a training "
                              "step computes a loss, calls backward() and optimizer.step()")
-    if not markers.steps:
-        raise TranspileError(f"{_name(step_fn)} never calls optimizer.step()")
-    if markers.zero_grad_calls == 0:
-        raise TranspileError(
-            f"{_name(step_fn)} never calls optimizer.zero_grad(): gradients accumulated "
-            "across calls are not supported; call optimizer.zero_grad() in the step")
 
 
 def _drop_profiler_nodes(graph: fx.Graph):
@@ -691,28 +882,33 @@ def _drop_profiler_nodes(graph: fx.Graph):
 
 
 def _assign_roles(graph: fx.Graph, markers: _Markers):
-    """Roles from the markers: forward before backward(), backward inside it,
-    optimize inside optimizer.step() and for anything computed from gradients
-    between the two, forward for the rest."""
+    """Roles from the markers: backward inside each backward(), optimize inside
+    optimizer.step(); what reads the gradients between the last backward() and
+    the first step() is gradient processing, and after it optimize; forward for
+    the rest (the forward passes, and whatever reads no gradient)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
-    bw_begin, bw_end = (position[n] for n in markers.backward)
-    step_ranges = [(position[b], position[e]) for b, e in markers.steps]
+    backwards = [(position[b], position[e]) for b, e in markers.backwards]
+    steps = [(position[b], position[e]) for b, e in markers.steps]
+    grads_end = backwards[-1][1]
+    first_step = steps[0][0] if steps else len(position)
+    seeds, losses = set(markers.seeds), set(markers.losses)
+    from_grads = Role.GRADIENT | Role.OPTIMIZE
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         i = position[node]
-        if node is markers.seed:
+        reads_grads = any(PARAM in a.meta or a.meta.get(ROLE, Role.FORWARD) & from_grads
+                          for a in node.all_input_nodes if a.op == "call_function")
+        if node in seeds:
             role = Role.BACKWARD | Role.LOSS
-        elif node is markers.loss:
+        elif node in losses:
             role = Role.FORWARD | Role.LOSS
-        elif bw_begin < i <= bw_end:
+        elif any(b < i <= e for b, e in backwards):
             role = Role.BACKWARD
-        elif any(b < i <= e for b, e in step_ranges):
+        elif any(b < i <= e for b, e in steps):
             role = Role.OPTIMIZE
-        elif bw_end < i and any(
-                PARAM in a.meta or a.meta.get(ROLE, Role.FORWARD) & Role.OPTIMIZE
-                for a in node.all_input_nodes if a.op == "call_function"):
-            role = Role.OPTIMIZE
+        elif grads_end < i and reads_grads:
+            role = Role.GRADIENT if i <= first_step else Role.OPTIMIZE
         else:
             role = Role.FORWARD
         node.meta[ROLE] = role
@@ -757,7 +953,7 @@ def _identifier(prefix: str, name: str) -> str:
     return ident + "_" if keyword.iskeyword(ident) else ident
 
 
-_PREFIX = {"param": "p_", "buffer": "b_", "state": "s_", "hyper": "h_", "data": ""}
+_PREFIX = {"param": "p_", "buffer": "b_", "grad": "g_", "state": "s_", "hyper": "h_", "data": ""}
 
 
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
@@ -768,9 +964,12 @@ def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created) -> tuple[Program, list]:
+def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created,
+                left: list[torch.Tensor]) -> tuple[Program, list, list]:
     """Turn the functionalized graph into a Program: name and annotate the
-    placeholders, drop detaches, and make the trailing write-backs outputs."""
+    placeholders, drop detaches, make the trailing write-backs outputs and drop
+    the gradients the step starts with where it does not read them. Returns the
+    program, the slot of each input and the target of each output."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, inputs.specs):
@@ -803,12 +1002,22 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created) -> tu
     for (opt, p, key), value in zip(created, results[n_user:]):
         specs.append(OutputSpec("state", f"{inputs.param_names[id(p)]}:{key}"))
         targets.append(StateSlot(opt, p, key))
+    for p in left:   # the .grad the step leaves (its output covers any write-back)
+        specs.append(OutputSpec("grad", inputs.param_names[id(p)]))
+        targets.append(GradSlot(p))
     for i in sorted(updates):
-        results.append(updates[i])
-        specs.append(OutputSpec("update", inputs.specs[i].name))
-        targets.append(inputs.slots[i])
+        if inputs.specs[i].kind != "grad":
+            results.append(updates[i])
+            specs.append(OutputSpec("update", inputs.specs[i].name))
+            targets.append(inputs.slots[i])
     out.args = (tuple(results),)
     graph.eliminate_dead_code()
+    kept = []
+    for node, spec, slot in zip(placeholders, inputs.specs, inputs.slots):
+        if spec.kind == "grad" and not node.users:
+            graph.erase_node(node)
+        else:
+            kept.append((spec, slot))
     graph.lint()
     gm.recompile()
-    return Program("main", gm, list(inputs.specs), specs), targets
+    return Program("main", gm, [s for s, _ in kept], specs), [s for _, s in kept], targets

@@ -1,9 +1,9 @@
 """Modes: named presets of pass lists, and the programs each mode runs."""
 
-# Paddle's GradAllReduce: mean gradients by scaling the seed and summing.
-GRAD_ALLREDUCE = ("scale_loss_grad", "insert_allreduce", "ring_round_robin")
+# Paddle's GradAllReduce: each gradient averaged by its own all-reduce.
+GRAD_ALLREDUCE = ("average_grads", "insert_allreduce", "ring_round_robin")
 # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
-FUSE_ALL_REDUCE = ("scale_loss_grad", "coalesce_tensors", "ring_round_robin", "schedule_comm")
+FUSE_ALL_REDUCE = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
 # Paddle's LocalSGD: the local program takes its step without communication; the
 # sync program also averages the parameters, its deltas reduced by the same
 # passes that reduce gradients in fuse_all_reduce.

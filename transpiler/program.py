@@ -18,13 +18,14 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from .collectives import WAIT
+from .collectives import WAIT, ReduceOp
 from .roles import BUCKET, COMM, INPUT, PARAM, REDUCE, ROLE, Role
 
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """What a placeholder holds. kind: param | buffer | state | hyper | data |
+    """What a placeholder holds. kind: param | buffer | grad (a parameter's .grad
+    as the step starts, `param` naming it) | state | hyper | data |
     held (a tensor the transpiled step itself keeps between calls, such as local
     SGD's snapshot of a parameter; the startup program initializes it as a copy
     of parameter `param`)."""
@@ -38,7 +39,8 @@ class InputSpec:
 class OutputSpec:
     """What an output is. kind: user (returned to the caller) | update (the new
     value of input `target`) | state (an optimizer state entry the step created
-    or replaced, `target` naming it as param/key) | held (a value the transpiled
+    or replaced, `target` naming it as param/key) | grad (the .grad the step
+    leaves on parameter `target`) | held (a value the transpiled
     step keeps under the name `target`, for its schedule or its next calls)."""
 
     kind: str
@@ -101,9 +103,9 @@ class Program:
         raise KeyError(name)
 
     def to_reduce(self) -> dict[str, fx.Node]:
-        """Name -> node of the values a pass marked to be summed over the ranks
-        (meta["reduce"]) and that something reads, in program order."""
-        return {n.meta[REDUCE]: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
+        """Key -> node of the values a pass marked to be reduced over the ranks
+        (meta["reduce"], a Reduction) and that something reads, in program order."""
+        return {n.meta[REDUCE].key: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
 
     def add_input(self, spec: InputSpec, like: fx.Node, name: str) -> fx.Node:
         """A new placeholder after the others, holding a tensor shaped like `like`."""
@@ -237,9 +239,10 @@ def _note(node: fx.Node) -> str:
         notes.append(str(node.meta[ROLE]))
     if PARAM in node.meta:
         notes.append(f"grad={node.meta[PARAM]}")
-    if REDUCE in node.meta:
-        same = node.meta[REDUCE] == node.meta.get(PARAM)
-        notes.append("reduce" if same else f"reduce={node.meta[REDUCE]}")
+    reduction = node.meta.get(REDUCE)
+    if reduction is not None:
+        what = "reduce" if reduction.key == node.meta.get(PARAM) else f"reduce={reduction.key}"
+        notes.append(what if reduction.op is ReduceOp.SUM else f"{what}({reduction.op.value})")
     comm = node.meta.get(COMM)
     if comm is not None:
         notes.append(f"ring={comm.ring}")

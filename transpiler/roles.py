@@ -16,6 +16,10 @@ class Role(enum.IntFlag):
     LOSS = 4
     OPTIMIZE = 8
     COMM = 16
+    # Gradient processing: what the step computes from the gradients between
+    # its last backward() and optimizer.step() (clipping, unscaling, edits of
+    # .grad). It reads the reduced gradients, as under DDP.
+    GRADIENT = 32
 
     def __str__(self) -> str:
         return "|".join(r.name for r in Role if r in self)
@@ -27,4 +31,4 @@ PARAM = "param"        # qualified parameter name on the node holding its gradie
 COMM = "comm"          # CommInfo on collective nodes and their waits
 BUCKET = "bucket"      # bucket index on the nodes that pack and unpack a fused buffer
 INPUT = "input"        # InputSpec on placeholders
-REDUCE = "reduce"      # name of a value the reduction passes must sum over the ranks
+REDUCE = "reduce"      # Reduction (collectives.py): a value a reduction pass must reduce over the ranks

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 
 from . import agreement, consistency
 from .backends import Executable, check_process_group, compile_program, device_of, resolve
-from .capture import Captured, HeldSlot, describe_change, flatten_args, signature, trace_step
+from .capture import (Captured, HeldSlot, describe_change, flatten_args, grad_signature,
+                      signature, trace_step)
 from .errors import DivergenceError, TranspileError
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
@@ -60,6 +61,9 @@ class _Built:
     out_spec: pytree.TreeSpec
     state_key: tuple   # identity of the parameters and buffers it runs on
     backend: str       # the concrete backend its programs compile with
+    schedulers: list   # LR schedulers stepped on the host after each call
+    cleared: list      # parameters whose .grad each call leaves None
+    reads_grads: bool  # whether which parameters have a .grad is part of the key
 
 
 _LOADED = "loaded"   # held tensors restored by load_state_dict, for the next state set
@@ -76,6 +80,9 @@ class TranspiledStep:
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
         self._built: dict[tuple, _Built] = {}
+        # Signatures whose programs read the .grad the step starts with: their
+        # key also says which parameters have one (capture.grad_signature).
+        self._reads_grads: set[tuple] = set()
         self._last_traced: tuple | None = None   # signature of the last trace
         self._last: _Built | None = None
         self._last_run: str | None = None
@@ -170,10 +177,16 @@ class TranspiledStep:
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
         sig = signature(step_args)
-        built = self._built.get(sig)
+        grads = grad_signature(step_args)
+        key = sig + grads if sig in self._reads_grads else sig
+        built = self._built.get(key)
         if built is None:
             start = time.perf_counter()
-            built = self._built[sig] = self._build(step_args, sig)
+            built = self._build(step_args, sig + grads)
+            if built.reads_grads:
+                self._reads_grads.add(sig)
+                key = sig + grads
+            self._built[key] = built
             self.build_seconds += time.perf_counter() - start
         name = self.schedule.next_program()
         runnable = built.programs[name]
@@ -186,6 +199,10 @@ class TranspiledStep:
         elif not self._held_current(runnable, built.state_key):
             self._run_startup(built, built.refresh)
         outputs = self._run(runnable, step_args.leaves)
+        for param in built.cleared:
+            param.grad = None
+        for scheduler in built.schedulers:   # what the step did after optimizer.step()
+            scheduler.step()
         if not runnable.held:
             self._held_for = None   # the parameters moved on without their snapshots
         self._last, self._last_run = built, name
@@ -239,7 +256,8 @@ class TranspiledStep:
                 program = startup_program(captured, held, name="refresh")
                 refresh = _Runnable(program, *self._bind(program, captured), "eager")
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(programs, startup, refresh, captured.out_spec, state_key, backend)
+            built = _Built(programs, startup, refresh, captured.out_spec, state_key, backend,
+                           captured.schedulers, captured.cleared, captured.reads_grads)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -277,13 +295,14 @@ class TranspiledStep:
     def _bind(self, program: Program, captured: Captured) -> tuple[list, list]:
         """The slot each input is read from and each output written to."""
         by_name = {spec.name: slot for spec, slot in zip(captured.program.inputs, captured.slots)}
-        created = {spec.target: target for spec, target
-                   in zip(captured.program.outputs, captured.targets) if spec.kind == "state"}
+        captured_targets = {(spec.kind, spec.target): target for spec, target
+                            in zip(captured.program.outputs, captured.targets)
+                            if spec.kind in ("state", "grad")}
         slots = [HeldSlot(self._held, spec.name) if spec.kind == "held" else by_name[spec.name]
                  for spec in program.inputs]
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
         targets = [None if spec.kind == "user"
-                   else created[spec.target] if spec.kind == "state"
+                   else captured_targets[(spec.kind, spec.target)] if spec.kind in ("state", "grad")
                    else HeldSlot(self._held, spec.target) if spec.kind == "held"
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
