@@ -257,3 +257,32 @@ def test_gradient_merge_builds_two_programs(caplog):
         caplog.clear()
         _run(step, model, opt, 1, 0)
     assert "traced" not in caplog.text
+
+
+def test_step_that_returns_nothing():
+    def no_return(model, opt, x, y):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    model, eager = M.make("mlp", seed=0), M.make("mlp", seed=0)
+    opt, eager_opt = M.make_optimizer("sgd", model), M.make_optimizer("sgd", eager)
+    step = transpile(no_return)
+    for batch in M.batches("mlp", 3, 8):
+        assert step(model, opt, *batch) is None
+        no_return(eager, eager_opt, *batch)
+    assert M.max_rel_error(_state(model, opt), _state(eager, eager_opt)) == 0.0
+
+
+def test_many_micro_batches_warn(caplog):
+    def many(model, opt, x, y):
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(9), y.chunk(9)):
+            F.cross_entropy(model(xs), ys).backward()
+        opt.step()
+
+    model = M.make("mlp", seed=0)
+    x, y = M.batches("mlp", 1, 18)[0]
+    with caplog.at_level("WARNING", logger="transpiler"):
+        transpile(many)(model, M.make_optimizer("sgd", model), x, y)
+    assert "calls backward() 9 times: the program unrolls every micro-batch" in caplog.text

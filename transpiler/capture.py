@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import inspect
 import keyword
+import logging
 import os
 import re
 import traceback
@@ -32,6 +33,11 @@ from .errors import TranspileError
 from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
 from .program import InputSpec, OutputSpec, Program
 from .roles import INPUT, PARAM, ROLE, Role
+
+log = logging.getLogger("transpiler")
+
+# More backward() calls than this in one step get a warning: each is unrolled.
+MANY_BACKWARDS = 8
 
 # Group options forced while tracing: the foreach path, and capturable=True
 # where it exists, keep every step-dependent quantity a tensor (no .item()).
@@ -161,12 +167,30 @@ class DataSlot:
         return leaves[self.leaf]
 
 
+@dataclasses.dataclass(frozen=True)
+class Returned:
+    """The structure of what the step returns: a pytree whose leaves are tensors
+    (outputs of the program, in order) or None."""
+
+    spec: pytree.TreeSpec
+    nones: tuple[bool, ...]   # per leaf: None
+
+    @property
+    def num_tensors(self) -> int:
+        return self.nones.count(False)
+
+    def rebuild(self, outputs) -> Any:
+        tensors = iter(outputs)
+        return pytree.tree_unflatten([None if none else next(tensors) for none in self.nones],
+                                     self.spec)
+
+
 @dataclasses.dataclass
 class Captured:
     program: Program
     slots: list            # one per program input
     targets: list          # one per program output: None (user) or the slot written
-    out_spec: pytree.TreeSpec
+    returned: Returned
     schedulers: list       # LR schedulers the step steps after its optimizer.step()
     cleared: list          # parameters whose .grad the step leaves None
     # Whether what the program computes depends on the .grad the parameters have
@@ -747,7 +771,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     inputs = _collect_inputs(step_args)
     markers = _Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
-    user_spec: list[pytree.TreeSpec] = []
+    returned: list[Returned] = []
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[torch.Tensor] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
@@ -792,13 +816,14 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             result = step_args.call(step_fn, leaves)
             _check_markers(step_fn, markers)
             out_leaves, spec = pytree.tree_flatten(result)
+            returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
+            out_leaves = [o for o in out_leaves if o is not None]
             for o in out_leaves:
                 if not isinstance(o, torch.Tensor):
                     raise TranspileError(
                         f"{_name(step_fn)} returned a {type(o).__name__}; a transpiled step "
                         "may return only tensors (any pytree of them): return the loss tensor "
                         "and convert it with .item() outside the step")
-            user_spec.append(spec)
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:
@@ -828,12 +853,17 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
         raise _trace_error(step_fn, exc, markers) from exc
 
     _check_no_captured_parameters(step_fn, gm)
+    if len(markers.backwards) > MANY_BACKWARDS:
+        log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
+                    "micro-batch, so it grows and traces in proportion; for many micro-batches "
+                    "accumulate across calls instead (README, Training loops)",
+                    _name(step_fn), len(markers.backwards))
     _assign_roles(gm.graph, markers)
     _drop_profiler_nodes(gm.graph)
     fgm = _functionalize(gm, inputs.values)
-    program, slots, targets = _to_program(fgm, inputs, user_spec[0].num_leaves, created, left)
+    program, slots, targets = _to_program(fgm, inputs, returned[0].num_tensors, created, left)
     reads_grads = bool(kept) or any(spec.kind == "grad" for spec in program.inputs)
-    return Captured(program, slots, targets, user_spec[0], markers.schedulers, cleared,
+    return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                     reads_grads)
 
 

@@ -16,12 +16,11 @@ import time
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
 from . import agreement, consistency
 from .backends import Executable, check_process_group, compile_program, device_of, resolve
-from .capture import (Captured, HeldSlot, describe_change, flatten_args, grad_signature,
-                      signature, trace_step)
+from .capture import (Captured, HeldSlot, Returned, describe_change, flatten_args,
+                      grad_signature, signature, trace_step)
 from .errors import DivergenceError, TranspileError
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
@@ -58,7 +57,7 @@ class _Built:
     programs: dict[str, _Runnable]
     startup: _Runnable | None   # broadcast from rank 0, then initialize the held tensors
     refresh: _Runnable | None   # initialize the held tensors only
-    out_spec: pytree.TreeSpec
+    returned: Returned
     state_key: tuple   # identity of the parameters and buffers it runs on
     backend: str       # the concrete backend its programs compile with
     schedulers: list   # LR schedulers stepped on the host after each call
@@ -214,7 +213,7 @@ class TranspiledStep:
         if self._check_due and name != "local":   # local SGD's ranks differ until the sync
             self._check_due = False
             self._raise_if_divergent()
-        return pytree.tree_unflatten(list(outputs[:built.out_spec.num_leaves]), built.out_spec)
+        return built.returned.rebuild(outputs[:built.returned.num_tensors])
 
     def _held_current(self, runnable: _Runnable, state_key: tuple) -> bool:
         if not runnable.held:
@@ -256,7 +255,7 @@ class TranspiledStep:
                 program = startup_program(captured, held, name="refresh")
                 refresh = _Runnable(program, *self._bind(program, captured), "eager")
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(programs, startup, refresh, captured.out_spec, state_key, backend,
+            built = _Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared, captured.reads_grads)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
