@@ -23,7 +23,8 @@ def ranks3() -> RankPool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests on real ranks are the slow ones: `pytest -m "not slow"` runs the rest."""
+    """Tests on real ranks are slow (so are those that compile, marked in their
+    files): `pytest -m "not slow"` runs the rest."""
     for item in items:
         if {"ranks2", "ranks3"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -98,8 +98,14 @@ def compile_program(program: Program, backend: str) -> Executable:
 
 # The program's node order is already scheduled for overlap (schedule_comm):
 # inductor's own reordering for memory would move the gradients a bucket waits
-# for after the rest of the backward pass.
-_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+# for after the rest of the backward pass. fallback_random: random ops (dropout's
+# bernoulli, rand, randn, randint) run as ATen's kernels, in the program's order,
+# so they draw the same numbers from torch's generator as the eager step and
+# leave it in the same state; inductor's own RNG (Philox seeds it draws from the
+# generator) would give other dropout masks than eager and, on CPU, shift every
+# later draw.
+_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False,
+                     "fallback_random": True}
 
 
 def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) -> Callable:
@@ -157,8 +163,29 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
             written.append(spec.kind == "update")
     out.args = (tuple(kept),)
     _packs_as_cat(graph)
+    _views_as_reshapes(graph)
     graph.lint()
     return fx.GraphModule(program.gm, graph), written
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _views_as_reshapes(graph: fx.Graph) -> None:
+    """view(x, shape) -> reshape(x, shape). Capture recorded a view wherever
+    x's strides, as eager computes them, allowed one (matmul's and reshape's
+    own decompositions choose between a view and a copy from the strides).
+    A compiler retraces the program through its own decompositions, which
+    may lay a value out differently: inductor's cat drops an empty 1-D input
+    (an empty KV cache) and clones the other one with its strides, where
+    eager's cat is contiguous, and the view after it no longer exists.
+    reshape makes the same choice again from the strides the compiler gets.
+    The program is functional (no value is written through a view), so both
+    compute the same values; inductor turns its own views into reshapes too
+    (post_grad.view_to_reshape), but only after that retrace."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = torch.ops.aten.reshape.default
 
 
 def _packs_as_cat(graph: fx.Graph) -> None:
