@@ -4,13 +4,14 @@
                                                      [--mode fuse_all_reduce]
                                                      [--backend eager|inductor]
 
-The step accumulates gradients over micro-batches, clips them by their global
-norm, steps AdamW and a warm-up + cosine learning-rate schedule; the model is a
+The step accumulates gradients over micro-batches, scales the loss with
+torch.amp.GradScaler (enabled where fp16 needs it, on CUDA; a pass-through on
+CPU), unscales and clips the gradients by their global norm, steps AdamW and a
+warm-up + cosine learning-rate schedule; the model is a
 small causal transformer built from torch's layers, on synthetic token
 sequences. Halfway it saves a checkpoint; at the end it restores that checkpoint
 into fresh objects, trains the second half again and checks that the result is
-bit for bit the uninterrupted run. (Loss scaling with torch.amp.GradScaler is
-not supported by the transpiler yet.)
+bit for bit the uninterrupted run.
 """
 
 import argparse
@@ -49,17 +50,19 @@ class TinyLM(nn.Module):
 
 
 def make_train_step(scheduler, micro_batches: int, max_norm: float):
-    def train_step(model, optimizer, tokens):
+    def train_step(model, optimizer, scaler, tokens):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in tokens.chunk(micro_batches):
             logits = model(chunk[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten()) / micro_batches
-            loss.backward()
+            scaler.scale(loss).backward()
             total = total + loss.detach()
+        scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        scheduler.step()       # run by the transpiled step on the host after every call
+        scaler.step(optimizer)  # skipped, on every rank alike, if a gradient overflowed
+        scaler.update()
+        scheduler.step()        # run by the transpiled step on the host after every call
         return total, norm
     return train_step
 
@@ -89,16 +92,19 @@ def build(args, seed: int):
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps, 5))
+    scaler = torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu",
+                                  enabled=torch.cuda.is_available())
     step = transpile(make_train_step(scheduler, args.micro_batches, max_norm=1.0),
                      mode=args.mode, backend=args.backend)
-    return model, optimizer, scheduler, step
+    return model, optimizer, scheduler, scaler, step
 
 
-def train(args, model, optimizer, step, start: int, stop: int, rank: int, world_size: int):
+def train(args, model, optimizer, scaler, step, start: int, stop: int, rank: int,
+          world_size: int):
     for i, tokens in enumerate(batches(stop, args.batch * world_size)):
         if i < start:
             continue
-        loss, norm = step(model, optimizer, tokens.chunk(world_size)[rank])
+        loss, norm = step(model, optimizer, scaler, tokens.chunk(world_size)[rank])
         if rank == 0 and (i % 5 == 0 or i == stop - 1):
             print(f"step {i:3d}  loss {loss.item():.4f} (rank 0)  grad norm {norm.item():.3f}  "
                   f"lr {optimizer.param_groups[0]['lr']:.5f}", flush=True)
@@ -120,13 +126,14 @@ def main():
                         format=f"[rank {rank}] %(message)s")
     half = args.steps // 2
 
-    model, optimizer, scheduler, step = build(args, seed=rank)   # rank 0's is broadcast
-    train(args, model, optimizer, step, 0, half, rank, world_size)
+    model, optimizer, scheduler, scaler, step = build(args, seed=rank)   # rank 0's is broadcast
+    train(args, model, optimizer, scaler, step, 0, half, rank, world_size)
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                  "scheduler": scheduler.state_dict(), "step": step.state_dict()}
+                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                  "step": step.state_dict()}
     path = os.path.join(tempfile.gettempdir(), f"train_lm.{os.getppid()}.rank{rank}.pt")
     torch.save(checkpoint, path)
-    train(args, model, optimizer, step, half, args.steps, rank, world_size)
+    train(args, model, optimizer, scaler, step, half, args.steps, rank, world_size)
     if rank == 0:
         print(step.explain(), flush=True)
 
@@ -134,12 +141,13 @@ def main():
         print(f"resuming from the checkpoint of step {half}", flush=True)
     resumed = torch.load(path)
     os.remove(path)
-    model2, optimizer2, scheduler2, step2 = build(args, seed=rank)
+    model2, optimizer2, scheduler2, scaler2, step2 = build(args, seed=rank)
     model2.load_state_dict(resumed["model"])
     optimizer2.load_state_dict(resumed["optimizer"])
     scheduler2.load_state_dict(resumed["scheduler"])
+    scaler2.load_state_dict(resumed["scaler"])
     step2.load_state_dict(resumed["step"])
-    train(args, model2, optimizer2, step2, half, args.steps, rank, world_size)
+    train(args, model2, optimizer2, scaler2, step2, half, args.steps, rank, world_size)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  model2.state_dict().values()))
     if rank == 0:

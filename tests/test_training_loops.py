@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
-from transpiler import transpile
+from transpiler import TranspileError, transpile
 
 STEPS = 6
 BATCH = 24     # divisible by 2 and 3 ranks times 2 micro-batches
@@ -118,15 +118,44 @@ def across_calls(model, opt, x, y, sync: bool):
     return loss
 
 
+def scaled(model, opt, x, y, scaler):
+    """torch.amp's loss scaling, unscaled before clipping: the first steps
+    overflow (the scale starts at 2**127) and are skipped while it backs off."""
+    opt.zero_grad()
+    chunks = list(zip(x.chunk(MICRO), y.chunk(MICRO)))
+    for i, (xs, ys) in enumerate(chunks):
+        with _no_sync(model, i == len(chunks) - 1):
+            scaler.scale(F.cross_entropy(model(xs), ys) * 4 / MICRO).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    scaler.step(opt)
+    scaler.update()
+    opt.test_scheduler.step()
+    if not scaler.is_enabled():
+        return norm
+    return norm, scaler._scale.clone()   # get_scale() would read it with .item()
+
+
 STEP_FNS = {f.__name__: f for f in (clip, clip_value, zero_grad_after_step,
                                      zero_grad_keep_tensors, scheduler_inside, accumulate,
-                                     everything, across_calls)}
+                                     everything, across_calls, scaled)}
+
+
+def _extra_args(fn, i: int, opt) -> tuple:
+    if fn is across_calls:
+        return ((i + 1) % 2 == 0,)
+    if fn is scaled:
+        if not hasattr(opt, "test_scaler"):
+            opt.test_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127,
+                                                   growth_interval=2)
+        return (opt.test_scaler,)
+    return ()
 
 
 def _run(step, model, opt, world_size, rank):
     outputs = []
     for i, batch in enumerate(M.batches("mlp", STEPS, BATCH)):
-        extra = ((i + 1) % 2 == 0,) if getattr(step, "step_fn", step) is across_calls else ()
+        extra = _extra_args(getattr(step, "step_fn", step), i, opt)
         out = step(model, opt, *M.shard(batch, rank, world_size), *extra)
         outputs.append([t.detach().clone() for t in torch.utils._pytree.tree_leaves(out)])
     return outputs
@@ -172,7 +201,9 @@ def _compare(results, tolerance):
         assert our_lr == ddp_lr
         for a, b in zip(our_outputs, ddp_outputs):
             for x, y in zip(a, b):    # the loss, the global norm clipping returns
-                assert torch.allclose(x, y, rtol=max(tolerance, 1e-6), atol=0), (x, y)
+                # (a step that overflowed under loss scaling has a NaN norm)
+                assert torch.allclose(x, y, rtol=max(tolerance, 1e-6), atol=0,
+                                      equal_nan=True), (x, y)
     first = results[0][0]
     for ours, *_ in results[1:]:
         assert all(torch.equal(ours[k], first[k]) for k in first)
@@ -199,7 +230,7 @@ def test_adamw_within_rounding(fn_name, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "adamw", "fuse_all_reduce", "eager"), 1e-5)
 
 
-@pytest.mark.parametrize("fn_name", ["everything"])
+@pytest.mark.parametrize("fn_name", ["everything", "scaled"])
 def test_inductor(fn_name, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", "fuse_all_reduce", "inductor"), 1e-5)
 
@@ -242,7 +273,7 @@ def test_single_process_equals_eager(fn_name):
     for k in ours:
         assert torch.equal(ours[k], eager[k]), k
     for a, b in zip(our_outputs, eager_outputs):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert all(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) for x, y in zip(a, b))
 
 
 def test_gradient_merge_builds_two_programs(caplog):
@@ -286,3 +317,44 @@ def test_many_micro_batches_warn(caplog):
     with caplog.at_level("WARNING", logger="transpiler"):
         transpile(many)(model, M.make_optimizer("sgd", model), x, y)
     assert "calls backward() 9 times: the program unrolls every micro-batch" in caplog.text
+
+
+def test_loss_scaling_skips_and_backs_off():
+    """The scaler's scale after each step, and that overflowing steps changed
+    nothing the optimizer writes (against eager in test_single_process_equals_eager)."""
+    model = M.make("mlp", seed=0)
+    opt = _with_scheduler(M.make_optimizer("sgd", model))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = transpile(scaled)
+    x, y = M.batches("mlp", 1, BATCH)[0]
+    _, scale = step(model, opt, x * 50, y, _extra_args(scaled, 0, opt)[0])
+    assert scale.item() == 2.0 ** 126    # overflowed: backed off, and skipped
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    scales = [step(model, opt, x, y, opt.test_scaler)[1].item() for _ in range(12)]
+    assert any(b > a for a, b in zip(scales, scales[1:]))   # grew after 2 good steps
+    assert any(b < a for a, b in zip(scales, scales[1:]))   # and backed off again
+
+
+def test_scaler_must_be_an_argument():
+    scaler = torch.amp.GradScaler("cpu")
+
+    def hidden(model, opt, x, y):
+        return scaled(model, opt, x, y, scaler)
+
+    model = M.make("mlp", seed=0)
+    opt = _with_scheduler(M.make_optimizer("sgd", model))
+    with pytest.raises(TranspileError, match="GradScaler that is not among its arguments"):
+        transpile(hidden)(model, opt, *M.batches("mlp", 1, BATCH)[0])
+
+
+def test_disabled_scaler_passes_through():
+    states = []
+    for transpiled in (True, False):
+        model = M.make("mlp", seed=0)
+        opt = _with_scheduler(M.make_optimizer("sgd", model))
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        step = transpile(scaled) if transpiled else scaled
+        for batch in M.batches("mlp", 3, BATCH):
+            step(model, opt, *batch, scaler)
+        states.append(_state(model, opt))
+    assert _max_rel_error(*states) == 0.0

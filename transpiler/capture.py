@@ -33,6 +33,8 @@ from .errors import TranspileError
 from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
 from .program import InputSpec, OutputSpec, Program
 from .roles import INPUT, PARAM, ROLE, Role
+from .scaler import SKIPS, GradScaler, guard_skipped_steps, scaler_slots, traced_scalers
+from .scaler import signature_of as scaler_signature
 
 log = logging.getLogger("transpiler")
 
@@ -218,6 +220,10 @@ class StepArgs:
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return _unique(x for x in self.leaves if isinstance(x, torch.optim.Optimizer))
 
+    @property
+    def scalers(self) -> list[GradScaler]:
+        return _unique(x for x in self.leaves if isinstance(x, GradScaler))
+
     def call(self, step_fn, leaves):
         values = pytree.tree_unflatten(leaves, self.spec)
         if self.bound is None:
@@ -229,7 +235,7 @@ class StepArgs:
 
 
 def _is_leaf(x) -> bool:
-    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
+    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, GradScaler))
 
 
 def flatten_args(step_fn, args, kwargs) -> StepArgs:
@@ -318,6 +324,9 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             for key in form.lifted(form.terms(group)):
                 slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)
                 inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
+    device = inputs.params[0].device if inputs.params else torch.device("cpu")
+    for name, slot in scaler_slots(step_args.scalers, device):
+        inputs.add(InputSpec("scaler", name), slot, slot.read(None))
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):
             inputs.add(InputSpec("data", step_args.names[i]), DataSlot(i), leaf)
@@ -370,6 +379,8 @@ def signature(step_args: StepArgs) -> tuple:
     for name, leaf in zip(step_args.names, step_args.leaves):
         if isinstance(leaf, torch.Tensor):
             sig.append((("input", name), _tensor_sig(leaf)))
+        elif isinstance(leaf, GradScaler):
+            sig.append((("input", name), scaler_signature(leaf)))
         elif _is_leaf(leaf):
             sig.append((("input", name), (type(leaf).__name__, id(leaf))))
         else:
@@ -780,6 +791,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
         traced: dict[int, torch.Tensor] = {}
         leaves = list(step_args.leaves)
         hypers: dict[tuple, torch.Tensor] = {}
+        scaled: dict[tuple, torch.Tensor] = {}
         state: dict[int, dict] = defaultdict(dict)
         for spec, slot, value in zip(inputs.specs, inputs.slots, values):
             if spec.kind in ("param", "buffer"):
@@ -792,6 +804,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
                 hypers[(id(slot.optimizer), slot.group, slot.key)] = value
             elif spec.kind == "grad":
                 traced[id(slot.param)].grad = value
+            elif spec.kind == "scaler":
+                scaled[(id(slot.scaler), slot.attr)] = value
             else:
                 leaves[slot.leaf] = value
         formulated = _formulated_groups(optimizers, traced, hypers)
@@ -813,6 +827,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             stack.enter_context(_optimizer_markers(markers, optimizers, modules))
             stack.enter_context(_scheduler_marker(markers, optimizers, step_fn))
             stack.enter_context(_host_state_unchanged(step_fn, modules, optimizers))
+            stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, _node_of,
+                                               _name(step_fn)))
             result = step_args.call(step_fn, leaves)
             _check_markers(step_fn, markers)
             out_leaves, spec = pytree.tree_flatten(result)
@@ -862,9 +878,20 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     _drop_profiler_nodes(gm.graph)
     fgm = _functionalize(gm, inputs.values)
     program, slots, targets = _to_program(fgm, inputs, returned[0].num_tensors, created, left)
+    guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind == "grad" for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                     reads_grads)
+
+
+def _optimizer_of(targets: list, optimizers) -> list[int | None]:
+    """For each output's target: the index of the optimizer that writes it (a
+    parameter it updates, its state), else None."""
+    index = {id(opt): oi for oi, opt in enumerate(optimizers)}
+    of_param = {id(p): index[id(opt)] for opt in optimizers for p in _opt_params(opt)}
+    return [index[id(t.optimizer)] if isinstance(t, StateSlot)
+            else of_param.get(id(t.tensor)) if isinstance(t, ParamSlot) else None
+            for t in targets]
 
 
 def _check_no_captured_parameters(step_fn, gm: fx.GraphModule) -> None:
@@ -958,13 +985,14 @@ class _RoleCarrier(fx.Interpreter):
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
             node = node.next
-        if PARAM in n.meta or n.meta[ROLE] & Role.LOSS:
+        if PARAM in n.meta or SKIPS in n.meta or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
             inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
             node = _node_of(inner)
-            if PARAM in n.meta:
-                node.meta[PARAM] = n.meta[PARAM]
+            for key in (PARAM, SKIPS):
+                if key in n.meta:
+                    node.meta[key] = n.meta[key]
             if n.meta[ROLE] & Role.LOSS:
                 node.meta[ROLE] = n.meta[ROLE]
         return result
@@ -983,7 +1011,8 @@ def _identifier(prefix: str, name: str) -> str:
     return ident + "_" if keyword.iskeyword(ident) else ident
 
 
-_PREFIX = {"param": "p_", "buffer": "b_", "grad": "g_", "state": "s_", "hyper": "h_", "data": ""}
+_PREFIX = {"param": "p_", "buffer": "b_", "grad": "g_", "state": "s_", "hyper": "h_",
+           "scaler": "sc_", "data": ""}
 
 
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:

@@ -25,7 +25,8 @@ from .roles import BUCKET, COMM, INPUT, PARAM, REDUCE, ROLE, Role
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     """What a placeholder holds. kind: param | buffer | grad (a parameter's .grad
-    as the step starts, `param` naming it) | state | hyper | data |
+    as the step starts, `param` naming it) | state | hyper | scaler (a
+    GradScaler's scale or growth tracker) | data |
     held (a tensor the transpiled step itself keeps between calls, such as local
     SGD's snapshot of a parameter; the startup program initializes it as a copy
     of parameter `param`)."""
