@@ -215,7 +215,7 @@ def test_sgd_equals_ddp_bit_for_bit(fn_name, mode, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", mode, "eager"), 0.0)
 
 
-@pytest.mark.parametrize("fn_name", ["clip", "accumulate", "everything"])
+@pytest.mark.parametrize("fn_name", ["clip", "accumulate", "everything", "scaled"])
 def test_three_ranks(fn_name, ranks3):
     # With three ranks gloo's ring sums an element in an order that depends on
     # where it sits in its bucket, and DDP lays its buckets out differently:
