@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
-from transpiler import TranspileError, transpile
+from transpiler import TranspileError, VerificationError, transpile
 
 STEPS = 6
 BATCH = 24     # divisible by 2 and 3 ranks times 2 micro-batches
@@ -177,13 +177,13 @@ def _max_rel_error(ours: dict, theirs: dict) -> float:
     return M.max_rel_error(*({k: v for k, v in s.items() if k not in nones} for s in (ours, theirs)))
 
 
-def rank_vs_ddp(fn_name, opt_name, mode, backend):
+def rank_vs_ddp(fn_name, opt_name, mode, backend, verify=0):
     """The transpiled step and DDP on the same step function, same processes."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fn = STEP_FNS[fn_name]
     model = M.make("mlp", seed=rank)     # the startup broadcast makes the ranks agree
     opt = _with_scheduler(M.make_optimizer(opt_name, model))
-    step = transpile(fn, mode=mode, backend=backend)
+    step = transpile(fn, mode=mode, backend=backend, verify=verify)
     ours = _run(step, model, opt, world_size, rank)
     ours_state = _state(model, opt)
     lr = opt.param_groups[0]["lr"]
@@ -358,3 +358,56 @@ def test_disabled_scaler_passes_through():
             step(model, opt, *batch, scaler)
         states.append(_state(model, opt))
     assert _max_rel_error(*states) == 0.0
+
+
+@pytest.mark.parametrize("fn_name", ["everything", "scaled", "across_calls"])
+def test_verify_accepts_what_equals_ddp(fn_name, ranks2):
+    """verify=STEPS checks every step against the eager step under DDP's
+    semantics, finds nothing, and changes nothing: still DDP bit for bit."""
+    _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", "fuse_all_reduce", "eager", STEPS), 0.0)
+
+
+FACTOR = [1.0]
+
+
+def reads_a_global(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * FACTOR[0]   # a host value, frozen by the trace
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def rank_verify_finds_a_frozen_host_value():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp", seed=0)
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(reads_a_global, verify=3)
+    batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", 3, BATCH)]
+    FACTOR[0] = 1.0
+    step(model, opt, *batches[0])
+    step(model, opt, *batches[1])    # traces again (momentum), for the last time
+    FACTOR[0] = 3.0 if rank == 0 else 1.0      # rank 1 agrees with its program
+    before = _state(model, opt)
+    try:
+        step(model, opt, *batches[2])
+    except VerificationError as exc:
+        message = str(exc)
+    else:
+        message = None
+    FACTOR[0] = 1.0
+    return message, _max_rel_error(_state(model, opt), before)
+
+
+def test_verify_finds_a_frozen_host_value(ranks2):
+    for message, changed in ranks2.run(rank_verify_finds_a_frozen_host_value):
+        assert message is not None and "step 2" in message and "on rank 0" in message
+        assert "returned value 0: max abs difference" in message   # the loss, first
+        assert changed == 0.0                                      # nothing written back
+
+
+def test_verify_bad_options():
+    with pytest.raises(TranspileError, match="verify must be an integer >= 0"):
+        transpile(clip, verify=-1)
+    with pytest.raises(TranspileError, match="verify compares with the eager step"):
+        transpile(clip, mode="local_sgd", verify=2)

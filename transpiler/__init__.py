@@ -6,11 +6,11 @@
 """
 
 from .api import transpile
-from .errors import DivergenceError, PassError, TranspileError
+from .errors import DivergenceError, PassError, TranspileError, VerificationError
 from .modes import MODES
 from .pipeline import PassContext, run_passes
 from .program import Program
 from .roles import Role
 
-__all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "MODES", "PassContext",
-           "run_passes", "Program", "Role"]
+__all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "VerificationError",
+           "MODES", "PassContext", "run_passes", "Program", "Role"]

@@ -24,7 +24,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               k_steps: int | None = None, begin_step: int | None = None,
               adaptive: bool | None = None,
               backend: str = "eager", check_every: int | None = None,
-              skip_nonfinite: bool = False) -> TranspiledStep:
+              skip_nonfinite: bool = False, verify: int = 0,
+              verify_tolerance: float = 1e-3) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -50,6 +51,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     check_every: every this many steps, compare a checksum of the parameters
     across the ranks (local_sgd: at the next sync) and raise DivergenceError if
     they differ; None: never (call step.check_consistency() yourself).
+    verify: check the first `verify` steps against the eager step under DDP's
+    semantics, run on copies, and raise VerificationError on every rank, with
+    nothing written back, where a value differs by more than verify_tolerance
+    relative to the largest magnitude of the eager value (transpiler/verify.py).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -89,10 +94,20 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         hpu.require()
     if check_every is not None and (not _is_int(check_every) or check_every < 1):
         raise TranspileError(f"check_every must be an integer >= 1 or None, got {check_every!r}")
+    if not _is_int(verify) or verify < 0:
+        raise TranspileError(f"verify must be an integer >= 0 (steps to check), got {verify!r}")
+    if isinstance(verify_tolerance, bool) or not isinstance(verify_tolerance, (int, float)) \
+            or not verify_tolerance >= 0:
+        raise TranspileError(f"verify_tolerance must be a number >= 0, got {verify_tolerance!r}")
+    if verify and mode == "local_sgd":
+        raise TranspileError("verify compares with the eager step under DDP's semantics, which "
+                             "local SGD does not follow by design: use verify with "
+                             "grad_allreduce or fuse_all_reduce")
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive))
-    return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every)
+    return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every,
+                          verify=verify, verify_tolerance=float(verify_tolerance))
 
 
 def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:

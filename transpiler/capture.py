@@ -83,6 +83,10 @@ class ParamSlot:
     def write(self, value):
         self.tensor.copy_(value)
 
+    def mirror(self, memo: dict):
+        """The same tensor in a deep copy of the step's arguments (verify)."""
+        return memo[id(self.tensor)]
+
 
 @dataclasses.dataclass(frozen=True)
 class StateSlot:
@@ -98,6 +102,9 @@ class StateSlot:
     def write(self, value):
         _store(self.optimizer.state[self.param], self.key, value)
 
+    def mirror(self, memo: dict):
+        return memo[id(self.optimizer)].state[memo[id(self.param)]].get(self.key)
+
 
 @dataclasses.dataclass(frozen=True)
 class HeldSlot:
@@ -111,6 +118,9 @@ class HeldSlot:
 
     def write(self, value):
         _store(self.store, self.name, value)
+
+    def mirror(self, memo: dict):
+        return None   # the eager step has no such tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +137,9 @@ class GradSlot:
 
     def write(self, value):
         self.param.grad = value
+
+    def mirror(self, memo: dict):
+        return memo[id(self.param)].grad
 
 
 def _store(mapping: dict, key, value: torch.Tensor) -> None:
@@ -194,11 +207,12 @@ class Captured:
     targets: list          # one per program output: None (user) or the slot written
     returned: Returned
     schedulers: list       # LR schedulers the step steps after its optimizer.step()
-    cleared: list          # parameters whose .grad the step leaves None
+    cleared: list          # (name, parameter) whose .grad the step leaves None
     # Whether what the program computes depends on the .grad the parameters have
     # when the step starts (it accumulates into them, or keeps them as zeros):
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
+    averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
 
 
 # ------------------------------------------------------------ arguments
@@ -488,6 +502,7 @@ class _Markers:
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
+    averaged_after: int = 0   # backward() calls before the first step (0: no step)
 
 
 def _last_node() -> fx.Node:
@@ -561,10 +576,9 @@ def _scheduler_classes() -> list[type]:
 
 
 @contextlib.contextmanager
-def _scheduler_marker(markers: _Markers, optimizers, step_fn):
-    """A scheduler of one of the step's optimizers stepped inside the step is not
-    run by the trace (its change would be frozen into the program): it is
-    recorded, and the runtime steps it on the host after every call."""
+def intercepted_schedulers(optimizers, on_step: Callable):
+    """While active, step() of a torch LR scheduler of one of `optimizers`
+    calls on_step(scheduler, *args, **kwargs) instead."""
     ours = {id(opt) for opt in optimizers}
     patched = []
 
@@ -572,18 +586,7 @@ def _scheduler_marker(markers: _Markers, optimizers, step_fn):
         def step(self, *args, **kwargs):
             if id(getattr(self, "optimizer", None)) not in ours:
                 return original(self, *args, **kwargs)
-            where = _user_line(step_fn)
-            if args or kwargs:
-                raise TranspileError(
-                    f"{type(self).__name__}.step() is given arguments inside "
-                    f"{_name(step_fn)}{where}: a metric or an epoch is a host value the "
-                    "program cannot compute; call this scheduler's step() outside the step")
-            if not markers.steps:
-                raise TranspileError(
-                    f"{type(self).__name__}.step() is called before optimizer.step() inside "
-                    f"{_name(step_fn)}{where}: call it after optimizer.step() (the order torch "
-                    "requires) or outside the step")
-            markers.schedulers.append(self)
+            return on_step(self, *args, **kwargs)
         return step
 
     try:
@@ -596,6 +599,26 @@ def _scheduler_marker(markers: _Markers, optimizers, step_fn):
             cls.step = original
 
 
+def _scheduler_marker(markers: _Markers, optimizers, step_fn):
+    """A scheduler of one of the step's optimizers stepped inside the step is not
+    run by the trace (its change would be frozen into the program): it is
+    recorded, and the runtime steps it on the host after every call."""
+    def record(scheduler, *args, **kwargs):
+        where = _user_line(step_fn)
+        if args or kwargs:
+            raise TranspileError(
+                f"{type(scheduler).__name__}.step() is given arguments inside "
+                f"{_name(step_fn)}{where}: a metric or an epoch is a host value the "
+                "program cannot compute; call this scheduler's step() outside the step")
+        if not markers.steps:
+            raise TranspileError(
+                f"{type(scheduler).__name__}.step() is called before optimizer.step() inside "
+                f"{_name(step_fn)}{where}: call it after optimizer.step() (the order torch "
+                "requires) or outside the step")
+        markers.schedulers.append(scheduler)
+    return intercepted_schedulers(optimizers, record)
+
+
 @contextlib.contextmanager
 def _optimizer_markers(markers: _Markers, optimizers, modules):
     handles = []
@@ -603,6 +626,7 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
     def pre(opt, *_):
         if not markers.steps:
             markers.reduced = dict(markers.grads)
+            markers.averaged_after = len(markers.backwards)
         markers.stepping = opt
         markers.steps.append([_last_node(), None])
 
@@ -784,7 +808,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
-    cleared: list[torch.Tensor] = []   # ... and those it leaves none
+    cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
 
     def flat(*values):
@@ -853,9 +877,11 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             grads = []
             for p in inputs.params:
                 tp = traced[id(p)]
-                (left if tp.grad is not None else cleared).append(p)
                 if tp.grad is not None:
+                    left.append(p)
                     grads.append(tp.grad)
+                else:
+                    cleared.append((inputs.param_names[id(p)], p))
                 if tp.requires_grad and id(tp) not in markers.reset:
                     kept.append(p)
             return tuple(out_leaves) + tuple(new_state) + tuple(grads)
@@ -881,7 +907,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind == "grad" for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads)
+                    reads_grads, markers.averaged_after)
 
 
 def _optimizer_of(targets: list, optimizers) -> list[int | None]:

@@ -12,3 +12,7 @@ class PassError(TranspileError):
 
 class DivergenceError(TranspileError):
     """The ranks' parameters are no longer the same (check_consistency)."""
+
+
+class VerificationError(TranspileError):
+    """verify=N found the program computing something the eager step does not."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from . import agreement, consistency
+from . import agreement, consistency, verify
 from .backends import Executable, check_process_group, compile_program, device_of, resolve
 from .capture import (Captured, HeldSlot, Returned, describe_change, flatten_args,
                       grad_signature, signature, trace_step)
@@ -61,8 +61,9 @@ class _Built:
     state_key: tuple   # identity of the parameters and buffers it runs on
     backend: str       # the concrete backend its programs compile with
     schedulers: list   # LR schedulers stepped on the host after each call
-    cleared: list      # parameters whose .grad each call leaves None
+    cleared: list      # (name, parameter) whose .grad each call leaves None
     reads_grads: bool  # whether which parameters have a .grad is part of the key
+    averaged_after: int  # backward() calls before the first optimizer.step() (verify)
 
 
 _LOADED = "loaded"   # held tensors restored by load_state_dict, for the next state set
@@ -70,8 +71,10 @@ _LOADED = "loaded"   # held tensors restored by load_state_dict, for the next st
 
 class TranspiledStep:
     def __init__(self, step_fn: Callable, schedule, settings: PassContext, *, backend: str,
-                 check_every: int | None = None):
+                 check_every: int | None = None, verify: int = 0,
+                 verify_tolerance: float = 1e-3):
         self.step_fn = step_fn
+        self.verify_steps, self.verify_tolerance = verify, verify_tolerance
         self.check_every = check_every
         self._check_due = False
         self._settings_agreed = False
@@ -197,8 +200,11 @@ class TranspiledStep:
             self._synced.add(built.state_key)
         elif not self._held_current(runnable, built.state_key):
             self._run_startup(built, built.refresh)
-        outputs = self._run(runnable, step_args.leaves)
-        for param in built.cleared:
+        if self.schedule.step < self.verify_steps:
+            outputs = self._run_verified(runnable, built, step_args)
+        else:
+            outputs = self._run(runnable, step_args.leaves)
+        for _, param in built.cleared:
             param.grad = None
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
@@ -256,7 +262,8 @@ class TranspiledStep:
                 refresh = _Runnable(program, *self._bind(program, captured), "eager")
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
             built = _Built(programs, startup, refresh, captured.returned, state_key, backend,
-                           captured.schedulers, captured.cleared, captured.reads_grads)
+                           captured.schedulers, captured.cleared, captured.reads_grads,
+                           captured.averaged_after)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -324,6 +331,37 @@ class TranspiledStep:
             self.build_seconds += seconds
             log.info("transpiler: first run of program %r (%s) took %.2fs",
                      runnable.program.name, runnable.backend, seconds)
+        return outputs
+
+    def _run_verified(self, runnable: _Runnable, built: _Built, step_args) -> list:
+        """Run the program functionally and compare everything it would write and
+        return with the eager step under DDP's semantics (verify.py); write back
+        only if every rank agrees."""
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):   # the program draws what the reference drew
+            memo, expected = verify.reference_step(self.step_fn, step_args, built.averaged_after)
+        with torch.no_grad():
+            outputs = list(runnable.program.gm(*[slot.read(step_args.leaves)
+                                                 for slot in runnable.slots]))
+        n_user = built.returned.num_tensors
+        names = [f"returned value {i}" for i in range(n_user)]
+        ours, theirs = outputs[:n_user], expected
+        for spec, target, value in zip(runnable.program.outputs[n_user:],
+                                       runnable.targets[n_user:], outputs[n_user:]):
+            mirrored = target.mirror(memo) if target is not None else None
+            if mirrored is not None or spec.kind == "grad":
+                names.append(f"{spec.kind} {spec.target}")
+                ours.append(value)
+                theirs.append(mirrored)
+        names += [f"grad {name}" for name, _ in built.cleared]
+        ours += [None] * len(built.cleared)
+        theirs += [memo[id(p)].grad for _, p in built.cleared]
+        verdict = verify.first_difference(names, ours, theirs, self.verify_tolerance)
+        verify.agree_on_verdict(verdict, self.schedule.step)
+        with torch.no_grad():
+            for target, value in zip(runnable.targets, outputs):
+                if target is not None:
+                    target.write(value)
         return outputs
 
     def _run_startup(self, built: _Built, startup: _Runnable) -> None:

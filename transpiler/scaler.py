@@ -43,6 +43,9 @@ class ScalerSlot:
     def write(self, value):
         getattr(self.scaler, self.attr).copy_(value)
 
+    def mirror(self, memo: dict):
+        return getattr(memo[id(self.scaler)], self.attr)
+
 
 def scaler_slots(scalers: list[GradScaler], device: torch.device) -> list[tuple[str, ScalerSlot]]:
     """(name, slot) of each enabled scaler's state tensors, created where the
