@@ -18,7 +18,7 @@ import torch
 
 from transpiler.collectives import WAIT
 from transpiler.pipeline import PassContext
-from transpiler.program import OutputSpec, Program, new_node
+from transpiler.program import OutputSpec, Program, keep_old_unless, new_node
 from transpiler.roles import COMM, Role
 from transpiler.schedule import NONFINITE
 
@@ -32,8 +32,6 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
     checked = summed or list(program.grads.values())
     if not checked:
         return
-    placeholders = {spec.name: n for spec, n in zip(program.inputs, program.placeholders)}
-
     def node(target, args):
         return new_node(graph, target, args, Role.OPTIMIZE)
 
@@ -42,12 +40,6 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
         for value in checked:
             finite = node(aten.all.default, (node(aten.isfinite.default, (value,)),))
             ok = finite if ok is None else node(aten.logical_and.default, (ok, finite))
-        values = list(out.args[0])
-        for i, spec in enumerate(program.outputs):
-            if spec.kind == "update":
-                values[i] = node(aten.where.self, (ok, values[i], placeholders[spec.target]))
-            elif spec.kind == "state":
-                values[i] = node(aten.where.self, (ok, values[i],
-                                                   node(aten.zeros_like.default, (values[i],))))
-        out.args = (tuple(values),)
-        program.add_output(OutputSpec("held", NONFINITE), node(aten.logical_not.default, (ok,)))
+        skipped = node(aten.logical_not.default, (ok,))
+    keep_old_unless(program, [ok] * len(program.outputs))
+    program.add_output(OutputSpec("held", NONFINITE), skipped)

@@ -171,6 +171,26 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
     return node
 
 
+def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
+    """Output k becomes where(conditions[k], new, old) where conditions[k] is a
+    0-d bool node (None: unchanged). old is the output's input for an update,
+    and zeros for optimizer state the step creates (where SGD's momentum and
+    Adam's moments and step count start). New nodes: role OPTIMIZE, placed
+    before the output."""
+    graph, out = program.graph, program.output_node
+    inputs = {spec.name: node for spec, node in zip(program.inputs, program.placeholders)}
+    values = list(out.args[0])
+    aten = torch.ops.aten
+    with graph.inserting_before(out):
+        for k, (spec, ok) in enumerate(zip(program.outputs, conditions)):
+            if ok is None or spec.kind not in ("update", "state"):
+                continue
+            old = inputs[spec.target] if spec.kind == "update" else new_node(
+                graph, aten.zeros_like.default, (values[k],), Role.OPTIMIZE)
+            values[k] = new_node(graph, aten.where.self, (ok, values[k], old), Role.OPTIMIZE)
+    out.args = (tuple(values),)
+
+
 def _fake_mode_of(vals):
     for v in torch.utils._pytree.tree_leaves(vals):
         mode = getattr(v, "fake_mode", None)

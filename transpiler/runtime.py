@@ -179,15 +179,14 @@ class TranspiledStep:
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
         sig = signature(step_args)
-        grads = grad_signature(step_args)
-        key = sig + grads if sig in self._reads_grads else sig
+        key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
         built = self._built.get(key)
         if built is None:
             start = time.perf_counter()
-            built = self._build(step_args, sig + grads)
+            built = self._build(step_args, sig + grad_signature(step_args))
             if built.reads_grads:
                 self._reads_grads.add(sig)
-                key = sig + grads
+                key = sig + grad_signature(step_args)
             self._built[key] = built
             self.build_seconds += time.perf_counter() - start
         name = self.schedule.next_program()

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from .errors import TranspileError
-from .program import Program, new_node
+from .program import Program, keep_old_unless, new_node
 from .roles import Role
 
 GradScaler = torch.amp.GradScaler
@@ -129,35 +129,20 @@ def traced_scalers(scalers: list[GradScaler], values: dict[tuple[int, str], torc
 
 
 def guard_skipped_steps(program: Program, optimizer_of: list[int | None]) -> None:
-    """Make every output optimizer i writes (optimizer_of[k] == i for output k)
-    where(found_inf == 0, new, old) for the found_inf nodes marked with i; state
-    the step creates falls back to zeros (where SGD's momentum and Adam's
-    moments start, as skip_nonfinite does)."""
-    found: dict[int, list] = {}
+    """Every output optimizer i writes (optimizer_of[k] == i for output k) keeps
+    its old value unless the found_inf flags marked with i are all zero (one
+    flag per device its gradients are on)."""
+    flags: dict[int, list] = {}
     for n in program.graph.nodes:
         if SKIPS in n.meta:
-            found.setdefault(n.meta[SKIPS], []).append(n)
-    if not found:
+            flags.setdefault(n.meta[SKIPS], []).append(n)
+    if not flags:
         return
-    graph, out = program.graph, program.output_node
-    inputs = {spec.name: node for spec, node in zip(program.inputs, program.placeholders)}
-    values = list(out.args[0])
-
-    def node(target, args):
-        return new_node(graph, target, args, Role.OPTIMIZE)
-
-    aten = torch.ops.aten
-    with graph.inserting_before(out):
-        ok = {}
-        for i, flags in found.items():   # one per device the optimizer's gradients are on
-            for flag in flags:
-                clear = node(aten.eq.Scalar, (flag, 0))
-                ok[i] = clear if i not in ok else node(aten.logical_and.default, (ok[i], clear))
-        for k, (spec, opt) in enumerate(zip(program.outputs, optimizer_of)):
-            if opt not in ok:
-                continue
-            old = inputs[spec.target] if spec.kind == "update" \
-                else node(aten.zeros_like.default, (values[k],))
-            values[k] = node(aten.where.self, (ok[opt], values[k], old))
-    out.args = (tuple(values),)
-
+    ok = {}
+    with program.graph.inserting_before(program.output_node):
+        for i, found in flags.items():
+            for flag in found:
+                clear = new_node(program.graph, torch.ops.aten.eq.Scalar, (flag, 0), Role.OPTIMIZE)
+                ok[i] = clear if i not in ok else new_node(
+                    program.graph, torch.ops.aten.logical_and.default, (ok[i], clear), Role.OPTIMIZE)
+    keep_old_unless(program, [ok.get(i) for i in optimizer_of])
