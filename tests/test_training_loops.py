@@ -177,13 +177,13 @@ def _max_rel_error(ours: dict, theirs: dict) -> float:
     return M.max_rel_error(*({k: v for k, v in s.items() if k not in nones} for s in (ours, theirs)))
 
 
-def rank_vs_ddp(fn_name, opt_name, mode, backend, verify=0):
+def rank_vs_ddp(fn_name, opt_name, mode, backend, verify=0, **options):
     """The transpiled step and DDP on the same step function, same processes."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fn = STEP_FNS[fn_name]
     model = M.make("mlp", seed=rank)     # the startup broadcast makes the ranks agree
     opt = _with_scheduler(M.make_optimizer(opt_name, model))
-    step = transpile(fn, mode=mode, backend=backend, verify=verify)
+    step = transpile(fn, mode=mode, backend=backend, verify=verify, **options)
     ours = _run(step, model, opt, world_size, rank)
     ours_state = _state(model, opt)
     lr = opt.param_groups[0]["lr"]
@@ -213,6 +213,15 @@ def _compare(results, tolerance):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
 def test_sgd_equals_ddp_bit_for_bit(fn_name, mode, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", mode, "eager"), 0.0)
+
+
+@pytest.mark.parametrize("fn_name", ["everything", "scaled", "across_calls"])
+def test_local_sgd_warmup_equals_ddp(fn_name, ranks2):
+    """local_sgd's warm-up steps average the gradients every step: DDP's
+    semantics, for every idiom (its local steps process local gradients, as
+    local SGD means to; test_local_sgd checks them against plain torch)."""
+    _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", "local_sgd", "eager", begin_step=STEPS,
+                        k_steps=2), 0.0)
 
 
 @pytest.mark.parametrize("fn_name", ["clip", "accumulate", "everything", "scaled"])
