@@ -420,3 +420,15 @@ def test_verify_bad_options():
         transpile(clip, verify=-1)
     with pytest.raises(TranspileError, match="verify compares with the eager step"):
         transpile(clip, mode="local_sgd", verify=2)
+
+
+def test_verify_compares_non_finite_values_as_equal_where_they_are():
+    from transpiler.verify import first_difference
+    inf, nan = float("inf"), float("nan")
+    a = torch.tensor([1.0, inf, nan, 2.0])
+    assert first_difference(["t"], [a], [a.clone()], 1e-3) is None
+    assert first_difference(["t"], [a], [torch.tensor([1.0, inf, 0.0, 2.0])], 1e-3).startswith(
+        "t: max abs difference inf")
+    assert first_difference(["t"], [a], [torch.tensor([1.0, inf, nan, 2.1])], 1e-3).startswith(
+        "t: max abs difference 0.1")
+    assert first_difference(["g"], [None], [a], 1e-3) == "g: the program leaves None, the eager step a tensor"

@@ -105,10 +105,11 @@ def first_difference(names: list[str], ours: list, theirs: list, tolerance: floa
         if a.shape != b.shape:
             return f"{name}: shape {tuple(a.shape)} against {tuple(b.shape)}"
         x, y = a.detach().double(), b.detach().double()
-        if torch.equal(x.isnan(), y.isnan()) and x.isnan().all():
+        same = (x == y) | (x.isnan() & y.isnan())   # equal infinities, NaN in the same place
+        if same.all():
             continue
-        diff = (x - y).abs().nan_to_num(nan=float("inf")).max().item()
-        scale = y.abs().nan_to_num(nan=0.0).max().item()
+        diff = torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=float("inf")).max().item()
+        scale = y.abs().nan_to_num(nan=0.0, posinf=0.0).max().item()
         if diff > tolerance * max(scale, 1e-30):
             return (f"{name}: max abs difference {diff:.3g} ({diff / max(scale, 1e-30):.3g} "
                     f"relative to its largest value {scale:.3g})")
