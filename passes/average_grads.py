@@ -4,10 +4,11 @@ Requires: a captured program. Its gradients are the nodes marked
 meta["param"] at capture: each parameter's .grad as the backward passes leave
 it (summed over every backward() of the step), where the last backward()
 before optimizer.step() ends.
-Produces: on each gradient, meta["reduce"] = Reduction(<param>, MEAN). A
-reduction pass (insert_allreduce, coalesce_tensors) lowers it: the gradient
-times 1 / world_size, summed over the ranks, which is how DDP's reducer
-averages, so the result rounds as DDP's does; everything that reads the
+Produces: on each gradient, meta["reduce"] = Reduction(<param>, MEAN, over) with
+`over` the parameter's group (ctx.over: the world unless transpile(groups=...)
+names one). A reduction pass (insert_allreduce, coalesce_tensors) lowers it:
+the gradient times 1 / group size, summed over the group, which is how DDP's
+reducer averages, so the result rounds as DDP's does; everything that reads the
 gradient after the backward pass (clipping, unscaling, the optimizer) then
 reads the average. Parameters without a gradient (frozen, unused) get none.
 With one rank it does not apply and the program is unchanged.
@@ -17,13 +18,14 @@ Order: before the passes that reduce (insert_allreduce, coalesce_tensors).
 from __future__ import annotations
 
 from transpiler.collectives import ReduceOp, Reduction
-from transpiler.pipeline import PassContext
+from transpiler.pipeline import Mark, PassContext, produces
 from transpiler.program import Program
 from transpiler.roles import REDUCE
 
 
+@produces(Mark.TO_REDUCE)
 def average_grads(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     for param, grad in program.grads.items():
-        grad.meta[REDUCE] = Reduction(param, ReduceOp.MEAN)
+        grad.meta[REDUCE] = Reduction(param, ReduceOp.MEAN, ctx.over(param))

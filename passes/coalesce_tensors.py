@@ -4,17 +4,20 @@ instead of one by one.
 Requires: a pass that marked the values to reduce over the ranks
 (meta["reduce"], a Reduction): average_grads (the gradients, MEAN) or local_sgd
 (the parameter deltas, SUM).
-Produces: buckets of the marked values planned by `plan_buckets` (by dtype and op, in
-program order, which for gradients is the order the backward pass produces
-them, closed at ctx.bucket_mb, the first one per dtype at ctx.first_bucket_mb, a
-small tail merged into the bucket before). For each bucket, placed right after
-its last value: the values flattened and concatenated into one buffer
-(optionally cast to ctx.fuse_dtype), for a MEAN the buffer times 1 / world_size
-(DDP's reducer scales the same way), one `all_reduce(sum)` on ring 0, its wait,
-the cast back, and the reduced buffer split into views shaped like the values,
-which every former use of a value now reads (no copy back). Pack nodes have the
-role of the bucket's last value (BACKWARD for gradients), the rest COMM; all
-carry meta["bucket"]. Values of different dtypes never share a buffer. With one
+Produces: buckets of the marked values planned by `plan_buckets` (by dtype, op
+and group, in program order, which for gradients is the order the backward pass
+produces them, closed at ctx.bucket_mb, the first one per dtype at
+ctx.first_bucket_mb, a small tail merged into the bucket before). For each
+bucket, placed right after its last value: the values flattened and
+concatenated into one buffer (optionally cast to ctx.fuse_dtype), its reduction
+lowered by transpiler/lowering.py (for a MEAN the buffer times 1 / group size,
+as DDP's reducer scales, then `all_reduce(sum)` over the group on ring 0 and
+its wait; hierarchical over several nodes: reduce-scatter inside the node,
+all-reduce across, all-gather inside), the cast back, and the reduced buffer
+split into views shaped like the values, which every former use of a value now
+reads (no copy back). Pack nodes have the role of the bucket's last value
+(BACKWARD for gradients), the rest COMM; all carry meta["bucket"]. Values of
+different dtypes or groups never share a buffer. Every mark is removed. With one
 rank it does not apply.
 Order: before schedule_comm (which overlaps the all-reduces with the backward
 pass) and ring_round_robin (which spreads the buckets over the rings).
@@ -29,10 +32,12 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import ALL_REDUCE, WAIT, ReduceOp
-from transpiler.pipeline import PassContext, requires
+from transpiler import lowering
+from transpiler.collectives import ReduceOp
+from transpiler.mesh import Dim, Over
+from transpiler.pipeline import Mark, PassContext, consumes
 from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import BUCKET, COMM, REDUCE, ROLE, Role
+from transpiler.roles import BUCKET, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20
@@ -44,13 +49,14 @@ class GradInfo:
     dtype: torch.dtype
     nbytes: int
     op: ReduceOp = ReduceOp.SUM
+    over: Over = Dim.WORLD
 
 
 def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
     """Group gradients, given in the order they are produced, into buckets.
 
-    Each dtype (and reduce op) fills its own open bucket; a bucket closes once
+    Each dtype (with each reduce op and group) fills its own open bucket; a bucket closes once
     it holds at least its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
     bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
     What is left at the end forms a last bucket, merged into the one before it
@@ -65,7 +71,7 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     closed: dict[tuple, list[tuple[int, list[str]]]] = {}
     open_: dict[tuple, tuple[list[str], int]] = {}
     for i, g in enumerate(grads):
-        kind = (g.dtype, g.op)
+        kind = (g.dtype, g.op, g.over)
         names, size = open_.get(kind, ([], 0))
         names, size = names + [g.name], size + g.nbytes
         done = closed.setdefault(kind, [])
@@ -85,17 +91,19 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     return [names for _, names in sorted(buckets, key=lambda item: item[0])]
 
 
-@requires("average_grads|local_sgd")
+@consumes(Mark.TO_REDUCE)
 def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     grads = program.to_reduce()
-    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op)
-             for name, g in grads.items()]
+    infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
+                      g.meta[REDUCE].over) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):
         _fuse(program, ctx, bucket, [grads[n] for n in names], position)
+    for node in program.graph.nodes:
+        node.meta.pop(REDUCE, None)
 
 
 def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position):
@@ -125,10 +133,9 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
             buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
                           pack)
             offset += size
-        if grads[0].meta[REDUCE].op is ReduceOp.MEAN:
-            buffer = node(aten.mul.Tensor, (buffer, 1 / ctx.world_size), pack)
-        reduced = node(ALL_REDUCE, (buffer, "sum", ctx.rings[0]), Role.COMM, **{COMM: comm})
-        waited = node(WAIT, (reduced,), Role.COMM, **{COMM: comm})
+        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack,
+                                **{BUCKET: bucket})
+        waited = lowering.complete(graph, issued, ctx, **{BUCKET: bucket})
         if comm_dtype != dtype:
             waited = node(aten._to_copy.default, (waited,), Role.COMM, {"dtype": dtype})
         parts = node(aten.split_with_sizes.default, (waited, sizes), Role.COMM)

@@ -1,30 +1,30 @@
-"""insert_allreduce: one all-reduce per value to reduce.
+"""insert_allreduce: one reduction per value to reduce.
 
-Requires: a pass that marked the values to reduce over the ranks
-(meta["reduce"], a Reduction): average_grads (the gradients, MEAN) or local_sgd
-(the parameter deltas, SUM).
+Requires: a pass that marked the values to reduce (meta["reduce"], a
+Reduction): average_grads (the gradients, MEAN) or local_sgd (the parameter
+deltas, SUM).
 Produces: for each marked value that something reads, in program order (for
-gradients, the order the backward pass produces them), right after the node
-that produces it, `mul(value, 1 / world_size)` for a MEAN (role of the value)
-and `all_reduce(., "sum")` on ring 0, and its `wait_tensor` right before its
-first use; every use then reads the reduced value. Parameters without a
+gradients, the order the backward pass produces them), the reduction lowered by
+transpiler/lowering.py: issued right after the node that produces the value
+(for a MEAN, `mul(value, 1 / group size)` with the value's role, then
+`all_reduce(., "sum")` over its group on ring 0; hierarchical over several
+nodes: a reduce-scatter inside the node), completed right before its first use
+(the wait; hierarchical: then the all-reduce across nodes and the all-gather
+inside the node). Every use then reads the reduced value. Parameters without a
 gradient (frozen, unused) get none; a tied parameter has one gradient and gets
-one. The all-reduce and its wait carry role COMM and meta["comm"]. With one
-rank it does not apply.
+one. Collectives and waits carry role COMM and meta["comm"]. Every mark is
+removed. With one rank it does not apply.
 Order: before ring_round_robin, which spreads the collectives over the rings.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from transpiler.collectives import ALL_REDUCE, WAIT, ReduceOp
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import COMM, REDUCE, ROLE, Role
-
-aten = torch.ops.aten
+from transpiler import lowering
+from transpiler.pipeline import Mark, PassContext, consumes
+from transpiler.program import CommInfo, Program
+from transpiler.roles import REDUCE, ROLE
 
 
 def plan_allreduce(program: Program) -> list[fx.Node]:
@@ -32,7 +32,7 @@ def plan_allreduce(program: Program) -> list[fx.Node]:
     return list(program.to_reduce().values())
 
 
-@requires("average_grads|local_sgd")
+@consumes(Mark.TO_REDUCE)
 def insert_allreduce(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
@@ -43,15 +43,11 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
         reduction = value.meta[REDUCE]
         comm = CommInfo("all_reduce", ring=0, params=(reduction.key,),
                         nbytes=value.meta["val"].nbytes)
-        sent = value
-        if reduction.op is ReduceOp.MEAN:
-            with graph.inserting_after(value):
-                sent = new_node(graph, aten.mul.Tensor, (value, 1 / ctx.world_size),
-                                value.meta[ROLE])
-        with graph.inserting_after(sent):
-            reduced = new_node(graph, ALL_REDUCE, (sent, "sum", ctx.rings[0]), Role.COMM,
-                               **{COMM: comm})
+        with graph.inserting_before(value.next):
+            issued = lowering.issue(graph, value, reduction, ctx, comm, value.meta[ROLE])
         with graph.inserting_before(min(users, key=position.__getitem__)):
-            waited = new_node(graph, WAIT, (reduced,), Role.COMM, **{COMM: comm})
+            reduced = lowering.complete(graph, issued, ctx)
         for user in users:
-            user.replace_input_with(value, waited)
+            user.replace_input_with(value, reduced)
+    for node in graph.nodes:
+        node.meta.pop(REDUCE, None)

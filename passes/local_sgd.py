@@ -6,8 +6,8 @@ Requires: snapshot_params.
 Produces, before the output, for every parameter p with a snapshot s, where
 p_new is the step's own new value of p:
 
-    delta = s - p_new                      marked reduce=<p>
-    p_avg = s - delta / world_size         (delta read after the reduction: the sum)
+    delta = s - p_new                      marked reduce=<p> over p's group (ctx.over)
+    p_avg = s - delta / group size         (delta read after the reduction: the sum)
     outputs  p := p_avg,  s := p_avg
 
 Every floating-point buffer the step updates (BatchNorm statistics) becomes the
@@ -24,25 +24,25 @@ import torch
 import torch.fx as fx
 
 from transpiler.collectives import Reduction
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import OutputSpec, Program, new_node
-from transpiler.roles import REDUCE, ROLE, Role
-from transpiler.schedule import LR, MEAN_LOSS
+from transpiler.pipeline import Mark, PassContext, produces, requires
+from transpiler.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
+from transpiler.roles import INPUT, REDUCE, ROLE, Role
 
-from .snapshot_params import snapshot_name, snapshots
+from .snapshot_params import snapshots
 
 aten = torch.ops.aten
 LOSS = Role.FORWARD | Role.LOSS
 
 
 @requires("snapshot_params")
+@produces(Mark.TO_REDUCE)
 def local_sgd(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     graph, out = program.graph, program.output_node
     values = list(out.args[0])
     kinds = {spec.name: spec.kind for spec in program.inputs}
-    held = []
+    held: list[tuple[OutputSpec, fx.Node]] = []
 
     def node(target, args, **meta):
         return new_node(graph, target, args, Role.OPTIMIZE, **meta)
@@ -54,27 +54,29 @@ def local_sgd(program: Program, ctx: PassContext) -> None:
     summed: dict[int, fx.Node] = {}   # output index -> the node marked reduce
     with graph.inserting_before(out):
         for i, spec in enumerate(program.outputs):
-            if spec.kind != "update":
+            if spec.kind is not OutputKind.UPDATE:
                 continue
             if spec.target in snaps:
                 summed[i] = node(aten.sub.Tensor, (snaps[spec.target], values[i]),
-                                 **{REDUCE: Reduction(spec.target)})
-            elif kinds[spec.target] == "buffer" and values[i].meta["val"].is_floating_point():
+                                 **{REDUCE: Reduction(spec.target, over=ctx.over(spec.target))})
+            elif (kinds[spec.target] is InputKind.BUFFER
+                  and values[i].meta["val"].is_floating_point()):
                 summed[i] = node(aten.clone.default, (values[i],), **{REDUCE: Reduction(spec.target)})
         loss = node(aten.clone.default, (_loss(program),), **{REDUCE: Reduction("loss")}) \
             if ctx.adaptive_k else None
         for i, total in summed.items():
             target = program.outputs[i].target
-            values[i] = node(aten.div.Tensor, (total, ctx.world_size))
-            if target in snaps:   # p_avg = s - sum(delta) / world_size
+            values[i] = node(aten.div.Tensor, (total, ctx.mesh.size(total.meta[REDUCE].over)))
+            if target in snaps:   # p_avg = s - sum(delta) / group size
                 values[i] = node(aten.sub.Tensor, (snaps[target], values[i]))
-                held.append((snapshot_name(target), values[i]))
+                snapshot = snaps[target].meta[INPUT].name
+                held.append((OutputSpec(OutputKind.UPDATE, snapshot), values[i]))
         if loss is not None:
-            held += [(MEAN_LOSS, node(aten.div.Tensor, (loss, ctx.world_size))),
-                     (LR, _learning_rate(program))]
+            held += [(OutputSpec.of_held(Held.MEAN_LOSS),
+                      node(aten.div.Tensor, (loss, ctx.world_size))),
+                     (OutputSpec.of_held(Held.LR), _learning_rate(program))]
     out.args = (tuple(values),)
-    for name, value in held:
-        spec = OutputSpec("update" if name in kinds else "held", name)
+    for spec, value in held:
         program.add_output(spec, value)
 
 
@@ -87,9 +89,11 @@ def _loss(program: Program) -> fx.Node:
 
 
 def _learning_rate(program: Program) -> fx.Node:
-    for spec in program.inputs:
-        if spec.kind == "hyper" and spec.name.rsplit(".", 1)[-1] == "lr[0]":
-            return program.input_node(spec.name)
+    """The learning rate of the first param group (of the first optimizer that lifts it)."""
+    for node in program.placeholders:
+        hyper = node.meta[INPUT].hyper
+        if hyper is not None and hyper.key == "lr" and hyper.group == 0:
+            return node
     raise ValueError("adaptive local SGD needs the learning rate as a program input; the "
                      "optimizer's lr is baked into the program (only SGD, Adam and AdamW "
                      "lift it): use one of them or adaptive=False")

@@ -1,10 +1,12 @@
 """ring_round_robin: spread the collectives round robin over the rings.
 
 Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors or
-broadcast_params); every collective was issued on ring 0.
-Produces: the i-th collective in program order runs on ring i % nrings: its
-group argument and meta["comm"].ring are set. Deterministic in the program
-alone, so every rank agrees. With one rank or one ring it does not apply.
+broadcast_params); every collective was issued on ring 0 of its group.
+Produces: the i-th collective in program order over a group (meta["comm"].over:
+the world, the node, across nodes, a user's group) runs on ring
+i % (that group's rings in ctx.mesh): its group argument and meta["comm"].ring
+are set. A user's group has one ring. Deterministic in the program alone, so
+every rank agrees. With one rank or one ring it does not apply.
 Order: after every pass that inserts collectives.
 """
 
@@ -16,7 +18,7 @@ from transpiler.roles import COMM
 
 
 def plan_rings(n_collectives: int, nrings: int) -> list[int]:
-    """Ring of each collective, in program order."""
+    """Ring of each collective over one group, in program order."""
     if nrings < 1:
         raise ValueError(f"nrings must be >= 1, got {nrings}")
     return [i % nrings for i in range(n_collectives)]
@@ -26,8 +28,11 @@ def plan_rings(n_collectives: int, nrings: int) -> list[int]:
 def ring_round_robin(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1 or ctx.nrings == 1:
         return
-    collectives = program.collectives()
-    for node, ring in zip(collectives, plan_rings(len(collectives), ctx.nrings)):
-        names = [a.name for a in node.target._schema.arguments]
-        node.update_arg(names.index("group_name"), ctx.rings[ring])
-        node.meta[COMM].ring = ring
+    by_group: dict = {}
+    for node in program.collectives():
+        by_group.setdefault(node.meta[COMM].over, []).append(node)
+    for over, nodes in by_group.items():
+        for node, ring in zip(nodes, plan_rings(len(nodes), ctx.mesh.nrings(over))):
+            names = [a.name for a in node.target._schema.arguments]
+            node.update_arg(names.index("group_name"), ctx.mesh.ring(over, ring))
+            node.meta[COMM].ring = ring

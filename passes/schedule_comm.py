@@ -28,7 +28,9 @@ def _position(graph: fx.Graph) -> dict[fx.Node, int]:
 def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
     """`start` and the nodes of its bucket reached through `neighbours` that have
     role COMM or not as `comm_role` says (inputs, not COMM: the packing; users,
-    COMM: the unpacking), collectives excluded."""
+    COMM: the unpacking, which includes the later stages of a hierarchical
+    reduction: they wait with the result, so only the first stage is issued
+    early and nothing blocks in the middle of the backward pass)."""
     bucket = start.meta[COMM].bucket
     chain, todo = [], [start]
     while todo:
@@ -36,7 +38,8 @@ def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
         chain.append(node)
         todo += [n for n in neighbours(node)
                  if bucket is not None and n.meta.get(BUCKET) == bucket
-                 and bool(n.meta.get(ROLE, 0) & Role.COMM) == comm_role and COMM not in n.meta]
+                 and bool(n.meta.get(ROLE, 0) & Role.COMM) == comm_role
+                 and (comm_role or COMM not in n.meta) and n not in chain]
     return chain
 
 

@@ -1,12 +1,13 @@
 """skip_nonfinite: skip the update of a step whose summed values are not all finite.
 
 Requires nothing; reads what the reduction passes produced, so it runs after them.
-Produces: `ok`, a 0-d bool that is true when every result of an all-reduce
-(summed gradients, local SGD's summed deltas) is finite; a program without
+Produces: `ok`, a 0-d bool that is true when every reduced value (meta["reduced"]:
+the averaged gradients, local SGD's summed deltas, whole also when reduced
+hierarchically) is finite; a program without
 collectives checks its gradients. Then each `update` output v of input x
 becomes where(ok, v, x), and each optimizer state entry the step creates
 where(ok, v, 0) (zeros are what SGD's momentum and Adam's moments and step count
-start from); a held output (transpiler.schedule.NONFINITE) says whether the step
+start from); a held output (Held.SKIPPED) says whether the step
 was skipped, for the schedule to count. Every rank computes ok from the same
 reduced values, so every rank skips alike. New nodes have role OPTIMIZE.
 Order: after insert_allreduce or coalesce_tensors (and local_sgd).
@@ -16,19 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from transpiler.collectives import WAIT
 from transpiler.pipeline import PassContext
-from transpiler.program import OutputSpec, Program, keep_old_unless, new_node
-from transpiler.roles import COMM, Role
-from transpiler.schedule import NONFINITE
+from transpiler.program import Held, OutputSpec, Program, keep_old_unless, new_node
+from transpiler.roles import REDUCED, Role
 
 aten = torch.ops.aten
 
 
 def skip_nonfinite(program: Program, ctx: PassContext) -> None:
     graph, out = program.graph, program.output_node
-    summed = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT
-              and n.meta[COMM].op == "all_reduce"]
+    summed = [n for n in graph.nodes if REDUCED in n.meta]
     checked = summed or list(program.grads.values())
     if not checked:
         return
@@ -42,4 +40,4 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
             ok = finite if ok is None else node(aten.logical_and.default, (ok, finite))
         skipped = node(aten.logical_not.default, (ok,))
     keep_old_unless(program, [ok] * len(program.outputs))
-    program.add_output(OutputSpec("held", NONFINITE), skipped)
+    program.add_output(OutputSpec.of_held(Held.SKIPPED), skipped)

@@ -3,6 +3,7 @@ on 2 CPU ranks; auto picks it on CPU; a hyperparameter change never recompiles;
 a backend the device cannot run is a clear error before anything runs. The
 CUDA and cudagraphs paths run where a GPU is present and skip elsewhere."""
 
+import contextlib
 import copy
 import logging
 
@@ -12,7 +13,9 @@ import torch.distributed as dist
 
 from tests import models as M
 from transpiler import TranspileError, transpile
+from tests.test_passes import _captured
 from transpiler import backends, hpu
+from transpiler.program import OutputKind
 
 STEPS = 5
 BATCH = 12
@@ -109,6 +112,67 @@ def test_cudagraphs_on_a_cpu_model_is_a_clear_error():
 def test_hpu_without_the_gaudi_stack_says_to_install_it():
     with pytest.raises(TranspileError, match="needs the Intel Gaudi software stack"):
         transpile(M.classify_step, backend="hpu")
+
+
+class _FakeGaudi:
+    """The part of habana_frameworks.torch that an HPU graph replay uses. Like
+    an HPU graph, a replay computes into the output tensors of the capture."""
+
+    def __init__(self):
+        self.hpu = self
+        self.replay_of = None
+
+    def HPUGraph(self):
+        return self
+
+    def Stream(self):
+        return None
+
+    def stream(self, _):
+        return contextlib.nullcontext()
+
+    def capture_begin(self):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        graph = self.replay_of
+        for out, value in zip(graph.outputs, graph.gm(*graph.inputs)):
+            out.copy_(value)
+
+
+def _loss_and_doubled(w, x):
+    return (w * x).sum(), w * 2
+
+
+def test_hpu_graph_replay_returns_fresh_values_to_the_caller():
+    gaudi = _FakeGaudi()
+    replay = gaudi.replay_of = hpu._GraphReplay(gaudi, torch.fx.symbolic_trace(_loss_and_doubled),
+                                                static=[True, True], returned=[True, False])
+    w, x = torch.ones(3), torch.ones(3)
+    loss, doubled = replay(w, x)
+    w.mul_(2)   # static inputs are read where they are
+    next_loss, next_doubled = replay(w, x)
+    # The loss the caller kept from the first step is still the first step's.
+    assert (loss.item(), next_loss.item()) == (3.0, 6.0)
+    # What the runtime writes to its place before the next replay is not copied.
+    assert next_doubled is doubled and torch.equal(doubled, w * 2)
+
+
+def test_hpu_backend_says_which_outputs_are_returned(monkeypatch):
+    seen = {}
+
+    def compile_graph(gm, static, returned):
+        seen["returned"] = returned
+        return gm
+    monkeypatch.setattr(hpu, "compile_graph", compile_graph)
+    program = _captured().program
+    backends.compile_program(program, "hpu")
+    kinds = [spec.kind for spec in program.outputs if spec.kind is not OutputKind.UPDATE]
+    assert seen["returned"] == [kind is OutputKind.USER for kind in kinds]
+    assert seen["returned"][0] and not all(seen["returned"])
 
 
 @pytest.mark.parametrize("device,group,message", [

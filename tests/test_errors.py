@@ -255,10 +255,14 @@ def test_bad_options(option, value, message):
 
 
 def test_passes_in_an_order_that_breaks_a_requirement():
-    with pytest.raises(TranspileError, match="pass coalesce_tensors requires average_grads or "
-                                             "local_sgd to run before it; passes run so far: "
-                                             "capture"):
+    with pytest.raises(TranspileError, match="pass coalesce_tensors acts on the values marked "
+                                             "to reduce.*but no pass before it leaves them; "
+                                             "passes: coalesce_tensors, average_grads"):
         transpile(M.classify_step, passes=["coalesce_tensors", "average_grads"])
+    with pytest.raises(TranspileError, match="ring_round_robin requires insert_allreduce or "
+                                             "coalesce_tensors or broadcast_params to run "
+                                             "before it; passes run so far: capture"):
+        transpile(M.classify_step, passes=["ring_round_robin"])
 
 
 def test_new_parameter_group_traces_again_and_trains_it(caplog):

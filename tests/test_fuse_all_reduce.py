@@ -1,6 +1,8 @@
 """fuse_all_reduce: bucket planning, golden listings, and numerics on 2 and 3
 ranks against grad_allreduce."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +10,7 @@ import torch.distributed as dist
 from passes.coalesce_tensors import GradInfo, plan_buckets
 from tests import models as M
 from tests.test_passes import CTX, _captured, _check_golden
-from transpiler import PassContext, Role, run_passes, transpile
+from transpiler import Role, run_passes, transpile
 from transpiler.modes import MODES
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -69,7 +71,7 @@ def test_plan_rejects_nonpositive_sizes():
 # ------------------------------------------------------------------ golden
 
 FUSE = MODES["fuse_all_reduce"]
-SMALL = PassContext(world_size=2, nrings=2, rings=CTX.rings, bucket_mb=200 / 2**20,
+SMALL = dataclasses.replace(CTX, bucket_mb=200 / 2**20,
                     first_bucket_mb=40 / 2**20)
 
 
@@ -82,7 +84,7 @@ def test_golden_fuse(upto):
 
 def test_golden_fuse_bf16_wire():
     program = _captured().program
-    ctx = PassContext(world_size=2, nrings=1, rings=CTX.rings[:1], fuse_dtype=BF16)
+    ctx = dataclasses.replace(CTX, nrings=1, fuse_dtype=BF16)
     run_passes(program, FUSE, ctx)
     _check_golden("fuse_bf16", str(program))
 

@@ -295,3 +295,20 @@ def test_local_sgd_composes_with_the_other_reduction_pass(ranks2):
     for (composed, mode), n_buckets in ranks2.run(rank_composed_passes):
         assert all(torch.equal(composed[k], mode[k]) for k in mode)
         assert n_buckets < 6
+
+
+def rank_checked_every_step_with_skip_nonfinite():
+    rank = dist.get_rank()
+    model = M.make("mlp", seed=rank)
+    opt = _optimizer("sgd", model)
+    step = transpile(M.classify_step, mode="local_sgd", k_steps=3, skip_nonfinite=True,
+                     check_every=1)
+    for batch in M.batches("mlp", 6, BATCH):
+        step(model, opt, *M.shard(batch, rank, 2))
+    return step.schedule.step
+
+
+def test_consistency_checks_skip_local_steps_with_skip_nonfinite(ranks2):
+    # skip_nonfinite gives the local program a held output of its own; the ranks
+    # differ after a local step by design, so a check due then waits for the sync.
+    assert ranks2.run(rank_checked_every_step_with_skip_nonfinite) == [6, 6]

@@ -10,17 +10,18 @@ import torch
 
 from passes.insert_allreduce import plan_allreduce
 from passes.ring_round_robin import plan_rings
+from transpiler.mesh import Dim, Mesh
 from tests import models as M
 from transpiler import PassContext, PassError, Role, run_passes
 from transpiler.capture import flatten_args, trace_step
 from transpiler.modes import MODES, STARTUP_PASSES
 from transpiler.pipeline import record
-from transpiler.program import new_node
+from transpiler.program import Held, Hyper, InputKind, new_node
 from transpiler.startup import startup_program
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-CTX = PassContext(world_size=2, rank=0, nrings=2, rings=("ring0", "ring1"))
+CTX = PassContext(mesh=Mesh(2, 0, 2, {Dim.WORLD: ("ring0", "ring1")}), nrings=2)
 
 
 def _captured(model_name="tiny"):
@@ -79,7 +80,7 @@ def test_golden_startup_with_snapshots():
     captured = _captured()
     local = captured.program.copy("local")
     run_passes(local, MODES["local_sgd"]["local"], CTX)
-    startup = startup_program(captured, [s for s in local.inputs if s.kind == "held"])
+    startup = startup_program(captured, [s for s in local.inputs if s.kind is InputKind.HELD])
     run_passes(startup, STARTUP_PASSES, CTX)
     _check_golden("startup_snapshots", str(startup))
 
@@ -108,7 +109,7 @@ def test_history_has_a_listing_per_pass():
 def test_passes_do_not_apply_on_one_rank():
     program = _captured().program
     before = program.listing()
-    run_passes(program, MAIN, PassContext(world_size=1))
+    run_passes(program, MAIN, PassContext())
     assert program.listing() == before
 
 
@@ -147,12 +148,13 @@ def test_ring_round_robin_sets_group_and_meta():
     run_passes(program, MAIN, CTX)
     for i, node in enumerate(program.collectives()):
         assert node.meta["comm"].ring == i % 2
-        assert node.args[-1] == CTX.rings[i % 2]
+        assert node.args[-1] == CTX.mesh.ring(Dim.WORLD, i)
 
 
 def test_requirement_error_names_pass_and_requirement():
     program = _captured().program
-    with pytest.raises(PassError, match="pass insert_allreduce requires average_grads"):
+    with pytest.raises(PassError, match="pass insert_allreduce acts on the values marked to "
+                                        "reduce.*but no pass before it leaves them"):
         run_passes(program, ["insert_allreduce"], CTX)
     with pytest.raises(PassError, match="ring_round_robin requires insert_allreduce or"):
         run_passes(program, ["ring_round_robin"], CTX)
@@ -183,3 +185,12 @@ def test_node_without_role_is_rejected():
 
     with pytest.raises(PassError, match="nodes without a role: neg"):
         run_passes(_captured().program, [roleless], CTX)
+
+
+def test_inputs_say_what_they_hold_in_typed_fields():
+    program = _captured().program
+    hypers = [spec.hyper for spec in program.inputs if spec.kind is InputKind.HYPER]
+    assert Hyper("lr", group=0, optimizer=0) in hypers
+    run_passes(program, ["snapshot_params"], CTX)
+    held = {spec.param: spec.held for spec in program.inputs if spec.kind is InputKind.HELD}
+    assert held == {name: Held.SNAPSHOT for name in program.grads}

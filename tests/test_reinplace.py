@@ -10,6 +10,7 @@ from tests import models as M
 from tests.test_passes import CTX, _captured
 from transpiler import run_passes, transpile
 from transpiler.modes import MODES
+from transpiler.program import InputKind, OutputKind
 from transpiler.reinplace import reinplace
 from transpiler.roles import Role
 
@@ -36,9 +37,9 @@ def test_state_is_written_only_after_gradients_and_communication(mode, name, pas
     # local SGD's sync program the optimizer's update feeds the collective, so
     # only the averaged parameters, computed in their snapshots, are in place.
     kinds = {spec.name: spec.kind for spec in program.inputs}
-    in_place = {spec.target: w for w, spec in zip(written, program.outputs) if spec.kind == "update"}
+    in_place = {spec.target: w for w, spec in zip(written, program.outputs) if spec.kind is OutputKind.UPDATE}
     if name == "sync":
-        in_place = {t: w for t, w in in_place.items() if kinds[t] == "held"}
+        in_place = {t: w for t, w in in_place.items() if kinds[t] is InputKind.HELD}
         assert len(in_place) == len(program.grads)
     assert all(in_place.values())
 

@@ -2,7 +2,9 @@
 parameters, buffers and optimizer state, for every supported optimizer."""
 
 import copy
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -42,7 +44,7 @@ def test_scheduler_changes_lr_without_tracing_again(caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
         _, _, step = _run("mlp", "sgd", None, transpiled=True, steps=6)
     # One program for the first step (it creates the momentum buffers), one after.
-    assert len(step._built) == 2
+    assert len(step._cache) == 2
     assert "(the optimizer's first step created its state (momentum_buffer for 6 parameters))" \
         in caplog.text
 
@@ -85,7 +87,7 @@ def test_changing_hyperparameter_values_never_traces_again(opt_name, caplog):
         states.append(M.state_of(model, opt))
         if transpiled:
             # The first step's program (it creates the optimizer state) and the steady one.
-            assert len(step._built) == 2
+            assert len(step._cache) == 2
             assert caplog.text.count("traced classify_step") == 2
     # SGD's update is eager's, bit for bit. Adam's is torch's capturable
     # formulation, which rounds differently from its default one.
@@ -238,3 +240,17 @@ def test_replacing_a_parameter_traces_again(caplog):
         step(model, opt, *batch)
     assert "traced classify_step (optimizer 0 group 0 params" in caplog.text
     assert model.layers[0].weight.abs().sum() > 0  # it was trained
+
+
+def test_a_dropped_model_is_garbage_collected():
+    # Nothing the transpiler keeps per module (capture's cache of its tensors)
+    # may outlive the model and the step.
+    model = M.make("bn")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(M.step_fn("bn"))
+    for batch in M.batches("bn", 2, 8):
+        step(model, opt, *batch)
+    dead = weakref.ref(model)
+    del model, opt, step
+    gc.collect()
+    assert dead() is None

@@ -1,6 +1,7 @@
 """Rank agreement: before the first collective of a new program, every rank
 shows the others what it built (or the error it hit); any failure or mismatch
-is raised on every rank instead of leaving some of them waiting forever."""
+is raised on every rank instead of leaving some of them waiting forever. The
+exchanges run on the control plane's gloo group (control.py)."""
 
 from __future__ import annotations
 
@@ -8,33 +9,35 @@ import hashlib
 import pickle
 
 import torch
-
 import torch.distributed as dist
 
+from .control import control_group
 from .errors import TranspileError
-from .program import Program
+from .program import InputKind, Program
 from .roles import COMM
 
 
 def collective_summary(program: Program) -> list[str]:
-    """The program's collectives in order (op, ring, dtype, numel), then the
+    """The program's collectives in order (op, group, ring, dtype, numel), then the
     shapes of its parameters, buffers and batch: what must be equal on every
     rank (unequal shards would also make the averaged gradient wrong)."""
     lines = []
     for node in program.collectives():
         val = node.meta["val"]
-        lines.append(f"{program.name}: {node.meta[COMM].op} ring={node.meta[COMM].ring} "
+        comm = node.meta[COMM]
+        lines.append(f"{program.name}: {comm.op} over={comm.over} ring={comm.ring} "
                      f"{val.dtype} numel={val.numel()}")
     for node in program.placeholders:
         spec = node.meta["input"]
-        if spec.kind in ("param", "buffer", "data"):
-            lines.append(f"{program.name}: {spec.kind} {spec.name} {tuple(node.meta['val'].shape)}")
+        if spec.kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.DATA):
+            lines.append(f"{program.name}: {spec.kind.value} {spec.name} "
+                         f"{tuple(node.meta['val'].shape)}")
     return lines
 
 
 def agree(programs: list[Program], error: BaseException | None) -> None:
-    """Exchange each rank's programs (or its error) over the default group and
-    raise the same error on every rank if one failed or if they differ."""
+    """Exchange each rank's programs (or its error) and raise the same error on
+    every rank if one failed or if they differ."""
     if error is not None:
         mine = ("error", f"{type(error).__name__}: {error}", None)
     else:
@@ -78,14 +81,15 @@ def _first_difference(a: list[str], b: list[str]) -> str:
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's bytes, over the default group. (all_gather_object would need numpy.)"""
-    world_size = dist.get_world_size()
+    """Every rank's bytes, over the control group. (all_gather_object would need numpy.)"""
+    group = control_group()
+    world_size = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=group)
     return [bytes(t[:int(n)].tolist()) for t, n in zip(gathered, sizes)]

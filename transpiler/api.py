@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import hpu
+from .reduce_groups import check as check_groups
 from .backends import BACKENDS
 from .errors import TranspileError
 from .modes import MODES
@@ -25,7 +26,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               adaptive: bool | None = None,
               backend: str = "eager", check_every: int | None = None,
               skip_nonfinite: bool = False, verify: int = 0,
-              verify_tolerance: float = 1e-3) -> TranspiledStep:
+              verify_tolerance: float = 1e-3, hierarchical: bool = False,
+              reduce_groups: Sequence[tuple] = ()) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -55,6 +57,13 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     semantics, run on copies, and raise VerificationError on every rank, with
     nothing written back, where a value differs by more than verify_tolerance
     relative to the largest magnitude of the eager value (transpiler/verify.py).
+    hierarchical: reduce over the world hierarchically when there is more than
+    one node (torchrun's LOCAL_WORLD_SIZE ranks per node): reduce-scatter inside
+    the node, all-reduce across nodes, all-gather inside the node.
+    reduce_groups: pairs (process group, parameters) whose gradients (local SGD:
+    values) are averaged over that group instead of the world, such as the
+    experts of a mixture of experts; each rank gives the group it belongs to,
+    in the same position on every rank (transpiler/reduce_groups.py).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -103,11 +112,17 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         raise TranspileError("verify compares with the eager step under DDP's semantics, which "
                              "local SGD does not follow by design: use verify with "
                              "grad_allreduce or fuse_all_reduce")
+    if not isinstance(hierarchical, bool):
+        raise TranspileError(f"hierarchical must be True or False, got {hierarchical!r}")
+    groups = check_groups(reduce_groups)
+    if verify and groups:
+        raise TranspileError("verify compares with DDP's semantics, which average every "
+                             "gradient over the world: it cannot check reduce_groups")
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
-                           adaptive_k=bool(adaptive))
+                           adaptive_k=bool(adaptive), hierarchical=hierarchical)
     return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every,
-                          verify=verify, verify_tolerance=float(verify_tolerance))
+                          verify=verify, verify_tolerance=float(verify_tolerance), groups=groups)
 
 
 def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:

@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .errors import TranspileError
-from .program import Program
+from .program import InputKind, OutputKind, Program
 from .reinplace import reinplace
+from .roles import INPUT
 
 BACKENDS = ("eager", "inductor", "cudagraphs", "hpu", "auto")
 # The process-group backend each device needs.
@@ -46,7 +47,7 @@ class Executable:
 def device_of(program: Program) -> torch.device:
     """The device of the program's parameters (cpu for a program without any)."""
     for node in program.placeholders:
-        if node.meta["input"].kind == "param":
+        if node.meta[INPUT].kind is InputKind.PARAM:
             return node.meta["val"].device
     return torch.device("cpu")
 
@@ -92,7 +93,10 @@ def compile_program(program: Program, backend: str) -> Executable:
                              cudagraphs=backend == "cudagraphs")
     if backend == "hpu":
         from . import hpu   # imports the Gaudi stack, only when asked for
-        return _with_outputs(*_updating_inputs(program), hpu.compile_graph)
+        gm, written = _updating_inputs(program)
+        returned = [spec.kind is OutputKind.USER
+                    for spec, w in zip(program.outputs, written) if not w]
+        return _with_outputs(gm, written, hpu.compile_graph, returned=returned)
     raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 
@@ -133,7 +137,8 @@ def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) 
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:
     # Parameters, buffers, optimizer state and held tensors keep their addresses
     # from call to call: a captured graph may use them in place.
-    static = [n.meta["input"].kind in ("param", "buffer", "state", "held")
+    static = [n.meta[INPUT].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.STATE,
+                                     InputKind.HELD)
               for n in gm.graph.nodes if n.op == "placeholder"]
     compiled = compile_graph(gm, static, **options)
 
@@ -154,13 +159,13 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     kept, written = [], []
     with graph.inserting_before(out):
         for spec, value in zip(program.outputs, out.args[0]):
-            if spec.kind == "update":
+            if spec.kind is OutputKind.UPDATE:
                 target = placeholders[spec.target]
                 if value is not target:
                     graph.call_function(torch.ops.aten.copy_.default, (target, value))
             else:
                 kept.append(value)
-            written.append(spec.kind == "update")
+            written.append(spec.kind is OutputKind.UPDATE)
     out.args = (tuple(kept),)
     _packs_as_cat(graph)
     _views_as_reshapes(graph)

@@ -1,6 +1,6 @@
 """Benchmark: the transpiler's data-parallel step against torch DDP and the limits.
 
-    python -m transpiler.bench [--world-size 2] [--models wide,deep,transformer]
+    python -m transpiler.bench [--world-size 2] [--nodes 1] [--models wide,deep,transformer]
                                [--steps 20] [--warmup 5] [--configs a,b,...]
                                [--json PATH] [--plot PATH]
 
@@ -24,6 +24,11 @@ optimizer (SGD, lr 0.01, momentum 0.9):
     local_sgd               mode="local_sgd", k_steps=8: each timed sample is a
                             whole period (7 local steps and a sync), and its
                             step_ms the period's time divided by 8
+    fuse_all_reduce+hierarchical  fuse_all_reduce with hierarchical=True: with
+                            --nodes N (ranks told LOCAL_WORLD_SIZE = world / N,
+                            simulated nodes on this machine) each bucket is
+                            reduce-scattered inside the node, all-reduced
+                            across nodes and all-gathered inside the node
 
 What is measured, and how:
 
@@ -226,6 +231,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
+    "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
 }
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
@@ -344,18 +350,27 @@ def run_ranks(job: Job, world_size: int) -> list[dict]:
 
 
 @contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    """os.environ[name] = value (None: unchanged) for the ranks spawned inside,
+    which inherit the environment."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
 def _cold_inductor_cache():
-    """A fresh inductor cache for the ranks spawned inside (they inherit the env)."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    """A fresh inductor cache for the ranks spawned inside."""
     with tempfile.TemporaryDirectory(prefix="transpiler-bench-inductor-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        try:
+        with _environment("TORCHINDUCTOR_CACHE_DIR", tmp):
             yield
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 # ------------------------------------------------------------ the run
@@ -378,16 +393,19 @@ def combine(per_rank: list[dict]) -> Measurement:
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
-              warmup: int, repeat: int = 1) -> dict[str, dict[str, Measurement | str]]:
+              warmup: int, repeat: int = 1,
+              nodes: int = 1) -> dict[str, dict[str, Measurement | str]]:
     """Every config on every model, each in fresh ranks, `repeat` rounds of the
     whole list (so that a machine whose speed drifts affects every config
     alike): a Measurement whose step_ms is the median over the rounds and whose
     setup_s is the first round's (cold compile caches), or the error text of a
-    failed configuration."""
+    failed configuration. With `nodes` > 1 the ranks are told that they run on
+    that many nodes (LOCAL_WORLD_SIZE), which only hierarchical reductions read."""
     jobs = [Job(m, c, warmup, steps) for m in models for c in configs]
     rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
-    with _cold_inductor_cache():
+    local = str(world_size // nodes) if nodes > 1 else None
+    with _cold_inductor_cache(), _environment("LOCAL_WORLD_SIZE", local):
         for r in range(1, repeat + 1):
             for i, job in enumerate(jobs, 1):
                 if isinstance(out[job.model].get(job.config), str):
@@ -437,13 +455,14 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
 # ------------------------------------------------------------ output
 
 def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
-                 load: float, repeat: int = 1) -> list[str]:
+                 load: float, repeat: int = 1, nodes: int = 1) -> list[str]:
     base = [m.base_rss_mb for r in raw.values() for m in r.values() if isinstance(m, Measurement)]
     base_text = f"{min(base):.0f}-{max(base):.0f} MB" if base else "n/a"
     return [
         f"# transpiler.bench  {datetime.datetime.now().isoformat(timespec='seconds')}  "
         f"torch {torch.__version__}  world_size {world_size}  "
-        f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
+        + (f"simulated nodes {nodes} x {world_size // nodes}  " if nodes > 1 else "")
+        + f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {load:.2f} at start)",
         f"# step_ms: median over {steps} timed steps (after {warmup} warm-up) of the slowest "
         "rank's time for the step, each step between dist.barrier()s; gloo, CPU, 1 thread/rank"
@@ -547,6 +566,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 description="Time the transpiler's data-parallel step "
                                             "against torch DDP (CPU, gloo).")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes the ranks are split into (LOCAL_WORLD_SIZE), for "
+                        "hierarchical reductions (default 1)")
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated, of {', '.join(MODELS)} (default all)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -571,6 +593,8 @@ def main(argv=None) -> int:
         if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1:
             raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0 and "
                              "--repeat >= 1")
+        if args.nodes < 1 or args.world_size % args.nodes:
+            raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
         if args.plot:
             _pyplot()      # fail now, not after minutes of benchmarking
     except BenchError as exc:
@@ -578,9 +602,10 @@ def main(argv=None) -> int:
         return 2
     start, load = time.perf_counter(), os.getloadavg()[0]
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
-                    warmup=args.warmup, repeat=args.repeat)
+                    warmup=args.warmup, repeat=args.repeat, nodes=args.nodes)
     summary = summarize(raw)
-    header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat)
+    header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat,
+                          args.nodes)
     print("\n".join(header + [format_table(raw, summary)]), flush=True)
     log.info("bench finished in %.1fs", time.perf_counter() - start)
     if args.json:

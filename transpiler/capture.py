@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import traceback
+import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .errors import TranspileError
 from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
-from .program import InputSpec, OutputSpec, Program
+from .program import Hyper, InputKind, InputSpec, OutputKind, OutputSpec, Program
 from .roles import INPUT, PARAM, ROLE, Role
 from .scaler import SKIPS, GradScaler, guard_skipped_steps, scaler_slots, traced_scalers
 from .scaler import signature_of as scaler_signature
@@ -108,7 +109,7 @@ class StateSlot:
 
 @dataclasses.dataclass(frozen=True)
 class HeldSlot:
-    """A tensor the transpiled step keeps between calls (InputSpec kind held)."""
+    """A tensor the transpiled step keeps between calls (InputKind.HELD)."""
 
     store: dict
     name: str
@@ -125,10 +126,10 @@ class HeldSlot:
 
 @dataclasses.dataclass(frozen=True)
 class GradSlot:
-    """A parameter's .grad: read when the step starts with one (InputSpec kind
-    grad), set to the program's value when the step leaves one (OutputSpec kind
-    grad). The value is the program's own tensor (for a reduced gradient, a
-    view of its bucket, as DDP's gradient_as_bucket_view), not a copy."""
+    """A parameter's .grad: read when the step starts with one (InputKind.GRAD),
+    set to the program's value when the step leaves one (OutputKind.GRAD). The
+    value is the program's own tensor (for a reduced gradient, a view of its
+    bucket, as DDP's gradient_as_bucket_view), not a copy."""
 
     param: torch.Tensor
 
@@ -213,6 +214,11 @@ class Captured:
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
     averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
+
+    def param_names(self) -> dict[int, str]:
+        """id of each parameter the program reads -> its input's name."""
+        return {id(slot.tensor): spec.name for spec, slot in zip(self.program.inputs, self.slots)
+                if spec.kind is InputKind.PARAM}
 
 
 # ------------------------------------------------------------ arguments
@@ -305,16 +311,16 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             if id(p) not in inputs.param_names:
                 inputs.param_names[id(p)] = prefix + name
                 inputs.params.append(p)
-                inputs.add(InputSpec("param", prefix + name), ParamSlot(p), p.detach())
+                inputs.add(InputSpec(InputKind.PARAM, prefix + name), ParamSlot(p), p.detach())
         for name, b in module.named_buffers():
-            inputs.add(InputSpec("buffer", prefix + name), ParamSlot(b), b)
+            inputs.add(InputSpec(InputKind.BUFFER, prefix + name), ParamSlot(b), b)
     for oi, opt in enumerate(optimizers):
         for p in _opt_params(opt):
             if id(p) not in inputs.param_names:
                 name = f"opt{oi}.param{len(inputs.param_names)}"
                 inputs.param_names[id(p)] = name
                 inputs.params.append(p)
-                inputs.add(InputSpec("param", name), ParamSlot(p), p.detach())
+                inputs.add(InputSpec(InputKind.PARAM, name), ParamSlot(p), p.detach())
     for p in inputs.params:
         if p.grad is not None:
             # Tracing reads only its layout: a stand-in, because a .grad that is a
@@ -322,14 +328,15 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             # tensor of another dtype, which fake tensors refuse.
             g, name = p.grad, inputs.param_names[id(p)]
             stand_in = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
-            inputs.add(InputSpec("grad", f"{name}.grad", param=name), GradSlot(p), stand_in)
+            inputs.add(InputSpec(InputKind.GRAD, f"{name}.grad", param=name), GradSlot(p),
+                       stand_in)
     for oi, opt in enumerate(optimizers):
         oname = f"opt{oi}." if len(optimizers) > 1 else ""
         for p in _opt_params(opt):
             pname = inputs.param_names[id(p)]
             for key, value in sorted(opt.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
-                    inputs.add(InputSpec("state", f"{oname}{pname}:{key}", param=pname),
+                    inputs.add(InputSpec(InputKind.STATE, f"{oname}{pname}:{key}", param=pname),
                                StateSlot(opt, p, key), value)
         form = formulation_of(opt)
         for gi, group in enumerate(opt.param_groups if form else ()):
@@ -337,13 +344,14 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             device = group["params"][0].device if group["params"] else torch.device("cpu")
             for key in form.lifted(form.terms(group)):
                 slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)
-                inputs.add(InputSpec("hyper", f"{oname}{key}[{gi}]"), slot, slot.read(None))
+                spec = InputSpec(InputKind.HYPER, f"{oname}{key}[{gi}]", hyper=Hyper(key, gi, oi))
+                inputs.add(spec, slot, slot.read(None))
     device = inputs.params[0].device if inputs.params else torch.device("cpu")
     for name, slot in scaler_slots(step_args.scalers, device):
-        inputs.add(InputSpec("scaler", name), slot, slot.read(None))
+        inputs.add(InputSpec(InputKind.SCALER, name), slot, slot.read(None))
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):
-            inputs.add(InputSpec("data", step_args.names[i]), DataSlot(i), leaf)
+            inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), DataSlot(i), leaf)
     return inputs
 
 
@@ -357,7 +365,10 @@ def _opt_params(opt):
 # invalidates the cached list of a module's tensors (walking a deep module tree
 # on every call would cost a good part of a small step).
 _epoch = [0]
-_module_state: dict[int, tuple[int, list]] = {}
+# Per module, weakly (a dropped model's tensors must not stay alive here): the
+# epoch of the entry, its state and its submodules but itself (an entry that
+# refers to its own module would keep it alive).
+_module_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bump_epoch(*_):
@@ -373,12 +384,12 @@ for _register in (torch.nn.modules.module.register_module_parameter_registration
 def _walk(module) -> tuple[list, list]:
     """(name, tensor) of every parameter (tied ones once) and buffer, and every
     submodule; cached."""
-    cached = _module_state.get(id(module))
+    cached = _module_state.get(module)
     if cached is None or cached[0] != _epoch[0]:
         cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()],
-                  list(module.modules()))
-        _module_state[id(module)] = cached
-    return cached[1], cached[2]
+                  list(module.modules())[1:])
+        _module_state[module] = cached
+    return cached[1], [module, *cached[2]]
 
 
 def _named_state(module) -> list:
@@ -818,17 +829,17 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
         scaled: dict[tuple, torch.Tensor] = {}
         state: dict[int, dict] = defaultdict(dict)
         for spec, slot, value in zip(inputs.specs, inputs.slots, values):
-            if spec.kind in ("param", "buffer"):
+            if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
                 if slot.tensor.requires_grad:
                     value = value.detach().requires_grad_(True)
                 traced[id(slot.tensor)] = value
-            elif spec.kind == "state":
+            elif spec.kind is InputKind.STATE:
                 state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
-            elif spec.kind == "hyper":
+            elif spec.kind is InputKind.HYPER:
                 hypers[(id(slot.optimizer), slot.group, slot.key)] = value
-            elif spec.kind == "grad":
+            elif spec.kind is InputKind.GRAD:
                 traced[id(slot.param)].grad = value
-            elif spec.kind == "scaler":
+            elif spec.kind is InputKind.SCALER:
                 scaled[(id(slot.scaler), slot.attr)] = value
             else:
                 leaves[slot.leaf] = value
@@ -905,7 +916,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
     fgm = _functionalize(gm, inputs.values)
     program, slots, targets = _to_program(fgm, inputs, returned[0].num_tensors, created, left)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
-    reads_grads = bool(kept) or any(spec.kind == "grad" for spec in program.inputs)
+    reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                     reads_grads, markers.averaged_after)
 
@@ -1037,8 +1048,9 @@ def _identifier(prefix: str, name: str) -> str:
     return ident + "_" if keyword.iskeyword(ident) else ident
 
 
-_PREFIX = {"param": "p_", "buffer": "b_", "grad": "g_", "state": "s_", "hyper": "h_",
-           "scaler": "sc_", "data": ""}
+_PREFIX = {InputKind.PARAM: "p_", InputKind.BUFFER: "b_", InputKind.GRAD: "g_",
+           InputKind.STATE: "s_", InputKind.HYPER: "h_", InputKind.SCALER: "sc_",
+           InputKind.DATA: ""}
 
 
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
@@ -1082,24 +1094,25 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created,
             graph.erase_node(node)
     out = graph.output_node()
     results = list(out.args[0])
-    specs = [OutputSpec("user")] * n_user
+    specs = [OutputSpec(OutputKind.USER)] * n_user
     targets: list = [None] * n_user
     for (opt, p, key), value in zip(created, results[n_user:]):
-        specs.append(OutputSpec("state", f"{inputs.param_names[id(p)]}:{key}"))
+        name = inputs.param_names[id(p)]
+        specs.append(OutputSpec(OutputKind.STATE, f"{name}:{key}", param=name))
         targets.append(StateSlot(opt, p, key))
     for p in left:   # the .grad the step leaves (its output covers any write-back)
-        specs.append(OutputSpec("grad", inputs.param_names[id(p)]))
+        specs.append(OutputSpec(OutputKind.GRAD, inputs.param_names[id(p)]))
         targets.append(GradSlot(p))
     for i in sorted(updates):
-        if inputs.specs[i].kind != "grad":
+        if inputs.specs[i].kind is not InputKind.GRAD:
             results.append(updates[i])
-            specs.append(OutputSpec("update", inputs.specs[i].name))
+            specs.append(OutputSpec(OutputKind.UPDATE, inputs.specs[i].name))
             targets.append(inputs.slots[i])
     out.args = (tuple(results),)
     graph.eliminate_dead_code()
     kept = []
     for node, spec, slot in zip(placeholders, inputs.specs, inputs.slots):
-        if spec.kind == "grad" and not node.users:
+        if spec.kind is InputKind.GRAD and not node.users:
             graph.erase_node(node)
         else:
             kept.append((spec, slot))

@@ -1,28 +1,49 @@
 """The collective ops the passes insert: torch.distributed's functional
 collectives, which run eagerly and under torch.compile; and the spec a pass puts
-on a value (meta["reduce"]) for a reduction pass to lower."""
+on a value (meta["reduce"]) for a reduction pass to lower (transpiler/lowering.py)."""
 
 import dataclasses
 import enum
 
 import torch
 
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-BROADCAST = torch.ops._c10d_functional.broadcast.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+from .mesh import Dim, Over
+
+_functional = torch.ops._c10d_functional
+ALL_REDUCE = _functional.all_reduce.default
+REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
+ALL_GATHER = _functional.all_gather_into_tensor.default
+BROADCAST = _functional.broadcast.default
+WAIT = _functional.wait_tensor.default
 
 
 class ReduceOp(enum.Enum):
     SUM = "sum"
-    # The mean over the ranks: each rank's value times 1 / world_size, then the
+    # The mean over the group: each rank's value times 1 / group size, then the
     # sum, which is how DDP's reducer averages gradients (same rounding).
     MEAN = "mean"
 
 
+class Placement(enum.Enum):
+    """Where the reduced value lives: every rank of the group holds all of it.
+    (A sharded placement joins when a pass reads shards.)"""
+
+    REPLICATE = "replicate"
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduction:
-    """A value to reduce over all ranks: `key` names it (the parameter, for a
-    gradient), `op` says how."""
+    """A value to reduce: `key` names it (the parameter, for a gradient), `op`
+    says how, `over` which group of ranks (transpiler/mesh.py), `placement`
+    where the result lives. A reduction pass lowers it and removes it from the
+    node, so no value is reduced twice."""
 
     key: str
     op: ReduceOp = ReduceOp.SUM
+    over: Over = Dim.WORLD
+    placement: Placement = Placement.REPLICATE
+
+    def __str__(self) -> str:
+        op = "" if self.op is ReduceOp.SUM else f"({self.op.value})"
+        over = "" if self.over is Dim.WORLD else f" over={self.over}"
+        return f"{op}{over}"

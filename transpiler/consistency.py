@@ -1,10 +1,13 @@
 """Are the ranks' parameters the same? A checksum of each parameter's bits,
-gathered from every rank and compared with rank 0's."""
+gathered from every rank over the control plane's gloo group and compared
+with rank 0's."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .control import control_group
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -19,14 +22,14 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 def divergent(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     """One line per parameter whose checksum differs between ranks, naming
     the ranks that differ from rank 0; empty when every rank agrees. A
-    collective over the default group: every rank must call it."""
+    collective over the control group: every rank must call it."""
     if not named:
         return []
-    mine = torch.stack([checksum(t) for _, t in named])
-    if dist.get_backend() == "gloo":
-        mine = mine.cpu()
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    # computed on the parameters' device, exchanged on gloo: one copy to the CPU
+    mine = torch.stack([checksum(t) for _, t in named]).cpu()
+    group = control_group()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
     lines = []
     for i, (name, _) in enumerate(named):
         ranks = [r for r, sums in enumerate(every) if sums[i] != every[0][i]]

@@ -8,6 +8,11 @@ backend="hpu" is chosen (or "auto" finds the model on a Gaudi device).
   Parameters, buffers, optimizer state and held tensors keep their addresses
   between calls, so the graph reads and updates them where they are; the batch
   and the hyperparameters are copied into the graph's static input buffers.
+  A replay writes its outputs into the same tensors every time: the values the
+  step returns to the caller are cloned, so a loss kept from one step is not
+  overwritten by the next; the other outputs (optimizer state, .grad, held
+  values) go to places the next step rewrites anyway, and are not copied (a
+  .grad stays the graph's own tensor, as with DDP's gradient_as_bucket_view).
 
 Written against Habana's documented API (habana_frameworks.torch.hpu.HPUGraph,
 hpu.Stream, hpu.stream); the process group must use hccl
@@ -49,18 +54,21 @@ def lazy_mode() -> bool:
     return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
 
 
-def compile_graph(gm: fx.GraphModule, static: list[bool]) -> Callable:
+def compile_graph(gm: fx.GraphModule, static: list[bool], returned: list[bool]) -> Callable:
+    """static: per input, whether it keeps its address between calls;
+    returned: per output, whether it is returned to the caller."""
     ht = require()
     if not lazy_mode():
         return torch.compile(gm, backend="hpu_backend", fullgraph=True, dynamic=False)
-    return _GraphReplay(ht, gm, static)
+    return _GraphReplay(ht, gm, static, returned)
 
 
 class _GraphReplay:
-    """Capture on the first call, replay on every call after it."""
+    """Capture on the first call, replay on every call after it; the outputs
+    returned to the caller are fresh tensors (clones of the graph's own)."""
 
-    def __init__(self, ht, gm: fx.GraphModule, static: list[bool]):
-        self.ht, self.gm, self.static = ht, gm, static
+    def __init__(self, ht, gm: fx.GraphModule, static: list[bool], returned: list[bool]):
+        self.ht, self.gm, self.static, self.returned = ht, gm, static, returned
         self.graph = None
         self.inputs: list[torch.Tensor] = []
         self.outputs = None
@@ -79,4 +87,4 @@ class _GraphReplay:
                 if not keep:
                     buffer.copy_(t, non_blocking=True)
         self.graph.replay()
-        return self.outputs
+        return [out.clone() if fresh else out for out, fresh in zip(self.outputs, self.returned)]

@@ -3,28 +3,46 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 from typing import Callable, Sequence, Union
 
 import torch
 
 from .errors import PassError
+from .mesh import Dim, Mesh, Over
 from .program import HistoryEntry, Program
-from .roles import ROLE, Role
+from .roles import REDUCE, ROLE, Role
 
 
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """Settings every pass reads. Passes take nothing from globals or the environment."""
 
-    world_size: int = 1
-    rank: int = 0
+    mesh: Mesh = Mesh()           # the ranks, their nodes and the communicators of each group
     nrings: int = 2
-    rings: tuple[str, ...] = ()   # process-group name of each ring, len == nrings
+    # Reduce over the world hierarchically when there is more than one node
+    # (the runtime then builds the mesh with nodes).
+    hierarchical: bool = False
+    # Parameters whose gradients are reduced over a group of their own, by name
+    # (transpile(groups=...)); every other parameter's over the world.
+    groups: dict[str, Over] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    def over(self, param: str) -> Over:
+        """The group a parameter's gradient (and local SGD's delta) is reduced over."""
+        return self.groups.get(param, Dim.WORLD)
 
 
 Pass = Callable[[Program, PassContext], None]
@@ -37,6 +55,29 @@ def requires(*names: str):
         fn.requires = names
         return fn
     return mark
+
+
+class Mark(enum.Enum):
+    """What a pass leaves on the program for a later pass to act on."""
+
+    TO_REDUCE = "values marked to reduce (meta['reduce'])"
+
+
+def produces(mark: Mark):
+    """Declare that the pass leaves `mark` for a later pass to consume."""
+    def decorate(fn):
+        fn.produces = mark
+        return fn
+    return decorate
+
+
+def consumes(mark: Mark):
+    """Declare that the pass acts on `mark` and removes it: a producer must run
+    before it, and a second consumer needs a producer in between."""
+    def decorate(fn):
+        fn.consumes = mark
+        return fn
+    return decorate
 
 
 def resolve(p: PassLike) -> Pass:
@@ -78,12 +119,51 @@ def _check_requirements(fn: Pass, before: list[str]) -> None:
 
 
 def check_order(passes: Sequence[PassLike]) -> None:
-    """Raise now if a pass of the list would find its requirements unmet."""
+    """Raise now if a pass of the list would find its requirements unmet, would
+    act on a mark no pass left (a second reduction of values already reduced),
+    or if a mark is left that no pass acts on (values never reduced)."""
     before = ["capture"]
-    for p in passes:
-        fn = resolve(p)
+    fns = [resolve(p) for p in passes]
+    for fn in fns:
         _check_requirements(fn, before)
         before.append(fn.__name__)
+    _check_marks(fns, complete=True)
+
+
+def _check_marks(fns: Sequence[Pass], complete: bool) -> None:
+    """Each pass that consumes a mark needs a pass before it that leaves it, with
+    no other consumer in between; `complete`: no mark may be left at the end."""
+    pending: dict[Mark, str] = {}    # mark -> the pass that left it
+    done: dict[Mark, str] = {}       # mark -> the pass that consumed it last
+    names = ", ".join(fn.__name__ for fn in fns)
+    for fn in fns:
+        mark = getattr(fn, "consumes", None)
+        if mark is not None:
+            if mark not in pending:
+                why = (f"{done[mark]} already acted on them" if mark in done
+                       else "no pass before it leaves them")
+                raise PassError(f"pass {fn.__name__} acts on the {mark.value}, but {why}; "
+                                f"passes: {names}")
+            done[mark] = fn.__name__
+            del pending[mark]
+        if getattr(fn, "produces", None) is not None:
+            pending[fn.produces] = fn.__name__
+    for mark, by in pending.items() if complete else ():
+        raise PassError(f"pass {by} leaves {mark.value} but no pass after it acts on them; "
+                        f"add one (for reductions: insert_allreduce or coalesce_tensors); "
+                        f"passes: {names}")
+
+
+def _applied(program: Program) -> list[Pass]:
+    """The passes the program went through that resolve by name (capture and
+    passes given as functions do not)."""
+    fns = []
+    for name in program.applied:
+        try:
+            fns.append(resolve(name))
+        except PassError:
+            pass
+    return fns
 
 
 def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -> Program:
@@ -96,6 +176,7 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
         name = fn.__name__
         before = list(program.applied)
         _check_requirements(fn, before)
+        _check_marks(_applied(program) + [fn], complete=False)
         n_before = len(program.graph.nodes)
         try:
             fn(program, ctx)
@@ -106,6 +187,10 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
             raise PassError(f"pass {name} failed on program {program.name!r} "
                             f"(after {', '.join(before)}): {exc}") from exc
         n_comm = len(program.collectives())
+        if getattr(fn, "consumes", None) is Mark.TO_REDUCE and any(
+                REDUCE in n.meta for n in program.graph.nodes):
+            raise PassError(f"pass {name} left values marked to reduce on program "
+                            f"{program.name!r}: a pass that reduces must lower every mark")
         record(program, name, f"{name}: {n_before} -> {len(program.graph.nodes)} nodes, "
                               f"{n_comm} collectives")
     return program

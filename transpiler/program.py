@@ -11,6 +11,7 @@ once the whole program has succeeded.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 from typing import Any, Callable
 
@@ -18,34 +19,105 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from .collectives import WAIT, ReduceOp
+from .collectives import WAIT
+from .mesh import Dim, Over
 from .roles import BUCKET, COMM, INPUT, PARAM, REDUCE, ROLE, Role
+
+
+class InputKind(enum.Enum):
+    """What a placeholder holds (torch.export's graph signature has the same idea)."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    GRAD = "grad"       # a parameter's .grad as the step starts
+    STATE = "state"     # an optimizer state entry
+    HYPER = "hyper"     # a lifted optimizer hyperparameter
+    SCALER = "scaler"   # a GradScaler's scale or growth tracker
+    DATA = "data"       # a tensor among the step's arguments (the batch)
+    HELD = "held"       # a tensor the transpiled step itself keeps between calls
+
+
+class OutputKind(enum.Enum):
+    """What an output is."""
+
+    USER = "user"       # returned to the caller
+    UPDATE = "update"   # the new value of an input
+    STATE = "state"     # an optimizer state entry the step created or replaced
+    GRAD = "grad"       # the .grad the step leaves on a parameter
+    HELD = "held"       # a value the transpiled step keeps, for its schedule or its next calls
+
+
+class Held(enum.Enum):
+    """What a held tensor holds. The value is the tensor's name, with
+    ":<param>" appended for a per-parameter one (held_name)."""
+
+    SNAPSHOT = "snapshot"                  # a parameter at the last local SGD sync
+    MEAN_LOSS = "local_sgd.mean_loss"      # the loss averaged over the ranks at a sync
+    LR = "local_sgd.lr"                    # the learning rate at a sync
+    SKIPPED = "skip_nonfinite.skipped"     # whether skip_nonfinite skipped the update
+
+
+def held_name(what: Held, param: str | None = None) -> str:
+    """The name a held tensor is kept (and checkpointed) under."""
+    return what.value if param is None else f"{what.value}:{param}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """A lifted hyperparameter: `key` (lr, momentum, or a value derived from the
+    group's on the host, optimizers.hyper_value) of param group `group` of the
+    step's optimizer number `optimizer`."""
+
+    key: str
+    group: int
+    optimizer: int
 
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """What a placeholder holds. kind: param | buffer | grad (a parameter's .grad
-    as the step starts, `param` naming it) | state | hyper | scaler (a
-    GradScaler's scale or growth tracker) | data |
-    held (a tensor the transpiled step itself keeps between calls, such as local
-    SGD's snapshot of a parameter; the startup program initializes it as a copy
-    of parameter `param`)."""
+    """What a placeholder holds. `name` is unique in a program (the listing
+    prints it); passes select inputs by the typed fields: `param` names the
+    parameter of a GRAD, STATE or per-parameter HELD input, `hyper` says which
+    hyperparameter a HYPER input is, `held` what a HELD input holds (the startup
+    program initializes a SNAPSHOT as a copy of its parameter)."""
 
-    kind: str
+    kind: InputKind
     name: str
-    param: str | None = None  # for optimizer state and held tensors: their parameter
+    param: str | None = None
+    hyper: Hyper | None = None
+    held: Held | None = None
+
+    def __post_init__(self):
+        if (self.hyper is not None) != (self.kind is InputKind.HYPER) or \
+                (self.held is not None) != (self.kind is InputKind.HELD):
+            raise ValueError(f"internal: an input of kind {self.kind} with hyper={self.hyper} "
+                             f"and held={self.held}")
+
+    @staticmethod
+    def of_held(what: Held, param: str | None = None) -> "InputSpec":
+        """A held input holding `what` (of parameter `param`), named by held_name."""
+        return InputSpec(InputKind.HELD, held_name(what, param), param=param, held=what)
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
-    """What an output is. kind: user (returned to the caller) | update (the new
-    value of input `target`) | state (an optimizer state entry the step created
-    or replaced, `target` naming it as param/key) | grad (the .grad the step
-    leaves on parameter `target`) | held (a value the transpiled
-    step keeps under the name `target`, for its schedule or its next calls)."""
+    """What an output is. `target`: for UPDATE the name of the input it
+    replaces, for STATE the entry as "<param>:<key>", for GRAD the parameter, for
+    HELD the name the step keeps it under (held_name of `held`)."""
 
-    kind: str
+    kind: OutputKind
     target: str | None = None
+    held: Held | None = None
+    param: str | None = None   # for STATE: the parameter the entry belongs to
+
+    def __post_init__(self):
+        if (self.held is not None) != (self.kind is OutputKind.HELD):
+            raise ValueError(f"internal: an output of kind {self.kind} with held={self.held}")
+
+    @staticmethod
+    def of_held(what: Held) -> "OutputSpec":
+        """A value kept for the schedule (one per program, not per parameter)."""
+        return OutputSpec(OutputKind.HELD, held_name(what), held=what)
 
 
 @dataclasses.dataclass
@@ -55,6 +127,7 @@ class CommInfo:
     op: str
     ring: int = 0
     bucket: int | None = None
+    over: Over = Dim.WORLD         # the group of ranks it runs over
     params: tuple[str, ...] = ()   # the parameters whose gradients it carries
     nbytes: int = 0                # bytes on the wire per rank
 
@@ -95,7 +168,7 @@ class Program:
 
     def state_of(self, param: str) -> list[InputSpec]:
         """The optimizer state inputs that belong to a parameter."""
-        return [s for s in self.inputs if s.kind == "state" and s.param == param]
+        return [s for s in self.inputs if s.kind is InputKind.STATE and s.param == param]
 
     def input_node(self, name: str) -> fx.Node:
         for node in self.placeholders:
@@ -183,9 +256,9 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
     aten = torch.ops.aten
     with graph.inserting_before(out):
         for k, (spec, ok) in enumerate(zip(program.outputs, conditions)):
-            if ok is None or spec.kind not in ("update", "state"):
+            if ok is None or spec.kind not in (OutputKind.UPDATE, OutputKind.STATE):
                 continue
-            old = inputs[spec.target] if spec.kind == "update" else new_node(
+            old = inputs[spec.target] if spec.kind is OutputKind.UPDATE else new_node(
                 graph, aten.zeros_like.default, (values[k],), Role.OPTIMIZE)
             values[k] = new_node(graph, aten.where.self, (ok, values[k], old), Role.OPTIMIZE)
     out.args = (tuple(values),)
@@ -263,10 +336,10 @@ def _note(node: fx.Node) -> str:
     reduction = node.meta.get(REDUCE)
     if reduction is not None:
         what = "reduce" if reduction.key == node.meta.get(PARAM) else f"reduce={reduction.key}"
-        notes.append(what if reduction.op is ReduceOp.SUM else f"{what}({reduction.op.value})")
+        notes.append(f"{what}{reduction}")
     comm = node.meta.get(COMM)
     if comm is not None:
-        notes.append(f"ring={comm.ring}")
+        notes.append(f"ring={comm.ring}" if comm.over is Dim.WORLD else f"{comm.over} ring={comm.ring}")
     bucket = comm.bucket if comm is not None else node.meta.get(BUCKET)
     if bucket is not None:
         notes.append(f"bucket={bucket}")
@@ -281,7 +354,7 @@ def format_graph(graph: fx.Graph) -> str:
         head = f"{node.name}: {ty}" if ty else node.name
         if node.op == "placeholder":
             spec = node.meta.get(INPUT)
-            what = f"{spec.kind} {spec.name!r}" if spec else "?"
+            what = f"{spec.kind.value} {spec.name!r}" if spec else "?"
             lines.append(f"{head} = input({what})")
         elif node.op == "get_attr":
             lines.append(f"{head} = constant({node.target})")
@@ -300,7 +373,8 @@ def format_collectives(program: Program) -> str:
         comm, val = node.meta[COMM], node.meta["val"]
         bucket = "-" if comm.bucket is None else str(comm.bucket)
         params = ", ".join(comm.params[:4]) + (f", ... ({len(comm.params)})" if len(comm.params) > 4 else "")
-        rows.append((str(i), comm.op, str(comm.ring), bucket, _DTYPES.get(val.dtype, str(val.dtype)),
+        ring = str(comm.ring) if comm.over is Dim.WORLD else f"{comm.over}:{comm.ring}"
+        rows.append((str(i), comm.op, ring, bucket, _DTYPES.get(val.dtype, str(val.dtype)),
                      str(len(comm.params)), str(comm.nbytes), params))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]

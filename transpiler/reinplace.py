@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_REDUCE
-from .program import Program
+from .program import OutputKind, Program
 from .roles import ROLE, Role
 
 aten = torch.ops.aten
@@ -119,7 +119,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     out = graph.output_node()
     by_name = {spec.name: node for spec, node in zip(program.inputs, placeholders)}
     # The placeholder each output writes back to (None for the step's own outputs).
-    written_to = [by_name[spec.target] if spec.kind == "update" else None
+    written_to = [by_name[spec.target] if spec.kind is OutputKind.UPDATE else None
                   for spec in program.outputs]
     donated = {p for p in written_to if p is not None}
     boundary = _sink_after_gradients(graph)

@@ -1,20 +1,30 @@
-"""Communicators ("rings"): process groups over all ranks, created once per world.
+"""Communicators ("rings"): the process groups the programs' collectives run
+on, created once per world and kept for the life of the process.
 
 Every rank must create them in the same order, which holds because every rank
-transpiles the same program. The groups are kept for the life of the process
-and have the default group's timeout, so a collective whose peer died raises
-within the timeout the user configured.
+transpiles the same program with the same settings (the rank agreement checks
+them before any group is created). The groups have the default group's timeout,
+so a collective whose peer died raises within the timeout the user configured.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from typing import Sequence
 
 import torch.distributed as dist
 
+from .errors import TranspileError
+from .mesh import Dim, Mesh, Over, UserGroup
+
 log = logging.getLogger("transpiler")
 
-_groups: dict[int, list[dist.ProcessGroup]] = {}
+# (dim, ring, ranks per node) -> the name of this rank's group, for every
+# communicator created so far over `_world` (holding it keeps its id from being
+# reused by a later default group)
+_names: dict[tuple[Dim, int, int], str] = {}
+_world: list = [None]
 
 
 def world() -> tuple[int, int]:
@@ -22,6 +32,20 @@ def world() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(), dist.get_rank()
+
+
+def local_world_size() -> int:
+    """Ranks per node, as torchrun tells each process (LOCAL_WORLD_SIZE); the
+    whole world when it is unset (one node)."""
+    world_size = world()[0]
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return world_size
+    if not value.isdigit() or int(value) < 1 or world_size % int(value):
+        raise TranspileError(f"LOCAL_WORLD_SIZE={value!r} does not divide the world of "
+                             f"{world_size} ranks into nodes: launch the same number of "
+                             "processes on every node (torchrun --nproc-per-node)")
+    return int(value)
 
 
 def world_timeout():
@@ -35,14 +59,51 @@ def world_timeout():
     return None
 
 
-def ring_names(nrings: int) -> tuple[str, ...]:
-    """Group names of `nrings` communicators over the whole world."""
-    if world()[0] == 1:
-        return ()
-    key = id(dist.group.WORLD)
-    groups = _groups.setdefault(key, [])
-    while len(groups) < nrings:
-        groups.append(dist.new_group(ranks=list(range(dist.get_world_size())),
-                                     timeout=world_timeout()))
-        log.debug("created ring %d (group %s)", len(groups) - 1, groups[-1].group_name)
-    return tuple(g.group_name for g in groups[:nrings])
+def build_mesh(nrings: int, hierarchical: bool,
+               user_groups: Sequence[dist.ProcessGroup] = ()) -> Mesh:
+    """The mesh of this world with `nrings` rings over the world, and over the
+    node and across-node groups too when `hierarchical` (and there is more than
+    one node); each user group is its own single ring."""
+    world_size, rank = world()
+    if world_size == 1:
+        return Mesh()
+    local_size = local_world_size() if hierarchical else world_size
+    mesh = Mesh(world_size, rank, local_size)
+    rings: dict[Over, tuple[str, ...]] = {Dim.WORLD: _rings(mesh, Dim.WORLD, nrings)}
+    if mesh.nodes > 1:
+        for dim in (Dim.NODE, Dim.ACROSS):
+            rings[dim] = _rings(mesh, dim, nrings)
+    for i, group in enumerate(user_groups):
+        rings[UserGroup(i, group.size())] = (group.group_name,)
+    return Mesh(world_size, rank, local_size, rings)
+
+
+def _partition(mesh: Mesh, dim: Dim) -> list[list[int]]:
+    """The groups of ranks `dim` splits the world into."""
+    nodes, local = mesh.nodes, mesh.local_size
+    if dim is Dim.WORLD:
+        return [list(range(mesh.world_size))]
+    if dim is Dim.NODE:
+        return [[n * local + i for i in range(local)] for n in range(nodes)]
+    return [[n * local + i for n in range(nodes)] for i in range(local)]
+
+
+def _rings(mesh: Mesh, dim: Dim, nrings: int) -> tuple[str, ...]:
+    """Names of `nrings` communicators of this rank's group along `dim`,
+    creating those missing (every rank creates every group of the partition)."""
+    if _world[0] is not dist.group.WORLD:   # a new default group: new communicators
+        _names.clear()
+        _world[0] = dist.group.WORLD
+    names = []
+    for ring in range(nrings):
+        key = (dim, ring, 0 if dim is Dim.WORLD else mesh.local_size)
+        if key not in _names:
+            partition = _partition(mesh, dim)
+            if dim is Dim.WORLD:
+                group = dist.new_group(ranks=partition[0], timeout=world_timeout())
+            else:
+                group, _ = dist.new_subgroups_by_enumeration(partition, timeout=world_timeout())
+            _names[key] = group.group_name
+            log.debug("created ring %d over %s (group %s)", ring, dim, group.group_name)
+        names.append(_names[key])
+    return tuple(names)

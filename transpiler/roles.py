@@ -32,3 +32,4 @@ COMM = "comm"          # CommInfo on collective nodes and their waits
 BUCKET = "bucket"      # bucket index on the nodes that pack and unpack a fused buffer
 INPUT = "input"        # InputSpec on placeholders
 REDUCE = "reduce"      # Reduction (collectives.py): a value a reduction pass must reduce over the ranks
+REDUCED = "reduced"    # Reduction: on the node holding a value's reduced result (lowering.complete)

@@ -5,75 +5,50 @@ signature of the arguments, builds what is missing (traces once per signature,
 then runs that program's passes on a copy, compiles, checks rank agreement and
 runs the startup program where needed), feeds the live tensors in, and writes
 the new state back into the model, the optimizer and the step's held tensors
-only after the whole program has succeeded.
+only after the whole program has succeeded. What it keeps lives in three parts
+with one job each: the programs built per signature (program_cache.py), the
+held tensors and what must run before a program (held.py), and the running and
+committing of a program (executor.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable
 
 import torch
 
-from . import agreement, consistency, verify
-from .backends import Executable, check_process_group, compile_program, device_of, resolve
-from .capture import (Captured, HeldSlot, Returned, describe_change, flatten_args,
-                      grad_signature, signature, trace_step)
+from . import agreement, consistency, reduce_groups, verify
+from .backends import check_process_group, device_of, resolve
+from .capture import Captured, HeldSlot, describe_change, flatten_args, trace_step
 from .errors import DivergenceError, TranspileError
+from .executor import Executor, Runnable
+from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
-from .program import Program, format_collectives
-from .rings import ring_names, world
+from .program import InputKind, OutputKind, Program, format_collectives
+from .program_cache import Built, ProgramCache
+from .rings import build_mesh, world
 from .startup import startup_program
 
 log = logging.getLogger("transpiler")
 
 
-@dataclasses.dataclass
-class _Runnable:
-    """A program with the slots its inputs are read from and its outputs written
-    to (None: returned to the caller); compiled on its first run."""
-
-    program: Program
-    slots: list
-    targets: list
-    backend: str
-    executable: Executable | None = None
-    held: list[str] = dataclasses.field(init=False)       # held tensors it reads
-    transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
-
-    def __post_init__(self):
-        self.held = [spec.name for spec in self.program.inputs if spec.kind == "held"]
-        self.transient = [spec.target for spec in self.program.outputs
-                          if spec.kind == "held" and spec.target not in self.held]
-
-
-@dataclasses.dataclass
-class _Built:
-    """Everything built for one signature of the arguments."""
-
-    programs: dict[str, _Runnable]
-    startup: _Runnable | None   # broadcast from rank 0, then initialize the held tensors
-    refresh: _Runnable | None   # initialize the held tensors only
-    returned: Returned
-    state_key: tuple   # identity of the parameters and buffers it runs on
-    backend: str       # the concrete backend its programs compile with
-    schedulers: list   # LR schedulers stepped on the host after each call
-    cleared: list      # (name, parameter) whose .grad each call leaves None
-    reads_grads: bool  # whether which parameters have a .grad is part of the key
-    averaged_after: int  # backward() calls before the first optimizer.step() (verify)
-
-
-_LOADED = "loaded"   # held tensors restored by load_state_dict, for the next state set
-
-
 class TranspiledStep:
+    """The step as transpiled: same signature and return value as the user's
+    step function. It chooses the program (schedule), finds or builds it
+    (ProgramCache, _build), runs what is due before it (HeldTensors), runs it
+    (Executor) and checks the ranks' consistency when asked to."""
+
     def __init__(self, step_fn: Callable, schedule, settings: PassContext, *, backend: str,
                  check_every: int | None = None, verify: int = 0,
-                 verify_tolerance: float = 1e-3):
+                 verify_tolerance: float = 1e-3,
+                 groups: tuple[reduce_groups.ReduceGroup, ...] = ()):
         self.step_fn = step_fn
+        self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
         self.check_every = check_every
         self._check_due = False
@@ -81,23 +56,19 @@ class TranspiledStep:
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
-        self._built: dict[tuple, _Built] = {}
-        # Signatures whose programs read the .grad the step starts with: their
-        # key also says which parameters have one (capture.grad_signature).
-        self._reads_grads: set[tuple] = set()
+        self._cache = ProgramCache()
+        self._held = HeldTensors()
+        self._executor = Executor()
         self._last_traced: tuple | None = None   # signature of the last trace
-        self._last: _Built | None = None
+        self._last: Built | None = None
         self._last_run: str | None = None
-        self._synced: set[tuple] = set()          # state sets broadcast from rank 0
-        self._restored = False                    # trust the next state set as loaded
-        self._held: dict[str, torch.Tensor] = {}  # snapshots and the like, by name
-        # The state set the held tensors are current for: None once a program
-        # that does not carry them has run (or before the first startup).
-        self._held_for: tuple | str | None = None
         self.startup_program: Program | None = None
-        # One-time costs so far: traces, passes, and the first run of each program
-        # (which is when compiled backends compile).
-        self.build_seconds = 0.0
+
+    @property
+    def build_seconds(self) -> float:
+        """One-time costs so far: traces, passes, and the first run of each
+        program (which is when compiled backends compile)."""
+        return self._cache.build_seconds + self._executor.compile_seconds
 
     @property
     def program(self) -> Program:
@@ -120,7 +91,7 @@ class TranspiledStep:
         """The backend the programs of the last call run with ("auto" resolved)."""
         return self._last_built().backend
 
-    def _last_built(self) -> _Built:
+    def _last_built(self) -> Built:
         if self._last is None:
             raise TranspileError("the step has not been called yet: the programs are built "
                                  "on the first call, from the real arguments")
@@ -144,8 +115,10 @@ class TranspiledStep:
         if world()[0] == 1:
             return []
         runnable = next(iter(built.programs.values()))
+        grouped = {id(p) for g in self.groups for p in g.params}  # differ across groups
         named = [(spec.name, slot.read(None)) for spec, slot
-                 in zip(runnable.program.inputs, runnable.slots) if spec.kind == "param"]
+                 in zip(runnable.program.inputs, runnable.slots)
+                 if spec.kind is InputKind.PARAM and id(slot.read(None)) not in grouped]
         return consistency.divergent(named)
 
     def _raise_if_divergent(self) -> None:
@@ -162,57 +135,32 @@ class TranspiledStep:
         the last sync, k) and its held tensors while they are current (local_sgd:
         the snapshots). With the model's and the optimizer's state_dict it resumes
         a run exactly."""
-        current = self._held_for is not None
-        return {"schedule": self.schedule.state_dict(),
-                "held": {k: v.detach().clone() for k, v in self._held.items()} if current else {}}
+        return {"schedule": self.schedule.state_dict(), "held": self._held.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict saved. The next call trusts each rank's model as
         loaded (no broadcast from rank 0): under local SGD the ranks' parameters
         legitimately differ between syncs."""
         self.schedule.load_state_dict(state["schedule"])
-        self._held.clear()
-        self._held.update({k: v.detach().clone() for k, v in state["held"].items()})
-        self._held_for = _LOADED if self._held else None
-        self._restored = True
+        self._held.load(state["held"])
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
-        sig = signature(step_args)
-        key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
-        built = self._built.get(key)
-        if built is None:
-            start = time.perf_counter()
-            built = self._build(step_args, sig + grad_signature(step_args))
-            if built.reads_grads:
-                self._reads_grads.add(sig)
-                key = sig + grad_signature(step_args)
-            self._built[key] = built
-            self.build_seconds += time.perf_counter() - start
+        built = self._cache.get(step_args, self._build)
         name = self.schedule.next_program()
         runnable = built.programs[name]
-        if self._restored:
-            self._synced.add(built.state_key)
-            self._restored = False
-        if built.startup is not None and built.state_key not in self._synced:
-            self._run_startup(built, built.startup)
-            self._synced.add(built.state_key)
-        elif not self._held_current(runnable, built.state_key):
-            self._run_startup(built, built.refresh)
+        self._run_prelude(built, runnable)
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args)
         else:
-            outputs = self._run(runnable, step_args.leaves)
+            outputs = self._executor.run(runnable, step_args.leaves)
         for _, param in built.cleared:
             param.grad = None
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
-        if not runnable.held:
-            self._held_for = None   # the parameters moved on without their snapshots
         self._last, self._last_run = built, name
-        self.schedule.advance(name, self._held)
-        for name in runnable.transient:   # read by the schedule; gone with the step
-            self._held.pop(name, None)
+        self.schedule.advance(name, self._held.tensors)
+        self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
         if self._check_due and name != "local":   # local SGD's ranks differ until the sync
@@ -220,25 +168,32 @@ class TranspiledStep:
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
 
-    def _held_current(self, runnable: _Runnable, state_key: tuple) -> bool:
-        if not runnable.held:
-            return True
-        if self._held_for == _LOADED and all(n in self._held for n in runnable.held):
-            self._held_for = state_key
-        return self._held_for == state_key
+    def _run_prelude(self, built: Built, runnable: Runnable) -> None:
+        """Run the startup program, or the refresh of the held tensors alone,
+        where one is due before `runnable`."""
+        prelude = self._held.prelude(built.state_key, built.startup is not None, runnable.held)
+        if prelude is None:
+            return
+        startup = built.startup if prelude is Prelude.STARTUP else built.refresh
+        self._held.initializing(built.state_key)
+        self._executor.run(startup, None)
+        self._held.initialized(built.state_key, prelude)
+        self.startup_program = startup.program
 
-    def _build(self, step_args, sig) -> _Built:
+    def _build(self, step_args, sig) -> Built:
         """Trace the step and run the passes of every program of the schedule and
         of the startup program; the ranks agree on all of them before any runs."""
-        world_size, rank = world()
+        world_size = world()[0]
         if world_size > 1 and not self._settings_agreed:
             agreement.agree_on_settings(self._describe_settings())
             self._settings_agreed = True
-        ctx = dataclasses.replace(self.settings, world_size=world_size, rank=rank,
-                                  rings=ring_names(self.settings.nrings))
+        mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
+                          [g.group for g in self.groups])
         error, built, to_agree = None, None, []
         try:
             captured = self._trace(step_args, sig)
+            ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
+                self.groups, captured.param_names()))
             start = time.perf_counter()
             device = device_of(captured.program)
             backend = resolve(self.backend, device)
@@ -248,19 +203,20 @@ class TranspiledStep:
             for name, passes in self.schedule.programs.items():
                 program = captured.program.copy(name)
                 run_passes(program, passes, ctx)
-                programs[name] = _Runnable(program, *self._bind(program, captured), backend)
+                reduce_groups.check_program(program, ctx.groups)
+                programs[name] = Runnable(program, *self._bind(program, captured), backend)
             held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
-                         if spec.kind == "held"}.values())
+                         if spec.kind is InputKind.HELD}.values())
             startup = refresh = None
             if world_size > 1:
                 program = startup_program(captured, held)
                 run_passes(program, STARTUP_PASSES, ctx)
-                startup = _Runnable(program, *self._bind(program, captured), "eager")
+                startup = Runnable(program, *self._bind(program, captured), "eager")
             if held:
                 program = startup_program(captured, held, name="refresh")
-                refresh = _Runnable(program, *self._bind(program, captured), "eager")
+                refresh = Runnable(program, *self._bind(program, captured), "eager")
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
-            built = _Built(programs, startup, refresh, captured.returned, state_key, backend,
+            built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared, captured.reads_grads,
                            captured.averaged_after)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
@@ -277,11 +233,14 @@ class TranspiledStep:
 
     def _describe_settings(self) -> dict[str, str]:
         options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
-                   if f.name not in ("world_size", "rank", "rings")}
+                   if f.name not in ("mesh", "groups")}
+        if self.settings.hierarchical:   # the nodes every rank's groups are made of
+            options["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
         programs = {name: [getattr(p, "__name__", p) for p in passes]
                     for name, passes in self.schedule.programs.items()}
         return {"programs": str(programs), **{k: repr(v) for k, v in options.items()},
                 "backend": repr(self.backend), "check_every": repr(self.check_every),
+                "reduce_groups": reduce_groups.describe(self.groups),
                 "schedule": f"{type(self.schedule).__name__} "
                             f"{ {k: v for k, v in vars(self.schedule).items() if k != 'programs'} }"}
 
@@ -300,56 +259,34 @@ class TranspiledStep:
     def _bind(self, program: Program, captured: Captured) -> tuple[list, list]:
         """The slot each input is read from and each output written to."""
         by_name = {spec.name: slot for spec, slot in zip(captured.program.inputs, captured.slots)}
+        own = (OutputKind.STATE, OutputKind.GRAD)   # targets capture made for the step's outputs
         captured_targets = {(spec.kind, spec.target): target for spec, target
-                            in zip(captured.program.outputs, captured.targets)
-                            if spec.kind in ("state", "grad")}
-        slots = [HeldSlot(self._held, spec.name) if spec.kind == "held" else by_name[spec.name]
-                 for spec in program.inputs]
+                            in zip(captured.program.outputs, captured.targets) if spec.kind in own}
+        slots = [HeldSlot(self._held.tensors, spec.name) if spec.kind is InputKind.HELD
+                 else by_name[spec.name] for spec in program.inputs]
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
-        targets = [None if spec.kind == "user"
-                   else captured_targets[(spec.kind, spec.target)] if spec.kind in ("state", "grad")
-                   else HeldSlot(self._held, spec.target) if spec.kind == "held"
+        targets = [None if spec.kind is OutputKind.USER
+                   else captured_targets[(spec.kind, spec.target)] if spec.kind in own
+                   else HeldSlot(self._held.tensors, spec.target) if spec.kind is OutputKind.HELD
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
 
-    def _run(self, runnable: _Runnable, leaves) -> list:
-        """Run a program on the live tensors; write the new state back only once
-        the whole program has succeeded (outputs it wrote in place need none)."""
-        first = runnable.executable is None
-        if first:
-            runnable.executable = compile_program(runnable.program, runnable.backend)
-        start = time.perf_counter()
-        executable = runnable.executable
-        with torch.no_grad():
-            outputs = executable.run([slot.read(leaves) for slot in runnable.slots])
-            for target, value, written in zip(runnable.targets, outputs, executable.written):
-                if target is not None and not written:
-                    target.write(value)
-        if first:   # compilers compile on the first run
-            seconds = time.perf_counter() - start
-            self.build_seconds += seconds
-            log.info("transpiler: first run of program %r (%s) took %.2fs",
-                     runnable.program.name, runnable.backend, seconds)
-        return outputs
-
-    def _run_verified(self, runnable: _Runnable, built: _Built, step_args) -> list:
+    def _run_verified(self, runnable: Runnable, built: Built, step_args) -> list:
         """Run the program functionally and compare everything it would write and
         return with the eager step under DDP's semantics (verify.py); write back
         only if every rank agrees."""
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):   # the program draws what the reference drew
             memo, expected = verify.reference_step(self.step_fn, step_args, built.averaged_after)
-        with torch.no_grad():
-            outputs = list(runnable.program.gm(*[slot.read(step_args.leaves)
-                                                 for slot in runnable.slots]))
+        outputs = self._executor.run_uncommitted(runnable, step_args.leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]
         ours, theirs = outputs[:n_user], expected
         for spec, target, value in zip(runnable.program.outputs[n_user:],
                                        runnable.targets[n_user:], outputs[n_user:]):
             mirrored = target.mirror(memo) if target is not None else None
-            if mirrored is not None or spec.kind == "grad":
-                names.append(f"{spec.kind} {spec.target}")
+            if mirrored is not None or spec.kind is OutputKind.GRAD:
+                names.append(f"{spec.kind.value} {spec.target}")
                 ours.append(value)
                 theirs.append(mirrored)
         names += [f"grad {name}" for name, _ in built.cleared]
@@ -357,18 +294,5 @@ class TranspiledStep:
         theirs += [memo[id(p)].grad for _, p in built.cleared]
         verdict = verify.first_difference(names, ours, theirs, self.verify_tolerance)
         verify.agree_on_verdict(verdict, self.schedule.step)
-        with torch.no_grad():
-            for target, value in zip(runnable.targets, outputs):
-                if target is not None:
-                    target.write(value)
+        self._executor.commit(runnable, outputs)
         return outputs
-
-    def _run_startup(self, built: _Built, startup: _Runnable) -> None:
-        """Run the startup program (or the refresh of the held tensors alone)."""
-        if self._held_for not in (None, built.state_key):
-            self._held.clear()   # they belonged to another model
-        self._run(startup, None)
-        self.startup_program = startup.program
-        self._held_for = built.state_key
-
-

@@ -32,7 +32,7 @@ _ATTRS = ("_scale", "_growth_tracker")
 
 @dataclasses.dataclass(frozen=True)
 class ScalerSlot:
-    """One of a GradScaler's state tensors (InputSpec kind scaler)."""
+    """One of a GradScaler's state tensors (InputKind.SCALER)."""
 
     scaler: GradScaler
     attr: str

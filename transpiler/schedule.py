@@ -16,15 +16,16 @@ from typing import Mapping, Sequence
 import torch
 
 from .pipeline import PassLike
+from .program import Held, held_name
 
 log = logging.getLogger("transpiler")
 
 # Held values the sync program of adaptive local SGD outputs (passes/local_sgd.py).
-MEAN_LOSS = "local_sgd.mean_loss"
-LR = "local_sgd.lr"
+MEAN_LOSS = held_name(Held.MEAN_LOSS)
+LR = held_name(Held.LR)
 MAX_K = 16
 # Held value a program outputs with skip_nonfinite: whether it skipped its update.
-NONFINITE = "skip_nonfinite.skipped"
+NONFINITE = held_name(Held.SKIPPED)
 
 
 class Schedule:

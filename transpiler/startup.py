@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture import Captured, _identifier
 from .pipeline import record
-from .program import InputSpec, OutputSpec, Program
+from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
 from .roles import INPUT, ROLE, Role
 
 
@@ -22,7 +22,7 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
                     name: str = "startup") -> Program:
     """Outputs: the parameters and buffers (updates), then the held tensors."""
     chosen = [(spec, slot) for spec, slot in zip(captured.program.inputs, captured.slots)
-              if spec.kind in ("param", "buffer")]
+              if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
     index = {spec.name: i for i, (spec, _) in enumerate(chosen)}
     sources = [index[spec.param] for spec in held]
     values = [slot.read(None) for _, slot in chosen]
@@ -38,8 +38,8 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
         node._rename(_identifier("", spec.name))
     gm.recompile()
     program = Program(name, gm, [spec for spec, _ in chosen],
-                      [OutputSpec("update", spec.name) for spec, _ in chosen]
-                      + [OutputSpec("held", spec.name) for spec in held])
+                      [OutputSpec(OutputKind.UPDATE, spec.name) for spec, _ in chosen]
+                      + [OutputSpec(OutputKind.HELD, spec.name, held=spec.held) for spec in held])
     record(program, "capture", f"capture: identity over {len(chosen)} parameters and buffers"
                                + (f", {len(held)} held copies" if held else ""))
     return program

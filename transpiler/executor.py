@@ -1,0 +1,76 @@
+"""Running a program on the live tensors and committing what it writes (the
+new parameters and buffers, optimizer state, .grad, held tensors) only once the
+whole program has succeeded: a step that raises leaves everything as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from .backends import Executable, compile_program
+from .program import InputKind, OutputKind, Program
+
+log = logging.getLogger("transpiler")
+
+
+@dataclasses.dataclass
+class Runnable:
+    """A program with the slots its inputs are read from and its outputs written
+    to (None: returned to the caller); compiled on its first run."""
+
+    program: Program
+    slots: list
+    targets: list
+    backend: str
+    executable: Executable | None = None
+    held: list[str] = dataclasses.field(init=False)       # held tensors it reads
+    transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
+
+    def __post_init__(self):
+        self.held = [spec.name for spec in self.program.inputs if spec.kind is InputKind.HELD]
+        self.transient = [spec.target for spec in self.program.outputs
+                          if spec.kind is OutputKind.HELD and spec.target not in self.held]
+
+
+class Executor:
+    """Runs programs and commits their writes; counts the seconds compilers
+    took (they compile on a program's first run)."""
+
+    def __init__(self):
+        self.compile_seconds = 0.0
+
+    def run(self, runnable: Runnable, leaves) -> list:
+        """Run the compiled program and write back the outputs it did not write
+        in place; its outputs (None where written in place)."""
+        first = runnable.executable is None
+        if first:
+            runnable.executable = compile_program(runnable.program, runnable.backend)
+        start = time.perf_counter()
+        executable = runnable.executable
+        with torch.no_grad():
+            outputs = executable.run([slot.read(leaves) for slot in runnable.slots])
+            for target, value, written in zip(runnable.targets, outputs, executable.written):
+                if target is not None and not written:
+                    target.write(value)
+        if first:
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            log.info("transpiler: first run of program %r (%s) took %.2fs",
+                     runnable.program.name, runnable.backend, seconds)
+        return outputs
+
+    def run_uncommitted(self, runnable: Runnable, leaves) -> list:
+        """Run the program op by op and write nothing: every output, for the
+        caller to check before it commits them."""
+        with torch.no_grad():
+            return list(runnable.program.gm(*[slot.read(leaves) for slot in runnable.slots]))
+
+    def commit(self, runnable: Runnable, outputs: list) -> None:
+        """Write the outputs of run_uncommitted to their targets."""
+        with torch.no_grad():
+            for target, value in zip(runnable.targets, outputs):
+                if target is not None:
+                    target.write(value)

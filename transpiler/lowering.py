@@ -1,0 +1,103 @@
+"""How a Reduction (transpiler/collectives.py) becomes collectives: the one
+place that knows, shared by the passes that reduce (insert_allreduce one value
+at a time, coalesce_tensors a fused buffer at a time).
+
+A reduction is lowered in two halves, so that a pass can issue the
+communication as soon as the value exists and wait for it only where the result
+is read: `issue` at the graph's insertion point (for a MEAN the value times
+1 / group size, then the first collective), `complete` at another (the wait and
+whatever follows it). Over the world with more than one node in the mesh the
+reduction is hierarchical (Paddle fleet's and Horovod's hierarchical
+all-reduce): reduce-scatter inside the node, all-reduce of this rank's shard
+across the nodes, all-gather inside the node; the value is flattened and padded
+to a multiple of the node's ranks for it. Otherwise it is one all-reduce over
+its group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, ReduceOp, Reduction
+from .mesh import Dim
+from .pipeline import PassContext
+from .program import CommInfo, new_node
+from .roles import COMM, REDUCED, Role
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class Issued:
+    """A reduction in flight: its collective and what `complete` needs."""
+
+    reduction: Reduction
+    collective: fx.Node
+    comm: CommInfo
+    shape: list[int]          # the value's shape, restored at the end
+    numel: int
+    hierarchical: bool
+
+
+def hierarchical(reduction: Reduction, ctx: PassContext) -> bool:
+    return reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
+
+
+def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContext,
+          comm: CommInfo, role: Role, **meta) -> Issued:
+    """At the insertion point: what goes before the wait. `role` is that of the
+    nodes preparing the value (the producer's); `meta` goes on every node."""
+    def node(target, args, role, **extra):
+        return new_node(graph, target, args, role, **meta, **extra)
+
+    mesh, val = ctx.mesh, value.meta["val"]
+    sent = value
+    if reduction.op is ReduceOp.MEAN:
+        sent = node(aten.mul.Tensor, (sent, 1 / mesh.size(reduction.over)), role)
+    shape, numel = list(val.shape), val.numel()
+    if not hierarchical(reduction, ctx):
+        comm = dataclasses.replace(comm, over=reduction.over)
+        collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(reduction.over)), Role.COMM,
+                          **{COMM: comm})
+        return Issued(reduction, collective, comm, shape, numel, False)
+    local = mesh.local_size
+    flat = sent if len(shape) == 1 else node(aten.reshape.default, (sent, [-1]), role)
+    pad = -numel % local
+    if pad:
+        flat = node(aten.constant_pad_nd.default, (flat, [0, pad]), role)
+    comm = dataclasses.replace(comm, op="reduce_scatter", over=Dim.NODE)
+    collective = node(REDUCE_SCATTER, (flat, "sum", local, mesh.ring(Dim.NODE)), Role.COMM,
+                      **{COMM: comm})
+    return Issued(reduction, collective, comm, shape, numel, True)
+
+
+def complete(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Node:
+    """At the insertion point: the wait and what follows; returns the reduced
+    value, shaped like the value that was issued, marked meta["reduced"] (what
+    reads reduced values, such as skip_nonfinite, finds it so). Every node has
+    role COMM."""
+    result = _result(graph, issued, ctx, **meta)
+    result.meta[REDUCED] = issued.reduction
+    return result
+
+
+def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Node:
+    def node(target, args, **extra):
+        return new_node(graph, target, args, Role.COMM, **meta, **extra)
+
+    waited = node(WAIT, (issued.collective,), **{COMM: issued.comm})
+    if not issued.hierarchical:
+        return waited
+    mesh, shard_bytes = ctx.mesh, waited.meta["val"].nbytes
+    across = dataclasses.replace(issued.comm, op="all_reduce", over=Dim.ACROSS, nbytes=shard_bytes)
+    summed = node(ALL_REDUCE, (waited, "sum", mesh.ring(Dim.ACROSS)), **{COMM: across})
+    summed = node(WAIT, (summed,), **{COMM: across})
+    inside = dataclasses.replace(issued.comm, op="all_gather", over=Dim.NODE, nbytes=shard_bytes)
+    gathered = node(ALL_GATHER, (summed, mesh.local_size, mesh.ring(Dim.NODE)), **{COMM: inside})
+    full = node(WAIT, (gathered,), **{COMM: inside})
+    if full.meta["val"].numel() != issued.numel:
+        full = node(aten.slice.Tensor, (full, 0, 0, issued.numel))
+    return full if issued.shape == [issued.numel] else node(aten.view.default, (full, issued.shape))

@@ -1,0 +1,76 @@
+"""The device mesh: the world as nodes x local ranks, and the groups of ranks a
+value can be reduced over, each with its communicators ("rings").
+
+Ranks are numbered node by node (rank = node * local_size + local rank), as
+torchrun assigns them, and torchrun tells each process how many ranks its node
+runs (LOCAL_WORLD_SIZE). A reduction names the group it runs over with a `Dim`
+(the world, this rank's node, or the ranks across nodes that share this rank's
+local rank) or a `UserGroup` (a process group the user gave for some
+parameters); the mesh maps each to its size and to the process-group names of
+its rings. The mesh is plain data: passes read it and create nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Union
+
+
+class Dim(enum.Enum):
+    WORLD = "world"     # every rank
+    NODE = "node"       # the ranks of this rank's node
+    ACROSS = "across"   # one rank per node: those with this rank's local rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class UserGroup:
+    """A process group given with transpile(groups=...): its position in that
+    list and its size. Equal on every rank, whichever group each rank is in."""
+
+    index: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"group{self.index}"
+
+
+Over = Union[Dim, UserGroup]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    world_size: int = 1
+    rank: int = 0
+    local_size: int = 1   # ranks per node
+    # The process-group names of each group's rings, for the groups this
+    # process created communicators for (Dim.WORLD always, with more than one rank).
+    rings: dict[Over, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.local_size < 1 or self.world_size % self.local_size:
+            raise ValueError(f"{self.world_size} ranks cannot form nodes of {self.local_size}")
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_size
+
+    def size(self, over: Over) -> int:
+        if isinstance(over, UserGroup):
+            return over.size
+        return {Dim.WORLD: self.world_size, Dim.NODE: self.local_size,
+                Dim.ACROSS: self.nodes}[over]
+
+    def ring(self, over: Over, i: int = 0) -> str:
+        """The process-group name of ring i (modulo the group's rings) of `over`."""
+        names = self.rings.get(over)
+        if not names:
+            raise ValueError(f"the mesh has no communicator for group {over}: "
+                             f"it was built for {', '.join(map(str, self.rings)) or 'no group'}")
+        return names[i % len(names)]
+
+    def nrings(self, over: Over) -> int:
+        return len(self.rings.get(over, ()))
