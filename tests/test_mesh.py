@@ -29,7 +29,7 @@ MESH_2X2 = Mesh(4, 0, 2, {Dim.WORLD: ("w0", "w1"), Dim.NODE: ("n0", "n1"),
 
 def test_golden_hierarchical_fuse():
     program = _captured().program
-    run_passes(program, MODES["fuse_all_reduce"], PassContext(mesh=MESH_2X2))
+    run_passes(program, MODES["fuse_all_reduce"], PassContext(mesh=MESH_2X2, hierarchical=True))
     _check_golden("fuse_hierarchical", str(program))
 
 
@@ -93,8 +93,8 @@ def test_pass_lists_that_reduce_twice_or_never_are_refused(passes, match):
 
 def test_reduce_groups_are_checked():
     model = M.make("mlp")
-    with pytest.raises(TranspileError, match="not a process group"):
-        transpile(M.classify_step, reduce_groups=[("world", model.parameters())])
+    with pytest.raises(TranspileError, match="not a process group.*nor Dim.NODE or Dim.ACROSS"):
+        transpile(M.classify_step, reduce_groups=[(Dim.WORLD, model.parameters())])
     with pytest.raises(TranspileError, match="must be a pair"):
         transpile(M.classify_step, reduce_groups=[model.parameters()])
 
@@ -170,20 +170,27 @@ def _experts_model(rank):
     return model, experts
 
 
-def rank_reduce_groups(mode):
+def rank_reduce_groups(mode, given_as):
     rank = dist.get_rank()
     expected = _reference(mode)
     model, experts = _experts_model(rank)
-    got, _ = _train(mode, {"reduce_groups": [(_expert_groups(), experts)]}, model, "sgd")
+    # With 2 ranks per node, the ranks across nodes are the same pairs.
+    group = _expert_groups() if given_as == "process group" else Dim.ACROSS
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        got, _ = _train(mode, {"reduce_groups": [(group, experts)]}, model, "sgd")
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
     weight = got["model.layers.2.weight"]
     everyone = [torch.empty_like(weight) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, weight)
     return M.max_rel_error(got, expected), [(w - everyone[0]).abs().max().item() for w in everyone]
 
 
-@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
-def test_reduce_groups_equal_a_hand_written_reference(ranks4, mode):
-    results = ranks4.run(rank_reduce_groups, mode)
+@pytest.mark.parametrize("mode, given_as", [("grad_allreduce", "process group"),
+                                            ("fuse_all_reduce", "mesh dimension")])
+def test_reduce_groups_equal_a_hand_written_reference(ranks4, mode, given_as):
+    results = ranks4.run(rank_reduce_groups, mode, given_as)
     for error, _ in results:
         assert error < 1e-6
     experts_vs_rank0 = results[0][1]

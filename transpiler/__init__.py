@@ -7,10 +7,11 @@
 
 from .api import transpile
 from .errors import DivergenceError, PassError, TranspileError, VerificationError
+from .mesh import Dim
 from .modes import MODES
 from .pipeline import PassContext, run_passes
 from .program import Program
 from .roles import Role
 
 __all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "VerificationError",
-           "MODES", "PassContext", "run_passes", "Program", "Role"]
+           "MODES", "PassContext", "run_passes", "Program", "Role", "Dim"]

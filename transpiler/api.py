@@ -60,10 +60,11 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     hierarchical: reduce over the world hierarchically when there is more than
     one node (torchrun's LOCAL_WORLD_SIZE ranks per node): reduce-scatter inside
     the node, all-reduce across nodes, all-gather inside the node.
-    reduce_groups: pairs (process group, parameters) whose gradients (local SGD:
+    reduce_groups: pairs (group, parameters) whose gradients (local SGD:
     values) are averaged over that group instead of the world, such as the
-    experts of a mixture of experts; each rank gives the group it belongs to,
-    in the same position on every rank (transpiler/reduce_groups.py).
+    experts of a mixture of experts; a group is a process group (each rank
+    gives the one it belongs to, in the same position on every rank) or a
+    dimension of the mesh, Dim.NODE or Dim.ACROSS (transpiler/reduce_groups.py).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")

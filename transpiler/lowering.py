@@ -6,8 +6,8 @@ A reduction is lowered in two halves, so that a pass can issue the
 communication as soon as the value exists and wait for it only where the result
 is read: `issue` at the graph's insertion point (for a MEAN the value times
 1 / group size, then the first collective), `complete` at another (the wait and
-whatever follows it). Over the world with more than one node in the mesh the
-reduction is hierarchical (Paddle fleet's and Horovod's hierarchical
+whatever follows it). Over the world with more than one node in the mesh and
+ctx.hierarchical the reduction is hierarchical (Paddle fleet's and Horovod's hierarchical
 all-reduce): reduce-scatter inside the node, all-reduce of this rank's shard
 across the nodes, all-gather inside the node; the value is flattened and padded
 to a multiple of the node's ranks for it. Otherwise it is one all-reduce over
@@ -43,7 +43,7 @@ class Issued:
 
 
 def hierarchical(reduction: Reduction, ctx: PassContext) -> bool:
-    return reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
+    return ctx.hierarchical and reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
 
 
 def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContext,

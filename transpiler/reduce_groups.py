@@ -2,8 +2,10 @@
 reduce_groups): the expert parameters of a mixture-of-experts layer, averaged
 over the ranks that hold the same experts; a module shared by some ranks only.
 
-The user gives (process group, parameters) pairs; each parameter's gradient is
-then averaged over its group (by local SGD: its value), it starts from the
+The user gives (group, parameters) pairs, a group being a process group or a
+dimension of the mesh (Dim.NODE: the ranks of this rank's node; Dim.ACROSS:
+this rank's peers on the other nodes, by torchrun's LOCAL_WORLD_SIZE); each
+parameter's gradient is then averaged over its group (by local SGD: its value), it starts from the
 first rank of its group, and every other parameter is reduced over the world.
 Groups are numbered by their position in the list, which is what the programs
 and the rank agreement see: each rank passes the group it belongs to, so the
@@ -21,31 +23,32 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .errors import TranspileError
-from .mesh import UserGroup
+from .mesh import Dim, Over, UserGroup
 from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
 from .roles import REDUCED
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceGroup:
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | Dim
     params: tuple[torch.Tensor, ...]
 
 
 def check(groups: Iterable) -> tuple[ReduceGroup, ...]:
     """transpile's reduce_groups, checked: pairs of a process group this rank
-    belongs to and parameters, each parameter in one group at most."""
+    belongs to (or Dim.NODE, Dim.ACROSS) and parameters, each parameter in one
+    group at most."""
     checked, seen = [], set()
     for i, entry in enumerate(groups):
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
             raise TranspileError(f"reduce_groups[{i}] must be a pair (process group, parameters), "
                                  f"got {entry!r}")
         group, params = entry[0], tuple(entry[1])
-        if not isinstance(group, dist.ProcessGroup):
+        if not (isinstance(group, dist.ProcessGroup) or group in (Dim.NODE, Dim.ACROSS)):
             raise TranspileError(
-                f"reduce_groups[{i}]: {group!r} is not a process group this rank belongs to; "
-                "give each rank the group it is a member of (dist.new_group, "
-                "dist.new_subgroups)")
+                f"reduce_groups[{i}]: {group!r} is not a process group this rank belongs to "
+                "nor Dim.NODE or Dim.ACROSS; give each rank the group it is a member of "
+                "(dist.new_group, dist.new_subgroups)")
         for p in params:
             if not isinstance(p, torch.nn.Parameter):
                 raise TranspileError(f"reduce_groups[{i}]: give parameters (module.parameters()), "
@@ -59,17 +62,19 @@ def check(groups: Iterable) -> tuple[ReduceGroup, ...]:
 
 
 def describe(groups: Sequence[ReduceGroup]) -> str:
-    """What every rank must agree on: each group's size and parameter count."""
-    return repr([(g.group.size(), len(g.params)) for g in groups])
+    """What every rank must agree on: each group's size (or dimension) and
+    parameter count."""
+    return repr([(str(g.group) if isinstance(g.group, Dim) else g.group.size(), len(g.params))
+                 for g in groups])
 
 
-def assign(groups: Sequence[ReduceGroup], params: dict[int, str]) -> dict[str, UserGroup]:
+def assign(groups: Sequence[ReduceGroup], params: dict[int, str]) -> dict[str, Over]:
     """Program name of each grouped parameter -> its group, given the step's
     parameters (id -> name). A grouped parameter the step does not see is an
     error: its gradient would silently not be reduced where the user asked."""
     assigned = {}
     for i, g in enumerate(groups):
-        over = UserGroup(i, g.group.size())
+        over = g.group if isinstance(g.group, Dim) else UserGroup(i, g.group.size())
         for p in g.params:
             if id(p) not in params:
                 raise TranspileError(
@@ -79,7 +84,7 @@ def assign(groups: Sequence[ReduceGroup], params: dict[int, str]) -> dict[str, U
     return assigned
 
 
-def check_program(program: Program, groups: dict[str, UserGroup]) -> None:
+def check_program(program: Program, groups: dict[str, Over]) -> None:
     """Raise if a value reduced over a user's group flows into state that every
     rank of the world must hold alike. The groups' sums differ by design, so
     whatever is computed from them differs between groups: a gradient norm over
@@ -92,7 +97,7 @@ def check_program(program: Program, groups: dict[str, UserGroup]) -> None:
     for node in program.graph.nodes:
         reduced = node.meta.get(REDUCED)
         if reduced is not None:
-            varying[node] = isinstance(reduced.over, UserGroup)
+            varying[node] = reduced.over is not Dim.WORLD
         elif node.op == "call_function":
             varying[node] = _varies(node, varying)
     inputs = {spec.name: spec for spec in program.inputs}

@@ -60,21 +60,27 @@ def world_timeout():
 
 
 def build_mesh(nrings: int, hierarchical: bool,
-               user_groups: Sequence[dist.ProcessGroup] = ()) -> Mesh:
+               groups: Sequence[dist.ProcessGroup | Dim] = ()) -> Mesh:
     """The mesh of this world with `nrings` rings over the world, and over the
-    node and across-node groups too when `hierarchical` (and there is more than
-    one node); each user group is its own single ring."""
+    node and across-node groups where they are used: by a hierarchical
+    reduction (with more than one node), or by a reduce group given as a mesh
+    dimension. A reduce group given as a process group is its own single ring,
+    numbered by its position in `groups`."""
     world_size, rank = world()
     if world_size == 1:
         return Mesh()
-    local_size = local_world_size() if hierarchical else world_size
+    dims = {g for g in groups if isinstance(g, Dim)}
+    local_size = local_world_size() if hierarchical or dims else world_size
     mesh = Mesh(world_size, rank, local_size)
+    if hierarchical and mesh.nodes > 1:
+        dims |= {Dim.NODE, Dim.ACROSS}
     rings: dict[Over, tuple[str, ...]] = {Dim.WORLD: _rings(mesh, Dim.WORLD, nrings)}
-    if mesh.nodes > 1:
-        for dim in (Dim.NODE, Dim.ACROSS):
+    for dim in (Dim.NODE, Dim.ACROSS):
+        if dim in dims:
             rings[dim] = _rings(mesh, dim, nrings)
-    for i, group in enumerate(user_groups):
-        rings[UserGroup(i, group.size())] = (group.group_name,)
+    for i, group in enumerate(groups):
+        if not isinstance(group, Dim):
+            rings[UserGroup(i, group.size())] = (group.group_name,)
     return Mesh(world_size, rank, local_size, rings)
 
 

@@ -31,6 +31,7 @@ from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
 from .program import InputKind, OutputKind, Program, format_collectives
 from .program_cache import Built, ProgramCache
+from .mesh import Dim
 from .rings import build_mesh, world
 from .startup import startup_program
 
@@ -234,7 +235,8 @@ class TranspiledStep:
     def _describe_settings(self) -> dict[str, str]:
         options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
                    if f.name not in ("mesh", "groups")}
-        if self.settings.hierarchical:   # the nodes every rank's groups are made of
+        if self.settings.hierarchical or any(isinstance(g.group, Dim) for g in self.groups):
+            # the nodes every rank's groups are made of
             options["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
         programs = {name: [getattr(p, "__name__", p) for p in passes]
                     for name, passes in self.schedule.programs.items()}
