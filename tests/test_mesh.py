@@ -111,21 +111,27 @@ def _train(mode, options, model, opt_name="adamw", steps=STEPS):
     return M.state_of(model, opt), step
 
 
-def rank_hierarchical_equals_flat(mode):
+def rank_hierarchical_equals_flat(mode, backend):
+    """The flat eager step against the hierarchical one run by `backend`."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
         extra = {"k_steps": 2} if mode == "local_sgd" else {}
         flat, _ = _train(mode, extra, M.make("mlp"))
-        hier, step = _train(mode, {"hierarchical": True, **extra}, M.make("mlp"))
+        hier, step = _train(mode, {"hierarchical": True, "backend": backend, **extra},
+                            M.make("mlp"))
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     ops = [n.target for p in step.programs.values() for n in p.collectives()]
     return M.max_rel_error(hier, flat), ops.count(REDUCE_SCATTER)
 
 
-@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "local_sgd"])
-def test_hierarchical_equals_flat_on_two_nodes_of_two(ranks4, mode):
-    for error, reduce_scatters in ranks4.run(rank_hierarchical_equals_flat, mode):
+@pytest.mark.parametrize("mode, backend", [("grad_allreduce", "eager"),
+                                           ("fuse_all_reduce", "eager"),
+                                           ("local_sgd", "eager"),
+                                           pytest.param("fuse_all_reduce", "inductor",
+                                                        marks=pytest.mark.slow)])
+def test_hierarchical_equals_flat_on_two_nodes_of_two(ranks4, mode, backend):
+    for error, reduce_scatters in ranks4.run(rank_hierarchical_equals_flat, mode, backend):
         assert reduce_scatters > 0   # the hierarchy ran: a reduce-scatter inside the node
         assert error < 1e-6          # the sums differ only in the order of their terms
 
