@@ -5,7 +5,7 @@ meta["param"] at capture: each parameter's .grad as the backward passes leave
 it (summed over every backward() of the step), where the last backward()
 before optimizer.step() ends.
 Produces: on each gradient, meta["reduce"] = Reduction(<param>, MEAN, over) with
-`over` the parameter's group (ctx.over: the world unless transpile(groups=...)
+`over` the parameter's group (ctx.over: the world unless transpile(reduce_groups=...)
 names one). A reduction pass (insert_allreduce, coalesce_tensors) lowers it:
 the gradient times 1 / group size, summed over the group, which is how DDP's
 reducer averages, so the result rounds as DDP's does; everything that reads the

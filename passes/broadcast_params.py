@@ -6,7 +6,7 @@ initializes. Requires nothing before it.
 Produces: for each parameter and buffer, in input order, `wait_tensor(broadcast(
 input, src=0))` on ring 0 of its group, read by every former use of the input
 (its output and the copies). The group is the world, except for a parameter
-reduced over a group of its own (ctx.over: transpile(groups=...)), which starts
+reduced over a group of its own (ctx.over: transpile(reduce_groups=...)), which starts
 from the first rank of that group, since the groups' copies may differ by
 design (experts of a mixture of experts). With one rank it does not apply.
 Order: before ring_round_robin.

@@ -102,8 +102,7 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):
         _fuse(program, ctx, bucket, [grads[n] for n in names], position)
-    for node in program.graph.nodes:
-        node.meta.pop(REDUCE, None)
+    lowering.forget_marks(program.graph)
 
 
 def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position):

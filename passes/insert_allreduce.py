@@ -49,5 +49,4 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
             reduced = lowering.complete(graph, issued, ctx)
         for user in users:
             user.replace_input_with(value, reduced)
-    for node in graph.nodes:
-        node.meta.pop(REDUCE, None)
+    lowering.forget_marks(graph)

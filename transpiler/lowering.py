@@ -25,7 +25,7 @@ from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, ReduceOp,
 from .mesh import Dim
 from .pipeline import PassContext
 from .program import CommInfo, new_node
-from .roles import COMM, REDUCED, Role
+from .roles import COMM, REDUCE, REDUCED, Role
 
 aten = torch.ops.aten
 
@@ -39,7 +39,6 @@ class Issued:
     comm: CommInfo
     shape: list[int]          # the value's shape, restored at the end
     numel: int
-    hierarchical: bool
 
 
 def hierarchical(reduction: Reduction, ctx: PassContext) -> bool:
@@ -62,7 +61,7 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
         comm = dataclasses.replace(comm, over=reduction.over)
         collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(reduction.over)), Role.COMM,
                           **{COMM: comm})
-        return Issued(reduction, collective, comm, shape, numel, False)
+        return Issued(reduction, collective, comm, shape, numel)
     local = mesh.local_size
     flat = sent if len(shape) == 1 else node(aten.reshape.default, (sent, [-1]), role)
     pad = -numel % local
@@ -71,7 +70,13 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     comm = dataclasses.replace(comm, op="reduce_scatter", over=Dim.NODE)
     collective = node(REDUCE_SCATTER, (flat, "sum", local, mesh.ring(Dim.NODE)), Role.COMM,
                       **{COMM: comm})
-    return Issued(reduction, collective, comm, shape, numel, True)
+    return Issued(reduction, collective, comm, shape, numel)
+
+
+def forget_marks(graph: fx.Graph) -> None:
+    """Remove every mark to reduce: a reduction pass has lowered them all."""
+    for node in graph.nodes:
+        node.meta.pop(REDUCE, None)
 
 
 def complete(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Node:
@@ -89,7 +94,7 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
         return new_node(graph, target, args, Role.COMM, **meta, **extra)
 
     waited = node(WAIT, (issued.collective,), **{COMM: issued.comm})
-    if not issued.hierarchical:
+    if not hierarchical(issued.reduction, ctx):
         return waited
     mesh, shard_bytes = ctx.mesh, waited.meta["val"].nbytes
     across = dataclasses.replace(issued.comm, op="all_reduce", over=Dim.ACROSS, nbytes=shard_bytes)

@@ -28,7 +28,7 @@ class Dim(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class UserGroup:
-    """A process group given with transpile(groups=...): its position in that
+    """A process group given with transpile(reduce_groups=...): its position in that
     list and its size. Equal on every rank, whichever group each rank is in."""
 
     index: int

@@ -25,7 +25,7 @@ class PassContext:
     # (the runtime then builds the mesh with nodes).
     hierarchical: bool = False
     # Parameters whose gradients are reduced over a group of their own, by name
-    # (transpile(groups=...)); every other parameter's over the world.
+    # (transpile(reduce_groups=...)); every other parameter's over the world.
     groups: dict[str, Over] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
