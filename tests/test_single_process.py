@@ -43,10 +43,55 @@ def test_matches_eager(model_name, opt_name, foreach):
 def test_scheduler_changes_lr_without_tracing_again(caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
         _, _, step = _run("mlp", "sgd", None, transpiled=True, steps=6)
-    # One program for the first step (it creates the momentum buffers), one after.
+    # The momentum buffers are made before the trace: one program for every step.
+    assert len(step._cache) == 1
+    assert caplog.text.count("traced classify_step") == 1
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw", "amsgrad"])
+def test_state_made_before_the_trace_is_the_first_steps(opt_name):
+    """The state made before the first trace is the state torch's first step
+    makes (same keys, dtypes, devices, layouts); none for the tied model's
+    unused and frozen parameters; after steps, state equal to eager's."""
+    make = {"amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True)}.get(
+        opt_name, lambda m: M.make_optimizer(opt_name, m))
+    runs = []
+    for transpiled in (False, True):
+        model = M.make("tied")
+        opt = make(model)
+        step = transpile(M.lm_step) if transpiled else M.lm_step
+        for batch in M.batches("tied", 3, 8):
+            step(model, opt, *batch)
+        runs.append((model, opt, step))
+    (eager_model, eager_opt, _), (model, opt, step) = runs
+    assert len(step._cache) == 1
+    names = {id(p): n for n, p in model.named_parameters()}
+    eager_names = {id(p): n for n, p in eager_model.named_parameters()}
+    layout = {(names[id(p)], k): (v.dtype, v.device, v.stride()) for p, st in opt.state.items()
+              for k, v in st.items()}
+    assert layout == {(eager_names[id(p)], k): (v.dtype, v.device, v.stride())
+                      for p, st in eager_opt.state.items() for k, v in st.items()}
+    assert "unused" not in {n for n, _ in layout}
+    assert M.max_rel_error(M.state_of(model, opt), M.state_of(eager_model, eager_opt)) <= 1e-5
+
+
+def test_dampened_momentum_traces_the_first_step_apart(caplog):
+    """SGD's first step copies the undamped gradient into the momentum buffer:
+    zeros would damp it, so that state is not made before the trace; the first
+    call's program creates it and the second call traces again, and says why."""
+    states = []
+    for transpiled in (False, True):
+        model = M.make("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+        step = transpile(M.classify_step) if transpiled else M.classify_step
+        with caplog.at_level(logging.INFO, logger="transpiler"):
+            for batch in M.batches("mlp", 3, 8):
+                step(model, opt, *batch)
+        states.append(M.state_of(model, opt))
     assert len(step._cache) == 2
     assert "(the optimizer's first step created its state (momentum_buffer for 6 parameters))" \
         in caplog.text
+    assert M.max_rel_error(*states) == 0.0
 
 
 def _steady_mlp():
@@ -86,9 +131,8 @@ def test_changing_hyperparameter_values_never_traces_again(opt_name, caplog):
             M.change_every_hyperparameter(opt)
         states.append(M.state_of(model, opt))
         if transpiled:
-            # The first step's program (it creates the optimizer state) and the steady one.
-            assert len(step._cache) == 2
-            assert caplog.text.count("traced classify_step") == 2
+            assert len(step._cache) == 1
+            assert caplog.text.count("traced classify_step") == 1
     # SGD's update is eager's, bit for bit. Adam's is torch's capturable
     # formulation, which rounds differently from its default one.
     assert M.max_rel_error(*states) <= (0.0 if opt_name in ("sgd", "nesterov") else 1e-5)

@@ -293,7 +293,10 @@ def test_gradient_merge_builds_two_programs(caplog):
     step = transpile(across_calls)
     with caplog.at_level("INFO", logger="transpiler"):
         _run(step, model, opt, 1, 0)
-        assert caplog.text.count("traced") == 4   # per program, before and after the state
+        # The accumulating program, the stepping one (its optimizer state made
+        # before its trace), and the accumulating one again: the state it does
+        # not read is part of its signature now.
+        assert caplog.text.count("traced") == 3
         caplog.clear()
         _run(step, model, opt, 1, 0)
     assert "traced" not in caplog.text

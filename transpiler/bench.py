@@ -139,6 +139,32 @@ class TransformerLM(nn.Module):
         return self.out(h)
 
 
+class GPT(nn.Module):
+    """A GPT-2-shaped language model from torch's own layers: token and
+    position embeddings, pre-norm causal decoder blocks (GELU), a final
+    LayerNorm and an output layer tied to the token embedding."""
+
+    def __init__(self, vocab=1000, d_model=128, nhead=4, layers=12, context=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.position = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, nhead, 4 * d_model, dropout=0.0,
+                                       activation="gelu", batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        seq = tokens.shape[1]
+        h = self.embed(tokens) + self.position(torch.arange(seq, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=tokens.device)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.out(self.norm(h))
+
+
 def _features(n_features: int, n_classes: int):
     def make(g: torch.Generator, batch: int):
         return (torch.randn(batch, n_features, generator=g),
@@ -167,7 +193,12 @@ MODELS: dict[str, ModelSpec] = {
     "deep": ModelSpec(lambda: MLP([64] * 65 + [10]), _features(64, 10), 32),
     # 2 encoder blocks (d_model 128), vocab 1000, sequences of 32 tokens.
     "transformer": ModelSpec(TransformerLM, _tokens(1000, 32), 8),
+    # GPT-2's shape at 12 layers, d_model 128: a large graph (setup time), 2.5M
+    # parameters in 148 tensors.
+    "gpt2_12l": ModelSpec(GPT, _tokens(1000, 64), 4),
 }
+# Run when --models is not given: gpt2_12l is for setup time, and slow to set up.
+DEFAULT_MODELS = ("wide", "deep", "transformer")
 
 
 def train_step(model, optimizer, inputs, targets):
@@ -569,8 +600,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=1,
                    help="simulated nodes the ranks are split into (LOCAL_WORLD_SIZE), for "
                         "hierarchical reductions (default 1)")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated, of {', '.join(MODELS)} (default all)")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated, of {', '.join(MODELS)} "
+                        f"(default {','.join(DEFAULT_MODELS)})")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps after the first call (default 5)")

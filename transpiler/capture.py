@@ -804,16 +804,62 @@ def _trace_error(step_fn, exc: BaseException, markers: _Markers) -> TranspileErr
 
 
 def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
-    """Trace the whole step (forward, backward, optimizer update) into a Program."""
-    modules, optimizers = step_args.modules, step_args.optimizers
-    if not modules:
+    """Trace the whole step (forward, backward, optimizer update) into a Program.
+
+    The optimizers' state is made first, as their first step would make it
+    (_make_first_state), so that the program traced on the first call is the
+    one every later call runs: the state is its input, never its creation."""
+    if not step_args.modules:
         raise TranspileError(
             f"{_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
-    if not optimizers:
+    if not step_args.optimizers:
         raise TranspileError(
             f"{_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
+    made = _make_first_state(step_args.optimizers)
+    try:
+        captured = _trace(step_fn, step_args)
+    except BaseException:
+        _forget_state(made)
+        raise
+    # State made for a parameter the step gives no gradient: its first step
+    # would not have made it, and the program does not read it.
+    read = {(id(slot.optimizer), id(slot.param), slot.key) for slot in captured.slots
+            if isinstance(slot, StateSlot)}
+    _forget_state([m for m in made if (id(m[0]), id(m[1]), m[2]) not in read])
+    return captured
+
+
+def _make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tensor, str]]:
+    """For each trainable parameter a formulated optimizer keeps no state for,
+    the state its first step would create (Formulation.initial_state), made
+    now: (optimizer, parameter, key) of each entry made. Where zeros would not
+    give the first step's results, nothing is made and the first call's program
+    creates the state (and the second call traces again)."""
+    made = []
+    for opt in optimizers:
+        form = formulation_of(opt)
+        for group in opt.param_groups if form else ():
+            for p in group["params"]:
+                if not p.requires_grad or opt.state.get(p):
+                    continue
+                state = form.initial_state(group, p)
+                for key, value in (state or {}).items():
+                    opt.state[p][key] = value
+                    made.append((opt, p, key))
+    return made
+
+
+def _forget_state(made) -> None:
+    for opt, p, key in made:
+        del opt.state[p][key]
+        if not opt.state[p]:
+            del opt.state[p]
+
+
+def _trace(step_fn: Callable, step_args: StepArgs) -> Captured:
+    modules, optimizers = step_args.modules, step_args.optimizers
     inputs = _collect_inputs(step_args)
     markers = _Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
@@ -1065,8 +1111,9 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created,
                 left: list[torch.Tensor]) -> tuple[Program, list, list]:
     """Turn the functionalized graph into a Program: name and annotate the
     placeholders, drop detaches, make the trailing write-backs outputs and drop
-    the gradients the step starts with where it does not read them. Returns the
-    program, the slot of each input and the target of each output."""
+    the gradients and optimizer state the step starts with where it does not
+    read them. Returns the program, the slot of each input and the target of
+    each output."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, inputs.specs):
@@ -1112,7 +1159,7 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created,
     graph.eliminate_dead_code()
     kept = []
     for node, spec, slot in zip(placeholders, inputs.specs, inputs.slots):
-        if spec.kind is InputKind.GRAD and not node.users:
+        if spec.kind in (InputKind.GRAD, InputKind.STATE) and not node.users:
             graph.erase_node(node)
         else:
             kept.append((spec, slot))

@@ -27,6 +27,7 @@ import importlib
 from typing import Callable
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from .errors import TranspileError
 
@@ -55,13 +56,18 @@ class Formulation:
     group_keys: the param-group entries whose values are lifted (they leave the
     signature; terms() stands for them there). terms(group): the terms that are
     on, in a fixed order. lifted(terms): the values the update reads.
-    functionals: (module, name) of the functions step() calls per group."""
+    functionals: (module, name) of the functions step() calls per group.
+    initial_state(group, p): the state torch's first step creates for p, made
+    now, when starting the update from it gives the first step's results
+    exactly; None when it does not (SGD's dampening: torch's first step takes
+    the undamped gradient as its momentum buffer)."""
 
     group_keys: tuple[str, ...]
     terms: Callable[[dict], tuple[str, ...]]
     lifted: Callable[[tuple[str, ...]], tuple[str, ...]]
     functionals: tuple[tuple[str, str], ...]
     update: Callable
+    initial_state: Callable[[dict, torch.Tensor], dict | None]
 
 
 def _nonzero(group: dict, keys) -> tuple[str, ...]:
@@ -103,6 +109,17 @@ def _sgd_update(group, h, terms, params, grads, momentum_buffer_list):
         else:
             grads = bufs
     torch._foreach_addcmul_(params, grads, [-h["lr"]] * len(params))
+
+
+def _sgd_initial_state(group, p):
+    """torch's first step with momentum copies the gradient into the buffer;
+    0 * momentum + 1 * gradient, what the update computes from zeros, is the
+    same value (dampening 0, where 1 - dampening is 1)."""
+    if group["momentum"] == 0:
+        return {}
+    if group["dampening"] != 0:
+        return None
+    return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def _add_scaled(xs, ys, scale):
@@ -161,10 +178,27 @@ def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_
     torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt)
 
 
+def _adam_initial_state(group, p):
+    """Adam._init_group's lazy state: the update then runs from these zeros,
+    as torch's first step does."""
+    on_device = group.get("capturable") or group.get("fused")
+    state = {
+        "step": (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                             device=p.device) if on_device
+                 else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 _SGD = Formulation(("lr", "momentum", "dampening", "weight_decay"), _sgd_terms, _sgd_lifted,
-                   (("torch.optim.sgd", "sgd"),), _sgd_update)
+                   (("torch.optim.sgd", "sgd"),), _sgd_update, _sgd_initial_state)
 _ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_lifted,
-                    (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update)
+                    (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update,
+                    _adam_initial_state)
 FORMULATIONS: dict[type, Formulation] = {
     torch.optim.SGD: _SGD, torch.optim.Adam: _ADAM, torch.optim.AdamW: _ADAM,
 }

@@ -36,6 +36,7 @@ class ProgramCache:
         self._built: dict[tuple, Built] = {}
         self._reads_grads: set[tuple] = set()   # signatures keyed with their grads
         self.build_seconds = 0.0
+        self.last_built: tuple | None = None   # the full signature last built for
 
     def __len__(self) -> int:
         return len(self._built)
@@ -48,11 +49,13 @@ class ProgramCache:
         built = self._built.get(key)
         if built is None:
             start = time.perf_counter()
-            full = sig + grad_signature(step_args)
-            built = build(step_args, full)
+            built = build(step_args, sig + grad_signature(step_args))
+            # Building made the optimizers' state the first step would make
+            # (capture.trace_step): the key is the signature later calls have.
+            sig = signature(step_args)
+            self.last_built = full = sig + grad_signature(step_args)
             if built.reads_grads:
                 self._reads_grads.add(sig)
-                key = full
-            self._built[key] = built
+            self._built[full if built.reads_grads else sig] = built
             self.build_seconds += time.perf_counter() - start
         return built

@@ -60,7 +60,6 @@ class TranspiledStep:
         self._cache = ProgramCache()
         self._held = HeldTensors()
         self._executor = Executor()
-        self._last_traced: tuple | None = None   # signature of the last trace
         self._last: Built | None = None
         self._last_run: str | None = None
         self.startup_program: Program | None = None
@@ -248,9 +247,8 @@ class TranspiledStep:
 
     def _trace(self, step_args, sig) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
-        why = ("first call" if self._last_traced is None
-               else describe_change(self._last_traced, sig))
-        self._last_traced = sig
+        last = self._cache.last_built
+        why = "first call" if last is None else describe_change(last, sig)
         start = time.perf_counter()
         captured = trace_step(self.step_fn, step_args)
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
