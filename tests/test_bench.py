@@ -31,11 +31,19 @@ def test_bench_cli_writes_json(tmp_path):
     results = doc["models"]["deep"]
     assert set(results) == {"local", "allreduce_only", "ddp", "grad_allreduce", "local_sgd"}
     for config, fields in results.items():
+        split = fields.pop("setup_split", None)
         assert set(fields) == set(bench.FIELDS), config
         for name, value in fields.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, \
                 (config, name, value)
+        # The transpiler's setup by phase, which adds up to its setup_s.
+        assert (split is not None) == (config in ("grad_allreduce", "local_sgd")), config
+        if split:
+            assert set(split) == set(bench.SETUP_PHASES), config
+            assert split["trace"] > 0 and split["passes"] > 0 and split["agreement"] > 0
+            assert sum(split.values()) <= fields["setup_s"] * 1.01, (config, split)
     assert results["ddp"]["vs_ddp"] == 1.0
+    assert "setup_s of the transpiler by phase" in proc.stdout
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, caplog, tmp_path):

@@ -2,6 +2,7 @@
 pass pipeline's checks. No process group needed: passes only edit graphs."""
 
 import dataclasses
+import logging
 import os
 import pathlib
 
@@ -98,10 +99,14 @@ def test_listing_is_deterministic():
     assert str(_captured().program) == str(_captured().program)
 
 
-def test_history_has_a_listing_per_pass():
+def test_history_has_a_listing_per_pass_when_debugging(caplog):
     program = _captured().program
     run_passes(program, MAIN, CTX)
     assert program.applied == ["capture", *MAIN]
+    assert program.history[-1].listing is None   # off the default path
+    with caplog.at_level(logging.DEBUG, logger="transpiler"):
+        program = _captured().program
+        run_passes(program, MAIN, CTX)
     assert program.history[-1].listing == program.listing()
     assert "insert_allreduce: " in program.history[2].provenance
 

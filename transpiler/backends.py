@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .errors import TranspileError
-from .program import InputKind, OutputKind, Program
+from .program import InputKind, OutputKind, Program, graph_module
 from .reinplace import reinplace
 from .roles import INPUT
 
@@ -140,6 +140,7 @@ def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **opti
     static = [n.meta[INPUT].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.STATE,
                                      InputKind.HELD)
               for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.real_recompile()   # compilers trace the generated forward
     compiled = compile_graph(gm, static, **options)
 
     def run(inputs):
@@ -170,7 +171,7 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     _packs_as_cat(graph)
     _views_as_reshapes(graph)
     graph.lint()
-    return fx.GraphModule(program.gm, graph), written
+    return graph_module(program.gm, graph), written
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)

@@ -39,9 +39,10 @@ What is measured, and how:
 - setup_s: building the step plus its first call, between barriers, on the
   slowest rank: for ddp the DDP construction (with its broadcast), for
   ddp_compiled the first compiled step (compile), for the transpiler the first
-  call (trace, passes, startup broadcast) plus the building it does during the
-  warm-up (it traces once more on the second call, when the momentum buffers
-  appear, so --warmup should be at least 1). Then `--steps` timed steps.
+  call (trace, passes, startup broadcast, compile) plus any building during
+  the warm-up. For the transpiler it is also split by phase (trace, passes,
+  agreement, compile, other: the step's setup_split), printed as a second
+  table. Then `--steps` timed steps.
 - step_ms: each step is bracketed by dist.barrier() before and after, and each
   rank times only the step, between the barriers. step_ms is the median over
   the timed steps of the slowest rank's time for that step.
@@ -318,8 +319,9 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
 
     times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
     setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
+    split = getattr(getattr(step, "func", None), "setup_split", None)
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
-            "base_rss_mb": base_rss}
+            "base_rss_mb": base_rss, "setup_split": split}
 
 
 def _build_seconds(step) -> float:
@@ -412,15 +414,19 @@ class Measurement:
     setup_s: float
     peak_rss_mb: float
     base_rss_mb: float
+    setup_split: dict[str, float] | None = None   # the transpiler's setup by phase
 
 
 def combine(per_rank: list[dict]) -> Measurement:
-    """Slowest rank per step, median over steps; slowest setup; largest RSS."""
+    """Slowest rank per step, median over steps; slowest setup (with that
+    rank's split by phase); largest RSS."""
     slowest = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
+    slowest_setup = max(per_rank, key=lambda r: r["setup_s"])
     return Measurement(step_ms=statistics.median(slowest) * 1e3,
-                       setup_s=max(r["setup_s"] for r in per_rank),
+                       setup_s=slowest_setup["setup_s"],
                        peak_rss_mb=max(r["peak_rss_mb"] for r in per_rank),
-                       base_rss_mb=max(r["base_rss_mb"] for r in per_rank))
+                       base_rss_mb=max(r["base_rss_mb"] for r in per_rank),
+                       setup_split=slowest_setup.get("setup_split"))
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
@@ -460,7 +466,7 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
             out[job.model][job.config] = Measurement(
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
                 peak_rss_mb=max(m.peak_rss_mb for m in ms),
-                base_rss_mb=max(m.base_rss_mb for m in ms))
+                base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split)
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
@@ -478,7 +484,8 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
         limit = max(limits) if len(limits) == 2 else None
         summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
                               "vs_limit": _ratio(m.step_ms, limit),
-                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s}
+                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
+                              **({"setup_split": m.setup_split} if m.setup_split else {})}
                           for c, m in ok.items()}
     return summary
 
@@ -528,13 +535,35 @@ def format_table(raw: dict, summary: dict) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+SETUP_PHASES = ("trace", "passes", "agreement", "compile", "other")
+
+
+def format_setup_table(raw: dict) -> str:
+    """setup_s of the transpiler's configurations by phase (first round); empty
+    when none ran."""
+    rows = [(model, config, m.setup_s, m.setup_split) for model, results in raw.items()
+            for config, m in results.items()
+            if isinstance(m, Measurement) and m.setup_split]
+    if not rows:
+        return ""
+    width = max(len(c) for _, c, _, _ in rows + [("", "config", 0, None)])
+    lines = [f"{'model':<12} {'config':<{width}} {'setup_s':>9}"
+             + "".join(f" {p + '_s':>12}" for p in SETUP_PHASES)]
+    for model, config, total, split in rows:
+        lines.append(f"{model:<12} {config:<{width}} {total:>9.2f}"
+                     + "".join(f" {split[p]:>12.2f}" for p in SETUP_PHASES))
+    return "\n".join(lines)
+
+
 def _json_value(x):
     return None if x is None or not math.isfinite(x) else x
 
 
 def write_json(path: str, world_size: int, summary: dict) -> None:
+    def value(x):
+        return {k: _json_value(v) for k, v in x.items()} if isinstance(x, dict) else _json_value(x)
     doc = {"world_size": world_size, "torch": torch.__version__,
-           "models": {m: {c: {k: _json_value(v) for k, v in f.items()} for c, f in cs.items()}
+           "models": {m: {c: {k: value(v) for k, v in f.items()} for c, f in cs.items()}
                       for m, cs in summary.items()}}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
@@ -638,7 +667,10 @@ def main(argv=None) -> int:
     summary = summarize(raw)
     header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat,
                           args.nodes)
-    print("\n".join(header + [format_table(raw, summary)]), flush=True)
+    setup = format_setup_table(raw)
+    print("\n".join(header + [format_table(raw, summary)]
+                    + (["", "# setup_s of the transpiler by phase (runtime.setup_split)", setup]
+                       if setup else [])), flush=True)
     log.info("bench finished in %.1fs", time.perf_counter() - start)
     if args.json:
         write_json(args.json, args.world_size, summary)

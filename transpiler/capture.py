@@ -30,9 +30,10 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from . import functionalize
 from .errors import TranspileError
 from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
-from .program import Hyper, InputKind, InputSpec, OutputKind, OutputSpec, Program
+from .program import Hyper, InputKind, InputSpec, OutputKind, OutputSpec, Program, graph_module
 from .roles import INPUT, PARAM, ROLE, Role
 from .scaler import SKIPS, GradScaler, guard_skipped_steps, scaler_slots, traced_scalers
 from .scaler import signature_of as scaler_signature
@@ -959,7 +960,12 @@ def _trace(step_fn: Callable, step_args: StepArgs) -> Captured:
                     _name(step_fn), len(markers.backwards))
     _assign_roles(gm.graph, markers)
     _drop_profiler_nodes(gm.graph)
-    fgm = _functionalize(gm, inputs.values)
+    try:
+        functionalize.rewrite(gm.graph)
+        fgm = gm
+    except functionalize.Unsupported as why:
+        log.debug("transpiler: functionalizing %s by tracing again: %s", _name(step_fn), why)
+        fgm = _functionalize(gm, inputs.values)
     program, slots, targets = _to_program(fgm, inputs, returned[0].num_tensors, created, left)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
@@ -1164,5 +1170,5 @@ def _to_program(gm: fx.GraphModule, inputs: _Inputs, n_user: int, created,
         else:
             kept.append((spec, slot))
     graph.lint()
-    gm.recompile()
-    return Program("main", gm, [s for s, _ in kept], specs), [s for _, s in kept], targets
+    return (Program("main", graph_module(gm, graph), [s for s, _ in kept], specs),
+            [s for _, s in kept], targets)

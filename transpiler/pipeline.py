@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import logging
 from typing import Callable, Sequence, Union
 
 import torch
@@ -13,6 +14,8 @@ from .errors import PassError
 from .mesh import Dim, Mesh, Over
 from .program import HistoryEntry, Program
 from .roles import REDUCE, ROLE, Role
+
+log = logging.getLogger("transpiler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,11 @@ def check_roles(program: Program) -> None:
 
 
 def record(program: Program, name: str, provenance: str) -> None:
-    program.history.append(HistoryEntry(name, provenance, program.listing()))
+    """Add a history entry; with its listing when the "transpiler" logger is at
+    DEBUG (listing a large program after every pass takes a good part of its
+    passes' time)."""
+    listing = program.listing() if log.isEnabledFor(logging.DEBUG) else None
+    program.history.append(HistoryEntry(name, provenance, listing))
 
 
 def _check_requirements(fn: Pass, before: list[str]) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT
@@ -136,7 +137,7 @@ class CommInfo:
 class HistoryEntry:
     pass_name: str
     provenance: str
-    listing: str
+    listing: str | None   # kept while the "transpiler" logger is at DEBUG (pipeline.record)
 
 
 class Program:
@@ -203,7 +204,7 @@ class Program:
         node meta is copied one level deep."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.graph, {}))
-        program = Program(name, fx.GraphModule(self.gm, graph), list(self.inputs),
+        program = Program(name, graph_module(self.gm, graph), list(self.inputs),
                           list(self.outputs))
         program.history = list(self.history)
         return program
@@ -223,6 +224,15 @@ class Program:
         last = self.history[-1].pass_name if self.history else "capture"
         return f"# program: {self.name}\n# after: {last}\n{self.listing()}"
 
+
+
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated when it is first called or
+    its code is read, not on every recompile(): passes edit a program many
+    times before it runs once, and generating the code of a graph of thousands
+    of nodes takes a tenth of a second. Call real_recompile() before handing it
+    to a compiler that traces its forward."""
+    return _LazyGraphModule(root, graph)
 
 
 def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_REDUCE
-from .program import OutputKind, Program
+from .program import OutputKind, Program, graph_module
 from .roles import ROLE, Role
 
 aten = torch.ops.aten
@@ -113,7 +113,7 @@ def _sink_after_gradients(graph: fx.Graph) -> int:
 def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     """An executable copy of the program's graph with in-place updates, and for
     each output whether it is an `update` already written in place."""
-    gm = fx.GraphModule(program.gm, copy.deepcopy(program.graph))
+    gm = graph_module(program.gm, copy.deepcopy(program.graph))
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out = graph.output_node()

@@ -13,6 +13,7 @@ committing of a program (executor.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -60,6 +61,8 @@ class TranspiledStep:
         self._cache = ProgramCache()
         self._held = HeldTensors()
         self._executor = Executor()
+        # One-time costs by phase (setup_split): every trace, pass and rank agreement.
+        self._seconds = dict.fromkeys(("trace", "passes", "agreement"), 0.0)
         self._last: Built | None = None
         self._last_run: str | None = None
         self.startup_program: Program | None = None
@@ -69,6 +72,15 @@ class TranspiledStep:
         """One-time costs so far: traces, passes, and the first run of each
         program (which is when compiled backends compile)."""
         return self._cache.build_seconds + self._executor.compile_seconds
+
+    @property
+    def setup_split(self) -> dict[str, float]:
+        """build_seconds by phase: tracing, passes (with the startup program),
+        the ranks' agreement, compiling (the first run of each program), and
+        the rest (communicators, the listing of the optimizer state)."""
+        split = dict(self._seconds, compile=self._executor.compile_seconds)
+        split["other"] = max(0.0, self.build_seconds - sum(split.values()))
+        return split
 
     @property
     def program(self) -> Program:
@@ -185,7 +197,8 @@ class TranspiledStep:
         of the startup program; the ranks agree on all of them before any runs."""
         world_size = world()[0]
         if world_size > 1 and not self._settings_agreed:
-            agreement.agree_on_settings(self._describe_settings())
+            with self._timed("agreement"):
+                agreement.agree_on_settings(self._describe_settings())
             self._settings_agreed = True
         mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
                           [g.group for g in self.groups])
@@ -199,22 +212,8 @@ class TranspiledStep:
             backend = resolve(self.backend, device)
             if world_size > 1:
                 check_process_group(device)
-            programs = {}
-            for name, passes in self.schedule.programs.items():
-                program = captured.program.copy(name)
-                run_passes(program, passes, ctx)
-                reduce_groups.check_program(program, ctx.groups)
-                programs[name] = Runnable(program, *self._bind(program, captured), backend)
-            held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
-                         if spec.kind is InputKind.HELD}.values())
-            startup = refresh = None
-            if world_size > 1:
-                program = startup_program(captured, held)
-                run_passes(program, STARTUP_PASSES, ctx)
-                startup = Runnable(program, *self._bind(program, captured), "eager")
-            if held:
-                program = startup_program(captured, held, name="refresh")
-                refresh = Runnable(program, *self._bind(program, captured), "eager")
+            with self._timed("passes"):
+                programs, startup, refresh = self._programs(captured, ctx, backend, world_size)
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared, captured.reads_grads,
@@ -226,10 +225,40 @@ class TranspiledStep:
         except TranspileError as exc:
             error = exc
         if world_size > 1:
-            agreement.agree(to_agree, error)
+            with self._timed("agreement"):
+                agreement.agree(to_agree, error)
         elif error is not None:
             raise error
         return built
+
+    def _programs(self, captured: Captured, ctx: PassContext, backend: str, world_size: int):
+        """Each program of the schedule after its passes, the startup program
+        (several ranks) and the refresh of the held tensors (where any)."""
+        programs = {}
+        for name, passes in self.schedule.programs.items():
+            program = captured.program.copy(name)
+            run_passes(program, passes, ctx)
+            reduce_groups.check_program(program, ctx.groups)
+            programs[name] = Runnable(program, *self._bind(program, captured), backend)
+        held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
+                     if spec.kind is InputKind.HELD}.values())
+        startup = refresh = None
+        if world_size > 1:
+            program = startup_program(captured, held)
+            run_passes(program, STARTUP_PASSES, ctx)
+            startup = Runnable(program, *self._bind(program, captured), "eager")
+        if held:
+            program = startup_program(captured, held, name="refresh")
+            refresh = Runnable(program, *self._bind(program, captured), "eager")
+        return programs, startup, refresh
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[phase] += time.perf_counter() - start
 
     def _describe_settings(self) -> dict[str, str]:
         options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
@@ -250,7 +279,8 @@ class TranspiledStep:
         last = self._cache.last_built
         why = "first call" if last is None else describe_change(last, sig)
         start = time.perf_counter()
-        captured = trace_step(self.step_fn, step_args)
+        with self._timed("trace"):
+            captured = trace_step(self.step_fn, step_args)
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
                                             f"nodes from {fn_name} ({why})")
         log.info("transpiler: traced %s (%s) in %.2fs", fn_name, why, time.perf_counter() - start)
