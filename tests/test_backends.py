@@ -79,6 +79,26 @@ def test_new_batch_shape_recompiles_once_and_says_why(caplog):
     assert "float32[8, 16] on cpu -> float32[4, 16] on cpu" in caplog.text
 
 
+def test_a_warm_inductor_cache_holds_the_program(tmp_path, monkeypatch):
+    """The same program compiled again (a new process, a restarted job) is read
+    from inductor's FX graph cache in TORCHINDUCTOR_CACHE_DIR, and gives the
+    same parameters."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters = torch._dynamo.utils.counters["inductor"]
+    states = []
+    for _ in range(2):
+        before = (counters["fxgraph_cache_miss"], counters["fxgraph_cache_hit"])
+        model = M.make("mlp")
+        opt = M.make_optimizer("sgd", model)
+        step = transpile(M.classify_step, backend="inductor")
+        for batch in M.batches("mlp", 2, 8):
+            step(model, opt, *batch)
+        states.append(M.state_of(model, opt))
+        counts = (counters["fxgraph_cache_miss"] - before[0], counters["fxgraph_cache_hit"] - before[1])
+    assert counts == (0, 1)    # the second time: one hit, no miss
+    assert M.max_rel_error(*states) == 0.0
+
+
 def test_failed_step_leaves_state_untouched_under_inductor():
     model = M.make("tied")
     opt = M.make_optimizer("adamw", model)

@@ -129,9 +129,21 @@ def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) 
                     if is_static:
                         torch._dynamo.mark_static_address(tensor)
             from torch._inductor.compile_fx import compile_fx   # heavy: only when used
-            compiled = compile_fx(gm, list(inputs), config_patches=patches)
+            with _cacheable():
+                compiled = compile_fx(gm, list(inputs), config_patches=patches)
         return compiled(*inputs)
     return run
+
+
+def _cacheable():
+    """What lets inductor's FX graph cache hold the program: it keys an entry's
+    guards on a shape environment, which it reads from the tracing context that
+    Dynamo would have set (without one it bypasses the cache). The shapes stay
+    static: no input is given a source, so none becomes a symbol."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
 
 
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:
