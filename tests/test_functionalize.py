@@ -8,9 +8,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from torch.fx.experimental.proxy_tensor import make_fx
+
 from tests import models as M
 from transpiler import capture, functionalize, transpile
 from transpiler.bench import GPT, TransformerLM, train_step as lm_step
+from transpiler.roles import ROLE, Role
+
+aten = torch.ops.aten
 
 
 def _program(model, opt, step_fn, batch, retrace: bool, monkeypatch):
@@ -121,7 +126,6 @@ def test_refused_graphs_are_traced_again_and_train_as_eager(cls, monkeypatch):
 
 
 def test_twins():
-    aten = torch.ops.aten
     assert functionalize._twin(aten.add_.Tensor) is aten.add.Tensor
     assert functionalize._twin(aten._foreach_addcmul_.Scalar) is aten._foreach_addcmul.Scalar
     assert functionalize._twin(aten.copy_.default) is aten.copy.default
@@ -129,3 +133,45 @@ def test_twins():
     # Changing shapes or strides in place is not a value's update.
     assert functionalize._twin(aten.resize_.default) is None
     assert functionalize._twin(aten.t_.default) is None
+
+
+def _rewritten(fn, *example):
+    gm = make_fx(fn, tracing_mode="fake")(*example)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[ROLE] = Role.FORWARD
+    functionalize.rewrite(gm.graph)
+    gm.recompile()
+    return gm
+
+
+def test_an_alias_read_after_two_updates_reads_the_last():
+    """d is x itself (detach): read after x is updated twice, it is the second
+    update's value; x's final value is written back."""
+    def step(x, z):
+        x.add_(1.0)
+        d = x.detach()
+        x.mul_(2.0)
+        return d + z
+
+    x, z = torch.randn(4), torch.randn(4)
+    gm = _rewritten(step, x.clone(), z)
+    assert not any(n.target in (aten.add_.Tensor, aten.mul_.Tensor) for n in gm.graph.nodes)
+    writes = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
+    assert len(writes) == 1     # x, once, at the end
+    ours, theirs = x.clone(), x.clone()
+    assert torch.equal(gm(ours, z), step(theirs, z))
+    assert torch.equal(ours, theirs)
+
+
+def test_a_view_read_after_its_base_changes_is_refused():
+    def step(x):
+        first = x[:2]
+        x.mul_(3.0)
+        return first + 1
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(4))
+    before = str(gm.graph)
+    with pytest.raises(functionalize.Unsupported, match="is read after"):
+        functionalize.rewrite(gm.graph)
+    assert str(gm.graph) == before    # untouched

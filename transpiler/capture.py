@@ -5,9 +5,12 @@ touched), with the modules' parameters and buffers, the optimizers' state and
 their lifted hyperparameters swapped for graph inputs. Markers placed during the
 trace (a wrapper around backward(), hooks around optimizer.step()) give every
 node its role. The graph, which mutates its inputs like the eager step does, is
-then traced once more through functionalization into a pure function whose new
-state values are outputs; roles and gradient annotations are carried across
-node by node.
+then made a pure function whose new state values are outputs: by rewriting its
+in-place ops out of place (functionalize.py) where that is exact, else by
+tracing it once more through torch.func.functionalize, which carries roles and
+gradient annotations across node by node. The optimizers' state is made before
+the trace as their first step would make it, so that one trace serves every
+call with the same signature.
 """
 
 from __future__ import annotations

@@ -168,8 +168,10 @@ def rewrite(graph: fx.Graph) -> None:
                     item.meta.update({ROLE: new.meta[ROLE], "val": new.meta["val"][i]})
                     current[plan.root[tensor]] = item
             else:
-                # users of the in-place op's result read the tensor it updated
-                current[plan.root[node]] = plan.root[new] = new
+                # Users of the in-place op's result read the tensor it updated,
+                # at its latest value wherever they are.
+                tensor = plan.root[node]
+                current[tensor], plan.root[new] = new, tensor
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     with graph.inserting_before(output):

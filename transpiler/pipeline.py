@@ -175,8 +175,9 @@ def _applied(program: Program) -> list[Pass]:
 
 def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -> Program:
     """Run the passes in order on the program, in place. After each: the graph is
-    linted, every node must have a role, the module is recompiled and the
-    history gets a provenance line and a listing. Errors name the pass and the
+    linted, every node must have a role, the module's code is marked stale
+    (program.graph_module: generated when it first runs) and the history gets
+    a provenance line (and, at DEBUG, a listing). Errors name the pass and the
     passes run before it."""
     for p in passes:
         fn = resolve(p)
