@@ -81,21 +81,30 @@ def test_new_batch_shape_recompiles_once_and_says_why(caplog):
 
 def test_a_warm_inductor_cache_holds_the_program(tmp_path, monkeypatch):
     """The same program compiled again (a new process, a restarted job) is read
-    from inductor's FX graph cache in TORCHINDUCTOR_CACHE_DIR, and gives the
-    same parameters."""
+    from inductor's caches in TORCHINDUCTOR_CACHE_DIR (AOTAutograd's, over the
+    FX graph cache), and gives the same parameters."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    counters = torch._dynamo.utils.counters["inductor"]
-    states = []
+    keys = ("autograd_cache_miss", "fxgraph_cache_miss", "autograd_cache_hit", "fxgraph_cache_hit")
+
+    def count():   # read anew: torch may replace the counters
+        c = torch._dynamo.utils.counters
+        return [c["aot_autograd"][k] if k.startswith("autograd") else c["inductor"][k]
+                for k in keys]
+
+    states, runs = [], []
     for _ in range(2):
-        before = (counters["fxgraph_cache_miss"], counters["fxgraph_cache_hit"])
+        before = count()
         model = M.make("mlp")
         opt = M.make_optimizer("sgd", model)
         step = transpile(M.classify_step, backend="inductor")
         for batch in M.batches("mlp", 2, 8):
             step(model, opt, *batch)
         states.append(M.state_of(model, opt))
-        counts = (counters["fxgraph_cache_miss"] - before[0], counters["fxgraph_cache_hit"] - before[1])
-    assert counts == (0, 1)    # the second time: one hit, no miss
+        runs.append(dict(zip(keys, (a - b for a, b in zip(count(), before)))))
+    cold, warm = runs
+    assert cold["autograd_cache_miss"] + cold["fxgraph_cache_miss"] >= 1, cold
+    assert warm["autograd_cache_miss"] + warm["fxgraph_cache_miss"] == 0, warm
+    assert warm["autograd_cache_hit"] + warm["fxgraph_cache_hit"] >= 1, warm
     assert M.max_rel_error(*states) == 0.0
 
 

@@ -16,6 +16,7 @@ them, so they run after those collectives as in the eager backend.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Callable
@@ -129,7 +130,7 @@ def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) 
                     if is_static:
                         torch._dynamo.mark_static_address(tensor)
             from torch._inductor.compile_fx import compile_fx   # heavy: only when used
-            with _cacheable():
+            with contextlib.nullcontext() if cudagraphs else _cacheable():
                 compiled = compile_fx(gm, list(inputs), config_patches=patches)
         return compiled(*inputs)
     return run
@@ -139,7 +140,9 @@ def _cacheable():
     """What lets inductor's FX graph cache hold the program: it keys an entry's
     guards on a shape environment, which it reads from the tracing context that
     Dynamo would have set (without one it bypasses the cache). The shapes stay
-    static: no input is given a source, so none becomes a symbol."""
+    static: no input is given a source, so none becomes a symbol. Not for
+    cudagraphs: there a tracing context also decides which inputs the graph
+    may use in place (get_static_input_idxs), which was not tested on a GPU."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -77,7 +77,7 @@ class TranspiledStep:
     def setup_split(self) -> dict[str, float]:
         """build_seconds by phase: tracing, passes (with the startup program),
         the ranks' agreement, compiling (the first run of each program), and
-        the rest (communicators, the listing of the optimizer state)."""
+        the rest (creating communicators, computing signatures)."""
         split = dict(self._seconds, compile=self._executor.compile_seconds)
         split["other"] = max(0.0, self.build_seconds - sum(split.values()))
         return split
