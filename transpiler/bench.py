@@ -319,14 +319,19 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
 
     times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
     setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
-    split = getattr(getattr(step, "func", None), "setup_split", None)
+    split = getattr(_transpiled_step(step), "setup_split", None)
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
             "base_rss_mb": base_rss, "setup_split": split}
 
 
+def _transpiled_step(step):
+    """The TranspiledStep a configuration's step calls (None for the others)."""
+    return getattr(step, "func", None)
+
+
 def _build_seconds(step) -> float:
     """Time a transpiled step has spent building programs so far (0 for others)."""
-    return getattr(getattr(step, "func", None), "build_seconds", 0.0)
+    return getattr(_transpiled_step(step), "build_seconds", 0.0)
 
 
 def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> None:

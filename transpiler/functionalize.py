@@ -23,6 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .program import new_node
 from .roles import ROLE
 
 aten = torch.ops.aten
@@ -138,8 +139,6 @@ def rewrite(graph: fx.Graph) -> None:
     if not plan.twins:
         return
     current: dict[fx.Node, fx.Node] = {}   # tensor -> the node of its latest value
-    fake_mode = next(n.meta["val"].fake_mode for n in graph.nodes
-                     if isinstance(n.meta.get("val"), torch._subclasses.FakeTensor))
 
     def latest(a: fx.Node) -> fx.Node:
         return current.get(plan.root.get(a, a), a)
@@ -154,18 +153,14 @@ def rewrite(graph: fx.Graph) -> None:
         twin = plan.twins.get(node)
         if twin is None:
             continue
+        meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        role = meta.pop(ROLE)
         with graph.inserting_before(node):
-            # named as make_fx names it (_foreach_mul, not _foreach_mul_tensor)
-            new = graph.create_node("call_function", twin, node.args, node.kwargs,
-                                    name=twin.overloadpacket.__name__)
-            new.meta.update((k, v) for k, v in node.meta.items() if k not in ("val", "tensor_meta"))
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            with fake_mode:
-                new.meta["val"] = twin(*args, **kwargs)
+            new = new_node(graph, twin, node.args, role, dict(node.kwargs), **meta)
+            new._rename(twin.overloadpacket.__name__)   # as make_fx names it: _foreach_mul
             if isinstance(mutated, (list, tuple)):
                 for i, tensor in enumerate(mutated):
-                    item = graph.call_function(operator.getitem, (new, i))
-                    item.meta.update({ROLE: new.meta[ROLE], "val": new.meta["val"][i]})
+                    item = new_node(graph, operator.getitem, (new, i), role)
                     current[plan.root[tensor]] = item
             else:
                 # Users of the in-place op's result read the tensor it updated,

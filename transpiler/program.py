@@ -275,7 +275,8 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
 
 
 def _fake_mode_of(vals):
-    for v in torch.utils._pytree.tree_leaves(vals):
+    # The first fake value will do: a foreach op's inputs list hundreds.
+    for v in torch.utils._pytree.tree_iter(vals):
         mode = getattr(v, "fake_mode", None)
         if mode is not None:
             return mode
