@@ -11,7 +11,7 @@ from .reduce_groups import check as check_groups
 from .backends import BACKENDS
 from .errors import TranspileError
 from .modes import MODES
-from .pipeline import PassContext, PassLike, check_order
+from .pipeline import PassContext, PassLike, check_order, resolve
 from .runtime import TranspiledStep
 from .schedule import EveryStep, LocalSGD
 
@@ -119,11 +119,26 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     if verify and groups:
         raise TranspileError("verify compares with DDP's semantics, which average every "
                              "gradient over the world: it cannot check reduce_groups")
+    sharded = any(resolve(p).__name__ == "shard_optimizer"
+                  for program_passes in schedule.programs.values() for p in program_passes)
+    if sharded:
+        _check_zero(verify, groups, hierarchical, fuse_dtype, skip_nonfinite)
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive), hierarchical=hierarchical)
     return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every,
-                          verify=verify, verify_tolerance=float(verify_tolerance), groups=groups)
+                          verify=verify, verify_tolerance=float(verify_tolerance), groups=groups,
+                          sharded_state=sharded)
+
+
+def _check_zero(verify, groups, hierarchical, fuse_dtype, skip_nonfinite) -> None:
+    """What mode zero (shard_optimizer) does not combine with yet, refused up front."""
+    given = [name for name, on in (("verify", verify), ("reduce_groups", groups),
+                                   ("hierarchical", hierarchical), ("fuse_dtype", fuse_dtype),
+                                   ("skip_nonfinite", skip_nonfinite)) if on]
+    if given:
+        raise TranspileError(f"mode 'zero' (shard_optimizer) does not support "
+                             f"{', '.join(given)} yet; use fuse_all_reduce for them")
 
 
 def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:

@@ -306,7 +306,7 @@ class _Inputs:
         self.values.append(value)
 
 
-def _collect_inputs(step_args: StepArgs) -> _Inputs:
+def _collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) -> _Inputs:
     inputs = _Inputs()
     modules, optimizers = step_args.modules, step_args.optimizers
     for mi, module in enumerate(modules):
@@ -341,7 +341,8 @@ def _collect_inputs(step_args: StepArgs) -> _Inputs:
             for key, value in sorted(opt.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
                     inputs.add(InputSpec(InputKind.STATE, f"{oname}{pname}:{key}", param=pname),
-                               StateSlot(opt, p, key), value)
+                               StateSlot(opt, p, key),
+                               state_stand_in(p, value) if state_stand_in else value)
         form = formulation_of(opt)
         for gi, group in enumerate(opt.param_groups if form else ()):
             wide = any(p.dtype == torch.float64 for p in group["params"])
@@ -807,8 +808,11 @@ def _trace_error(step_fn, exc: BaseException, markers: _Markers) -> TranspileErr
     return TranspileError(f"tracing {_name(step_fn)} failed{where}: {text.splitlines()[0]}")
 
 
-def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
+def trace_step(step_fn: Callable, step_args: StepArgs,
+               state_stand_in: Callable | None = None) -> Captured:
     """Trace the whole step (forward, backward, optimizer update) into a Program.
+    state_stand_in(param, entry): what the trace sees of an optimizer state
+    entry (mode zero keeps shards; the step reads full entries).
 
     The optimizers' state is made first, as their first step would make it
     (_make_first_state), so that the program traced on the first call is the
@@ -823,7 +827,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs) -> Captured:
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
     made = _make_first_state(step_args.optimizers)
     try:
-        captured = _trace(step_fn, step_args)
+        captured = _trace(step_fn, step_args, state_stand_in)
     except BaseException:
         _forget_state(made)
         raise
@@ -862,9 +866,9 @@ def _forget_state(made) -> None:
             del opt.state[p]
 
 
-def _trace(step_fn: Callable, step_args: StepArgs) -> Captured:
+def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None) -> Captured:
     modules, optimizers = step_args.modules, step_args.optimizers
-    inputs = _collect_inputs(step_args)
+    inputs = _collect_inputs(step_args, state_stand_in)
     markers = _Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []

@@ -25,10 +25,12 @@ class ReduceOp(enum.Enum):
 
 
 class Placement(enum.Enum):
-    """Where the reduced value lives: every rank of the group holds all of it.
-    (A sharded placement joins when a pass reads shards.)"""
+    """Where the reduced value lives."""
 
-    REPLICATE = "replicate"
+    REPLICATE = "replicate"   # every rank of the group holds all of it (all-reduce)
+    # Rank r of the group holds the r-th of as many equal parts of the (flat,
+    # padded) value (reduce-scatter): shard_optimizer's gradient buckets.
+    SHARD = "shard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,4 +48,5 @@ class Reduction:
     def __str__(self) -> str:
         op = "" if self.op is ReduceOp.SUM else f"({self.op.value})"
         over = "" if self.over is Dim.WORLD else f" over={self.over}"
-        return f"{op}{over}"
+        placed = "" if self.placement is Placement.REPLICATE else f" {self.placement.value}"
+        return f"{op}{over}{placed}"

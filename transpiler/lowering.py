@@ -11,7 +11,8 @@ ctx.hierarchical the reduction is hierarchical (Paddle fleet's and Horovod's hie
 all-reduce): reduce-scatter inside the node, all-reduce of this rank's shard
 across the nodes, all-gather inside the node; the value is flattened and padded
 to a multiple of the node's ranks for it. Otherwise it is one all-reduce over
-its group.
+its group. A reduction to a SHARD placement is one reduce-scatter over its group
+(of a flat value whose size the group's ranks divide: the caller lays it out).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, ReduceOp, Reduction
+from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, Placement, ReduceOp, Reduction
 from .mesh import Dim
 from .pipeline import PassContext
 from .program import CommInfo, new_node
@@ -42,7 +43,8 @@ class Issued:
 
 
 def hierarchical(reduction: Reduction, ctx: PassContext) -> bool:
-    return ctx.hierarchical and reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
+    return (ctx.hierarchical and reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
+            and reduction.placement is Placement.REPLICATE)
 
 
 def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContext,
@@ -57,6 +59,14 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     if reduction.op is ReduceOp.MEAN:
         sent = node(aten.mul.Tensor, (sent, 1 / mesh.size(reduction.over)), role)
     shape, numel = list(val.shape), val.numel()
+    if reduction.placement is Placement.SHARD:
+        size = mesh.size(reduction.over)
+        if len(shape) != 1 or numel % size:
+            raise ValueError(f"internal: a sharded reduction of a {shape} value over {size} ranks")
+        comm = dataclasses.replace(comm, op="reduce_scatter", over=reduction.over)
+        collective = node(REDUCE_SCATTER, (sent, "sum", size, mesh.ring(reduction.over)),
+                          Role.COMM, **{COMM: comm})
+        return Issued(reduction, collective, comm, [numel // size], numel // size)
     if not hierarchical(reduction, ctx):
         comm = dataclasses.replace(comm, over=reduction.over)
         collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(reduction.over)), Role.COMM,
@@ -81,7 +91,7 @@ def forget_marks(graph: fx.Graph) -> None:
 
 def complete(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Node:
     """At the insertion point: the wait and what follows; returns the reduced
-    value, shaped like the value that was issued, marked meta["reduced"] (what
+    value, shaped like the value that was issued (SHARD: this rank's part), marked meta["reduced"] (what
     reads reduced values, such as skip_nonfinite, finds it so). Every node has
     role COMM."""
     result = _result(graph, issued, ctx, **meta)

@@ -4,6 +4,9 @@
 GRAD_ALLREDUCE = ("average_grads", "insert_allreduce", "ring_round_robin")
 # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
 FUSE_ALL_REDUCE = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
+# ZeRO-2: gradients reduce-scattered in buckets, each rank updates its shard of
+# the parameters and the optimizer state, the parameters all-gathered.
+ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm")
 # Paddle's LocalSGD: the local program takes its step without communication; the
 # sync program also averages the parameters, its deltas reduced by the same
 # passes that reduce gradients in fuse_all_reduce.
@@ -17,6 +20,7 @@ MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "grad_allreduce": GRAD_ALLREDUCE,
     "fuse_all_reduce": FUSE_ALL_REDUCE,
     "local_sgd": LOCAL_SGD,
+    "zero": ZERO,
 }
 
 # Run once before the first step: every rank starts from rank 0's state.

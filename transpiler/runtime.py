@@ -34,6 +34,7 @@ from .program import InputKind, OutputKind, Program, format_collectives
 from .program_cache import Built, ProgramCache
 from .mesh import Dim
 from .rings import build_mesh, world
+from .shards import ShardedState
 from .startup import startup_program
 
 log = logging.getLogger("transpiler")
@@ -48,8 +49,11 @@ class TranspiledStep:
     def __init__(self, step_fn: Callable, schedule, settings: PassContext, *, backend: str,
                  check_every: int | None = None, verify: int = 0,
                  verify_tolerance: float = 1e-3,
-                 groups: tuple[reduce_groups.ReduceGroup, ...] = ()):
+                 groups: tuple[reduce_groups.ReduceGroup, ...] = (),
+                 sharded_state: bool = False):
         self.step_fn = step_fn
+        # Mode zero: the optimizers' state is kept as shards (shards.py).
+        self._sharded = ShardedState() if sharded_state else None
         self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
         self.check_every = check_every
@@ -149,6 +153,15 @@ class TranspiledStep:
         a run exactly."""
         return {"schedule": self.schedule.state_dict(), "held": self._held.state_dict()}
 
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """optimizer.state_dict() with mode zero's shards gathered into full
+        entries: what torch's optimizer on one process holds, loadable into
+        it, or back into this optimizer (the next step shards it again). A
+        collective: call it on every rank. Without mode zero, the state_dict."""
+        if self._sharded is None:
+            return optimizer.state_dict()
+        return self._sharded.full_state_dict(optimizer)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict saved. The next call trusts each rank's model as
         loaded (no broadcast from rank 0): under local SGD the ranks' parameters
@@ -158,6 +171,8 @@ class TranspiledStep:
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
+        if self._sharded is not None:   # a full state loaded since: its shards, before the signature
+            self._sharded.shard(step_args.optimizers)
         built = self._cache.get(step_args, self._build)
         name = self.schedule.next_program()
         runnable = built.programs[name]
@@ -215,9 +230,17 @@ class TranspiledStep:
             with self._timed("passes"):
                 programs, startup, refresh = self._programs(captured, ctx, backend, world_size)
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
+            dropped = _dropped_grads(captured, programs)
+            if dropped and captured.reads_grads:
+                raise TranspileError(
+                    f"the step reads the .grad it starts with, but mode zero leaves .grad None "
+                    f"after a step ({dropped[0][0]} and others: each rank keeps only its shard "
+                    "of the reduced gradient) where DDP leaves the reduced gradient: call "
+                    "optimizer.zero_grad() (set_to_none=True, the default) in the step before "
+                    "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
-                           captured.schedulers, captured.cleared, captured.reads_grads,
-                           captured.averaged_after)
+                           captured.schedulers, captured.cleared + dropped,
+                           captured.reads_grads, captured.averaged_after)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -229,6 +252,8 @@ class TranspiledStep:
                 agreement.agree(to_agree, error)
         elif error is not None:
             raise error
+        if self._sharded is not None:   # the state the trace made, cut to shards
+            self._sharded.shard(step_args.optimizers)
         return built
 
     def _programs(self, captured: Captured, ctx: PassContext, backend: str, world_size: int):
@@ -280,7 +305,8 @@ class TranspiledStep:
         why = "first call" if last is None else describe_change(last, sig)
         start = time.perf_counter()
         with self._timed("trace"):
-            captured = trace_step(self.step_fn, step_args)
+            captured = trace_step(self.step_fn, step_args,
+                                  self._sharded.stand_in if self._sharded else None)
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
                                             f"nodes from {fn_name} ({why})")
         log.info("transpiler: traced %s (%s) in %.2fs", fn_name, why, time.perf_counter() - start)
@@ -326,3 +352,14 @@ class TranspiledStep:
         verify.agree_on_verdict(verdict, self.schedule.step)
         self._executor.commit(runnable, outputs)
         return outputs
+
+
+def _dropped_grads(captured: Captured, programs: dict[str, Runnable]) -> list:
+    """(name, parameter) of each gradient the step leaves that a pass took out of
+    the programs' outputs (shard_optimizer: a rank holds only a shard of it): the
+    runtime leaves its .grad None rather than stale."""
+    kept = {spec.target for r in programs.values() for spec in r.program.outputs
+            if spec.kind is OutputKind.GRAD}
+    return [(spec.target, target.param) for spec, target
+            in zip(captured.program.outputs, captured.targets)
+            if spec.kind is OutputKind.GRAD and spec.target not in kept]

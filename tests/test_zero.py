@@ -1,0 +1,232 @@
+"""Mode zero (shard_optimizer): the layout, the golden listing, and training
+on 2 and 3 ranks against torch DDP running the same step in the same
+processes; the optimizer state held as shards; full state_dicts and resuming."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from passes.shard_optimizer import BucketLayout, plan_layout
+from tests import models as M
+from tests.test_fuse_all_reduce import SMALL
+from tests.test_passes import _captured, _check_golden
+from tests.test_training_loops import clip, zero_grad_after_step
+from transpiler import TranspileError, run_passes, transpile
+from transpiler.modes import MODES
+from transpiler.shards import shard_numel, shard_of
+
+TINY_BUCKETS = dict(bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)
+STEPS = 4
+
+
+# ------------------------------------------------------------------ layout
+
+def test_shards_follow_chunk_boundaries_with_padding():
+    x = torch.arange(10.0)
+    shards = [shard_of(x, r, 4) for r in range(4)]
+    assert shard_numel(10, 4) == 3 and all(s.shape == (3,) for s in shards)
+    assert torch.cat(shards)[:10].equal(x)
+    assert shards[3].tolist() == [9.0, 0.0, 0.0]   # the rest is padding
+    # torch.chunk's boundaries (DTensor's Shard(0)): the same elements per rank.
+    for r, chunk in enumerate(x.chunk(4)):
+        assert shards[r][:chunk.numel()].equal(chunk)
+    # A matrix is cut in its flat order.
+    m = torch.arange(6.0).view(2, 3)
+    assert shard_of(m, 1, 2).tolist() == [3.0, 4.0, 5.0]
+
+
+def test_layout_is_a_function_of_the_buckets():
+    layout = plan_layout([["w", "b"], ["v"]], {"w": 12, "b": 3, "v": 1}, 2)
+    assert layout == [BucketLayout(("w", "b"), (6, 2)), BucketLayout(("v",), (1,))]
+    assert [bucket.row for bucket in layout] == [8, 1]
+
+
+# ------------------------------------------------------------------ golden
+
+def test_golden_zero():
+    program = _captured().program
+    run_passes(program, MODES["zero"], SMALL)   # two buckets
+    _check_golden("zero", str(program))
+    ops = [node.meta["comm"].op for node in program.collectives()]
+    assert ops.count("reduce_scatter") == ops.count("all_gather") >= 1
+    # The state inputs hold shards: ceil(numel / 2) elements of each parameter's.
+    for node in program.placeholders:
+        spec = node.meta["input"]
+        if spec.kind.value == "state":
+            full = program.input_node(spec.param).meta["val"]
+            assert tuple(node.meta["val"].shape) == (shard_numel(full.numel(), 2),)
+    # No gradient is an output: each rank holds only its shard.
+    assert not [s for s in program.outputs if s.kind.value == "grad"]
+
+
+# ------------------------------------------------------------------ against DDP
+
+def _ddp_and_zero(model_name, opt_name, step_fn, steps=STEPS):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, ref = M.make(model_name), M.make(model_name)
+    opt, ref_opt = M.make_optimizer(opt_name, model), M.make_optimizer(opt_name, ref)
+    ddp = DDP(ref, broadcast_buffers=False, find_unused_parameters=model_name == "tied")
+    step = transpile(step_fn, mode="zero", **TINY_BUCKETS)
+    returned = []
+    for batch in M.batches(model_name, steps, 12):
+        local = M.shard(batch, rank, world_size)
+        ours, theirs = step(model, opt, *local), step_fn(ddp, ref_opt, *local)
+        returned.append((ours, theirs))
+    return model, opt, ref, ref_opt, step, returned
+
+
+def rank_vs_ddp(model_name, opt_name):
+    model, opt, ref, ref_opt, step, returned = _ddp_and_zero(
+        model_name, opt_name, M.step_fn(model_name))
+    world_size = dist.get_world_size()
+    shards = {name: {k: tuple(v.shape) for k, v in opt.state[p].items()}
+              for name, p in model.named_parameters() if p in opt.state}
+    full = step.full_optimizer_state_dict(opt)
+    ops = [node.meta["comm"].op for node in step.program.collectives()]
+    state_bytes = sum(v.nbytes for st in opt.state.values() for v in st.values() if v.dim())
+    ref_bytes = sum(v.nbytes for st in ref_opt.state.values() for v in st.values() if v.dim())
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    return {"params": _model_state(model),
+            "ref": _model_state(ref),
+            "full_state": full["state"], "ref_state": ref_opt.state_dict()["state"],
+            "shards": shards, "numel": numel, "world_size": world_size, "ops": ops,
+            "grads": [p.grad for p in model.parameters()],
+            "losses": [(float(a), float(b)) for a, b in returned],
+            "state_bytes": state_bytes, "ref_bytes": ref_bytes}
+
+
+def _model_state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _state_error(ours: dict, theirs: dict) -> float:
+    assert ours.keys() == theirs.keys()
+    return max(M.max_rel_error({k: v for k, v in ours[i].items() if torch.is_tensor(v)},
+                               {k: v for k, v in theirs[i].items() if torch.is_tensor(v)})
+               for i in theirs)
+
+
+# SGD with momentum sums in the same order as DDP on 2 ranks (a + b): exact.
+# AdamW: the program's update is torch's capturable foreach formulation, which
+# rounds as fuse_all_reduce's does, a few ulps from DDP's single-tensor AdamW.
+# Three ranks: gloo's reduce-scatter sums in another order than its all-reduce.
+@pytest.mark.parametrize("model_name,opt_name", [("mlp", "sgd"), ("tied", "adamw"),
+                                                 ("bn", "sgd"), ("mlp", "nesterov")])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_trains_as_ddp(world_size, model_name, opt_name, ranks2, ranks3):
+    pool = ranks2 if world_size == 2 else ranks3
+    for result in pool.run(rank_vs_ddp, model_name, opt_name):
+        exact = world_size == 2 and opt_name != "adamw"
+        tol = 0.0 if exact else 1e-5
+        assert M.max_rel_error(result["params"], result["ref"]) <= tol
+        assert _state_error(result["full_state"], result["ref_state"]) <= tol
+        assert all(a == pytest.approx(b, rel=1e-6) for a, b in result["losses"])
+        assert result["ops"].count("reduce_scatter") == result["ops"].count("all_gather") >= 2
+        # Each entry shaped like its parameter holds ceil(numel / N) elements.
+        for name, entries in result["shards"].items():
+            chunk = shard_numel(result["numel"][name], world_size)
+            assert all(shape in ((), (chunk,)) for shape in entries.values()), (name, entries)
+        # At most 1/N of the full state, plus the padding (under N elements a tensor).
+        padding = 4 * (world_size - 1) * sum(len(e) for e in result["shards"].values())
+        assert result["state_bytes"] <= result["ref_bytes"] / world_size + padding
+        assert all(g is None for g in result["grads"])
+
+
+def rank_clip():
+    model, opt, ref, ref_opt, step, returned = _ddp_and_zero("mlp", "sgd", clip)
+    return (_model_state(model),
+            _model_state(ref),
+            [(float(a[1]), float(b[1])) for a, b in returned])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_by_the_global_norm_sums_the_shards_norms(world_size, ranks2, ranks3):
+    pool = ranks2 if world_size == 2 else ranks3
+    for ours, theirs, norms in pool.run(rank_clip):
+        assert M.max_rel_error(ours, theirs) <= 1e-5
+        # The norm the step returns is over every rank's shards.
+        assert all(a == pytest.approx(b, rel=1e-5) for a, b in norms)
+        assert all(b > 0.05 for _, b in norms)   # the clipping did act
+
+
+def rank_resume():
+    """Two steps, a full state_dict, a fresh model and optimizer loading it,
+    two more steps: equal to four steps without a break, bit for bit."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", 4, 12)]
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(zero_grad_after_step, mode="zero", **TINY_BUCKETS)
+    for b in batches:
+        step(model, opt, *b)
+    model2 = M.make("mlp")
+    opt2 = M.make_optimizer("adamw", model2)
+    step2 = transpile(zero_grad_after_step, mode="zero", **TINY_BUCKETS)
+    for b in batches[:2]:
+        step2(model2, opt2, *b)
+    saved_model = {k: v.clone() for k, v in model2.state_dict().items()}
+    saved_opt = step2.full_optimizer_state_dict(opt2)
+    model3 = M.make("mlp", seed=5)
+    model3.load_state_dict(saved_model)
+    opt3 = M.make_optimizer("adamw", model3)
+    opt3.load_state_dict(saved_opt)         # full entries: the next step shards them
+    step3 = transpile(zero_grad_after_step, mode="zero", **TINY_BUCKETS)
+    for b in batches[2:]:
+        step3(model3, opt3, *b)
+    single = M.make_optimizer("adamw", M.make("mlp"))
+    single.load_state_dict(saved_opt)       # and a single-process optimizer takes it
+    return (_model_state(model),
+            _model_state(model3),
+            _state_error(step.full_optimizer_state_dict(opt)["state"],
+                         step3.full_optimizer_state_dict(opt3)["state"]),
+            {k: tuple(v.shape) for k, v in single.state[next(iter(single.state))].items()})
+
+
+def test_resuming_from_a_full_state_dict_equals_an_unbroken_run(ranks2):
+    for unbroken, resumed, state_error, single_shapes in ranks2.run(rank_resume):
+        assert M.max_rel_error(resumed, unbroken) == 0.0
+        assert state_error == 0.0
+        assert single_shapes["exp_avg"] == (32, 16)   # full entries
+
+
+# ------------------------------------------------------------------ refused
+
+def keeps_grads(model, opt, x, y):
+    model.zero_grad(set_to_none=False)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def rank_refused(which):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp")
+    if which == "reads_grads":
+        opt, fn = M.make_optimizer("sgd", model), keeps_grads
+    else:   # a parameter with a gradient that no optimizer updates
+        opt, fn = torch.optim.SGD(list(model.parameters())[:2], lr=0.1), M.classify_step
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = transpile(fn, mode="zero")
+    try:
+        step(model, opt, *M.shard(M.batches("mlp", 1, 8)[0], rank, world_size))
+    except TranspileError as exc:
+        return str(exc), all(v.equal(before[k]) for k, v in model.state_dict().items())
+    return None, False
+
+
+@pytest.mark.parametrize("which,says", [("reads_grads", "zero_grad"),
+                                        ("no_optimizer", "does not update it")])
+def test_refused_on_every_rank_before_anything_runs(which, says, ranks2):
+    for message, untouched in ranks2.run(rank_refused, which):
+        assert message is not None and says in message
+        assert untouched
+
+
+def test_options_zero_does_not_combine_with_are_refused_up_front():
+    for option in (dict(verify=1), dict(hierarchical=True), dict(skip_nonfinite=True),
+                   dict(fuse_dtype=torch.bfloat16)):
+        with pytest.raises(TranspileError, match="zero"):
+            transpile(M.classify_step, mode="zero", **option)
