@@ -322,7 +322,7 @@ class _Rewrite:
 
     def _outputs(self) -> None:
         out = self.program.output_node
-        values, outputs = list(out.args[0]), []
+        values = list(out.args[0])
         inputs = {spec.name: spec for spec in self.program.inputs}
         updated: dict[str, fx.Node] = {}
         kept = []

@@ -260,7 +260,8 @@ def test_passes_in_an_order_that_breaks_a_requirement():
                                              "passes: coalesce_tensors, average_grads"):
         transpile(M.classify_step, passes=["coalesce_tensors", "average_grads"])
     with pytest.raises(TranspileError, match="ring_round_robin requires insert_allreduce or "
-                                             "coalesce_tensors or broadcast_params to run "
+                                             "coalesce_tensors or shard_optimizer or "
+                                             "broadcast_params to run "
                                              "before it; passes run so far: capture"):
         transpile(M.classify_step, passes=["ring_round_robin"])
 

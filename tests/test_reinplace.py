@@ -31,6 +31,11 @@ def test_state_is_written_only_after_gradients_and_communication(mode, name, pas
                if n.op == "call_function" and n.meta["role"] & (Role.BACKWARD | Role.COMM))
     mutations = [i for i, n in enumerate(nodes) if _mutates(n)
                  and any(a in placeholders for a in torch.utils._pytree.tree_leaves(n.args[:1]))]
+    if mode == "zero":
+        # The all-gathers read the updated shards: the last collective ends after
+        # the update, so the runtime's commit writes the state, nothing in place.
+        assert not mutations
+        return
     assert mutations, "the optimizer's updates should run in place"
     assert min(mutations) > last
     # Every state update was done in place: no write-back copies remain. In

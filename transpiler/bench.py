@@ -10,13 +10,15 @@ ranks do not fight over the cores) and, for every model, runs every
 configuration of CONFIGS on the same user step (zero_grad, forward,
 cross-entropy, backward, optimizer.step), the same seeded initial weights, the
 same batches (each rank its shard of a seeded global batch) and the same
-optimizer (SGD, lr 0.01, momentum 0.9):
+optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
 
     local                   the eager step, no communication at all
     allreduce_only          one all_reduce of a flat fp32 buffer as large as all
                             the gradients, no compute
     ddp                     torch DistributedDataParallel, eager, default settings
     ddp_compiled            torch.compile (inductor) of the DDP-wrapped model
+    ddp_zero_redundancy     DDP with torch's ZeroRedundancyOptimizer (the same
+                            optimizer class and settings, sharded by parameter)
     grad_allreduce          transpile(step, mode="grad_allreduce") (nrings=2)
     grad_allreduce_nrings1  the same with nrings=1
     ...                     one line of CONFIGS per transpiler mode; a mode is
@@ -29,6 +31,8 @@ optimizer (SGD, lr 0.01, momentum 0.9):
                             simulated nodes on this machine) each bucket is
                             reduce-scattered inside the node, all-reduced
                             across nodes and all-gathered inside the node
+    zero                    mode="zero": gradients reduce-scattered, state and
+                            update sharded, parameters all-gathered
 
 What is measured, and how:
 
@@ -49,6 +53,9 @@ What is measured, and how:
 - vs_ddp = step_ms / step_ms(ddp); vs_limit = step_ms / max(step_ms(local),
   step_ms(allreduce_only)): what the step would cost with free communication,
   or with free compute. The reference configurations are always run.
+- opt_state_mb: bytes of the optimizer state tensors this rank holds after the
+  timed steps, max over the ranks (`--optimizer adam`: two per parameter; a
+  sharded mode or torch's ZeroRedundancyOptimizer holds 1/N of them).
 - peak_rss_mb: ru_maxrss (a process-lifetime peak) of the rank processes that
   ran only this configuration, max over the ranks. It includes the interpreter,
   torch, the model and the data (the table header says how much that was
@@ -85,6 +92,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from transpiler import MODES, transpile
 from transpiler.backends import BACKENDS
@@ -95,7 +103,8 @@ CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
-FIELDS = ("step_ms", "vs_ddp", "vs_limit", "peak_rss_mb", "setup_s")
+FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "peak_rss_mb", "setup_s")
+OPTIMIZERS = ("sgd", "adam")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
 
 
@@ -243,6 +252,14 @@ def _ddp_compiled(model, optimizer):
     return functools.partial(train_step, torch.compile(DDP(model)), optimizer)
 
 
+def _ddp_zero_redundancy(model, optimizer):
+    """torch's sharded optimizer under DDP: each rank keeps and updates the
+    state of its share of the parameters, then broadcasts them."""
+    sharded = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer),
+                                      **optimizer.defaults)
+    return functools.partial(train_step, DDP(model), sharded)
+
+
 def _transpiled(mode: str, **options) -> Builder | None:
     """A transpiler configuration; None where the mode or backend does not exist."""
     if mode not in MODES or options.get("backend", "eager") not in BACKENDS:
@@ -258,12 +275,14 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "allreduce_only": _allreduce_only,
     "ddp": _ddp,
     "ddp_compiled": _ddp_compiled,
+    "ddp_zero_redundancy": _ddp_zero_redundancy,
     "grad_allreduce": _transpiled("grad_allreduce"),              # nrings=2, the default
     "grad_allreduce_nrings1": _transpiled("grad_allreduce", nrings=1),
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
+    "zero": _transpiled("zero"),
 }
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
@@ -279,6 +298,7 @@ class Job:
     config: str
     warmup: int
     steps: int
+    optimizer: str = "sgd"
 
 
 def _rss_mb() -> float:
@@ -300,7 +320,8 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     spec = MODELS[job.model]
     torch.manual_seed(SEED_WEIGHTS)
     model = spec.build()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+                 if job.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=LR))
     batches = rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)
     base_rss = _rss_mb()
 
@@ -321,7 +342,16 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
     split = getattr(_transpiled_step(step), "setup_split", None)
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
-            "base_rss_mb": base_rss, "setup_split": split}
+            "base_rss_mb": base_rss, "setup_split": split,
+            "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20}
+
+
+def _state_bytes(optimizer) -> int:
+    """Bytes of the optimizer state tensors this process holds (for torch's
+    ZeroRedundancyOptimizer, its local optimizer's: its shard)."""
+    state = getattr(optimizer, "optim", optimizer).state
+    return sum(v.nbytes for entries in state.values() for v in entries.values()
+               if isinstance(v, torch.Tensor))
 
 
 def _transpiled_step(step):
@@ -420,6 +450,7 @@ class Measurement:
     peak_rss_mb: float
     base_rss_mb: float
     setup_split: dict[str, float] | None = None   # the transpiler's setup by phase
+    opt_state_mb: float = 0.0
 
 
 def combine(per_rank: list[dict]) -> Measurement:
@@ -431,19 +462,20 @@ def combine(per_rank: list[dict]) -> Measurement:
                        setup_s=slowest_setup["setup_s"],
                        peak_rss_mb=max(r["peak_rss_mb"] for r in per_rank),
                        base_rss_mb=max(r["base_rss_mb"] for r in per_rank),
-                       setup_split=slowest_setup.get("setup_split"))
+                       setup_split=slowest_setup.get("setup_split"),
+                       opt_state_mb=max(r["opt_state_mb"] for r in per_rank))
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
-              warmup: int, repeat: int = 1,
-              nodes: int = 1) -> dict[str, dict[str, Measurement | str]]:
+              warmup: int, repeat: int = 1, nodes: int = 1,
+              optimizer: str = "sgd") -> dict[str, dict[str, Measurement | str]]:
     """Every config on every model, each in fresh ranks, `repeat` rounds of the
     whole list (so that a machine whose speed drifts affects every config
     alike): a Measurement whose step_ms is the median over the rounds and whose
     setup_s is the first round's (cold compile caches), or the error text of a
     failed configuration. With `nodes` > 1 the ranks are told that they run on
     that many nodes (LOCAL_WORLD_SIZE), which only hierarchical reductions read."""
-    jobs = [Job(m, c, warmup, steps) for m in models for c in configs]
+    jobs = [Job(m, c, warmup, steps, optimizer) for m in models for c in configs]
     rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
     local = str(world_size // nodes) if nodes > 1 else None
@@ -471,7 +503,8 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
             out[job.model][job.config] = Measurement(
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
                 peak_rss_mb=max(m.peak_rss_mb for m in ms),
-                base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split)
+                base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split,
+                opt_state_mb=max(m.opt_state_mb for m in ms))
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
@@ -489,7 +522,7 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
         limit = max(limits) if len(limits) == 2 else None
         summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
                               "vs_limit": _ratio(m.step_ms, limit),
-                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
+                              "opt_state_mb": m.opt_state_mb, "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
                               **({"setup_split": m.setup_split} if m.setup_split else {})}
                           for c, m in ok.items()}
     return summary
@@ -524,7 +557,7 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def format_table(raw: dict, summary: dict) -> str:
     columns = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
-               ("peak_rss_mb", ".1f"), ("setup_s", ".2f"))
+               ("opt_state_mb", ".2f"), ("peak_rss_mb", ".1f"), ("setup_s", ".2f"))
     width = max([len(c) for r in raw.values() for c in r] + [len("config")])
     lines = [f"{'model':<12} {'config':<{width}}" + "".join(f" {n:>11}" for n, _ in columns)]
     for model, results in raw.items():
@@ -645,6 +678,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole list of configs; step_ms is the median over "
                         "them (default 1)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="SGD with momentum (default) or Adam, whose state is twice the model")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     return p.parse_args(argv)
@@ -668,7 +703,8 @@ def main(argv=None) -> int:
         return 2
     start, load = time.perf_counter(), os.getloadavg()[0]
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
-                    warmup=args.warmup, repeat=args.repeat, nodes=args.nodes)
+                    warmup=args.warmup, repeat=args.repeat, nodes=args.nodes,
+                    optimizer=args.optimizer)
     summary = summarize(raw)
     header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat,
                           args.nodes)
