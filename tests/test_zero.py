@@ -5,14 +5,13 @@ processes; the optimizer state held as shards; full state_dicts and resuming."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from passes.shard_optimizer import BucketLayout, plan_layout
 from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
-from tests.test_training_loops import clip, zero_grad_after_step
+from tests.test_training_loops import clip, zero_grad_after_step, zero_grad_keep_tensors
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.modes import MODES
 from transpiler.shards import shard_numel, shard_of
@@ -193,19 +192,11 @@ def test_resuming_from_a_full_state_dict_equals_an_unbroken_run(ranks2):
 
 # ------------------------------------------------------------------ refused
 
-def keeps_grads(model, opt, x, y):
-    model.zero_grad(set_to_none=False)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def rank_refused(which):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make("mlp")
     if which == "reads_grads":
-        opt, fn = M.make_optimizer("sgd", model), keeps_grads
+        opt, fn = M.make_optimizer("sgd", model), zero_grad_keep_tensors
     else:   # a parameter with a gradient that no optimizer updates
         opt, fn = torch.optim.SGD(list(model.parameters())[:2], lr=0.1), M.classify_step
     before = {k: v.clone() for k, v in model.state_dict().items()}
