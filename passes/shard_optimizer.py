@@ -224,12 +224,16 @@ class _Rewrite:
             self.shard[node] = self.shard[node.args[0]]
             self.replaced.append(node)
             return
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: self._arg(a, node))
-        with self.graph.inserting_before(node):
-            meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-            self.shard[node] = new_node(self.graph, node.target, args, meta.pop(ROLE), kwargs,
-                                        **meta)
+        self.shard[node] = self._on_shards(node)
         self.replaced.append(node)
+
+    def _on_shards(self, node: fx.Node) -> fx.Node:
+        """node recreated before it, reading shards where it read full values,
+        with its meta but its value's, which is computed anew."""
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: self._arg(a, node))
+        meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        with self.graph.inserting_before(node):
+            return new_node(self.graph, node.target, args, meta.pop(ROLE), kwargs, **meta)
 
     def _sharded_param(self, node: fx.Node) -> bool:
         return node.op == "placeholder" and node.meta[INPUT].kind is InputKind.PARAM \
@@ -283,11 +287,7 @@ class _Rewrite:
                 raise PassError(f"{node.name}: a norm of order {ord} of norms of order "
                                 f"{self.partial[source].ord} cannot be computed from shards")
         if any(a in self.shard or self._sharded_param(a) for a in node.all_input_nodes):
-            args = fx.node.map_arg(node.args, lambda a: self._arg(a, node))
-            with self.graph.inserting_before(node):
-                meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-                new = new_node(self.graph, node.target, args, meta.pop(ROLE), dict(node.kwargs),
-                               **meta)
+            new = self._on_shards(node)
             node.replace_all_uses_with(new)
             self.replaced.append(node)
             node = new
