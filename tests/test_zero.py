@@ -5,6 +5,7 @@ processes; the optimizer state held as shards; full state_dicts and resuming."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from passes.shard_optimizer import BucketLayout, plan_layout
@@ -188,6 +189,60 @@ def test_resuming_from_a_full_state_dict_equals_an_unbroken_run(ranks2):
         assert M.max_rel_error(resumed, unbroken) == 0.0
         assert state_error == 0.0
         assert single_shapes["exp_avg"] == (32, 16)   # full entries
+
+
+def rank_dcp_save(path):
+    """Four steps without a break; and two steps, then model and sharded
+    optimizer state saved by torch.distributed.checkpoint (each rank its part)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", 4, 12)]
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(zero_grad_after_step, mode="zero", **TINY_BUCKETS)
+    for b in batches[:2]:
+        step(model, opt, *b)
+    dcp.save({"model": model.state_dict(), "optim": step.sharded_optimizer_state_dict(opt)},
+             checkpoint_id=path)
+    saved = step.full_optimizer_state_dict(opt)["state"]
+    for b in batches[2:]:
+        step(model, opt, *b)
+    return saved, _model_state(model), step.full_optimizer_state_dict(opt)["state"]
+
+
+def rank_dcp_resume(path):
+    """A fresh process's model, optimizer and step load the checkpoint, then
+    take the last two steps."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", 4, 12)]
+    model = M.make("mlp", seed=5)
+    opt = M.make_optimizer("adamw", model)
+    opt.param_groups[0]["lr"] = 0.5           # the checkpoint's param_groups replace it
+    step = transpile(zero_grad_after_step, mode="zero", **TINY_BUCKETS)
+    state = {"model": model.state_dict(), "optim": step.sharded_optimizer_state_dict(opt)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    step.load_sharded_optimizer_state_dict(opt, state["optim"])
+    loaded = step.full_optimizer_state_dict(opt)["state"]
+    sharded = all(tuple(v.shape) in ((), (shard_numel(p.numel(), world_size),))
+                  for p, st in opt.state.items() for v in st.values())
+    for b in batches[2:]:
+        step(model, opt, *b)
+    return loaded, sharded, _model_state(model), step.full_optimizer_state_dict(opt)["state"]
+
+
+def test_dcp_checkpoint_resumes_bit_for_bit_and_reshards(tmp_path, ranks2, ranks3):
+    path = str(tmp_path / "ckpt")
+    saved, unbroken, unbroken_state = ranks2.run(rank_dcp_save, path)[0]
+    assert any(f.name.endswith(".distcp") for f in (tmp_path / "ckpt").iterdir())
+    # The same world size: equal to the unbroken run, bit for bit.
+    for loaded, sharded, params, state in ranks2.run(rank_dcp_resume, path):
+        assert _state_error(loaded, saved) == 0.0 and sharded
+        assert M.max_rel_error(params, unbroken) == 0.0
+        assert _state_error(state, unbroken_state) == 0.0
+    # Three ranks read the two ranks' parts into their own shards.
+    for loaded, sharded, params, state in ranks3.run(rank_dcp_resume, path):
+        assert _state_error(loaded, saved) == 0.0 and sharded
+        assert M.max_rel_error(params, unbroken) <= 1e-5
 
 
 # ------------------------------------------------------------------ refused

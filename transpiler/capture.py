@@ -815,7 +815,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     entry (mode zero keeps shards; the step reads full entries).
 
     The optimizers' state is made first, as their first step would make it
-    (_make_first_state), so that the program traced on the first call is the
+    (make_first_state), so that the program traced on the first call is the
     one every later call runs: the state is its input, never its creation."""
     if not step_args.modules:
         raise TranspileError(
@@ -825,7 +825,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         raise TranspileError(
             f"{_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
-    made = _make_first_state(step_args.optimizers)
+    made = make_first_state(step_args.optimizers)
     try:
         captured = _trace(step_fn, step_args, state_stand_in)
     except BaseException:
@@ -839,7 +839,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     return captured
 
 
-def _make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tensor, str]]:
+def make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tensor, str]]:
     """For each trainable parameter a formulated optimizer keeps no state for,
     the state its first step would create (Formulation.initial_state), made
     now: (optimizer, parameter, key) of each entry made. Where zeros would not

@@ -24,7 +24,7 @@ import torch
 
 from . import agreement, consistency, reduce_groups, verify
 from .backends import check_process_group, device_of, resolve
-from .capture import Captured, HeldSlot, describe_change, flatten_args, trace_step
+from .capture import Captured, HeldSlot, describe_change, flatten_args, make_first_state, trace_step
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
@@ -161,6 +161,27 @@ class TranspiledStep:
         if self._sharded is None:
             return optimizer.state_dict()
         return self._sharded.full_state_dict(optimizer)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state_dict for torch.distributed.checkpoint: under
+        mode zero each shard is a DTensor (Shard(0) of the flattened
+        parameter), so `dcp.save` writes each rank's part and `dcp.load` fills
+        it from a checkpoint of any world size; then
+        `load_sharded_optimizer_state_dict`. In a fresh process it first makes
+        the state the first step would, to load into. Without mode zero, the
+        state_dict. A collective where it makes state: call it on every rank."""
+        if self._sharded is None:
+            return optimizer.state_dict()
+        return self._sharded.dcp_state_dict(optimizer, make_first_state)
+
+    def load_sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                          state: dict) -> None:
+        """Load a state_dict from sharded_optimizer_state_dict that
+        torch.distributed.checkpoint filled."""
+        if self._sharded is None:
+            optimizer.load_state_dict(state)
+        else:
+            self._sharded.load_dcp_state_dict(optimizer, state)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict saved. The next call trusts each rank's model as

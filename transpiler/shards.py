@@ -14,6 +14,8 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from .errors import TranspileError
 
@@ -94,3 +96,50 @@ class ShardedState:
                     dist.all_gather(parts, value.contiguous())
                     full[index][key] = torch.cat(parts)[:p.numel()].view(p.shape).clone()
         return {"state": full, "param_groups": state["param_groups"]}
+
+    def dcp_state_dict(self, optimizer: torch.optim.Optimizer, make_state) -> dict:
+        """optimizer.state_dict() with each shard as a DTensor over the world:
+        Shard(0) of the flattened parameter, unpadded (global shape (numel,)),
+        whose local tensor is this rank's part of it. What
+        torch.distributed.checkpoint saves (each rank its part) and loads into
+        (reading the parts of any world size). An optimizer with no state yet
+        (a fresh process about to resume) first gets the state its first step
+        would make, from `make_state(optimizers)`, as shards to load into."""
+        if not optimizer.state:
+            make_state([optimizer])
+            self.shard([optimizer])
+        if not optimizer.state:
+            raise TranspileError(
+                f"{type(optimizer).__name__} has no state to save or load into, and its first "
+                "state cannot be made ahead of a step: run one step before saving, or resume "
+                "through full_optimizer_state_dict")
+        state = optimizer.state_dict()
+        rank, world_size = self._world()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mesh = DeviceMesh.from_group(dist.group.WORLD, params[0].device.type)
+        sharded = {}
+        for index, entries in state["state"].items():
+            p = params[index]
+            sharded[index] = dict(entries)
+            for key in entries:
+                value = optimizer.state[p][key]
+                if self.is_shard(value):
+                    start = min(rank * value.numel(), p.numel())
+                    local = value[:max(0, min(value.numel(), p.numel() - start))]
+                    sharded[index][key] = DTensor.from_local(
+                        local, mesh, [Shard(0)], shape=torch.Size([p.numel()]), stride=(1,))
+        return {"state": sharded, "param_groups": state["param_groups"]}
+
+    def load_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load what dcp_state_dict gave once torch.distributed.checkpoint has
+        filled it: each DTensor's local part becomes this rank's shard (padded)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        plain = {}
+        for index, entries in state["state"].items():
+            plain[index] = dict(entries)
+            for key, value in entries.items():
+                if isinstance(value, DTensor):
+                    n = shard_numel(params[index].numel(), dist.get_world_size())
+                    plain[index][key] = F.pad(value.to_local(), (0, n - value.to_local().numel()))
+        optimizer.load_state_dict({"state": plain, "param_groups": state["param_groups"]})
+        self.shard([optimizer])
