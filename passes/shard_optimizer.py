@@ -13,8 +13,10 @@ moments) fed as shards of c elements (the runtime keeps them so: shards.py).
 Produces:
 - buckets of gradients as fuse_all_reduce plans them (plan_buckets). Each
   bucket is packed as an [N, L] buffer whose row r is the concatenation of
-  rank r's shards of its gradients, scaled by 1 / N and reduce-scattered: rank r
-  receives row r, split into the shards of the reduced gradients;
+  rank r's shards of its gradients (cast to ctx.fuse_dtype on the wire where
+  set, and back), scaled by 1 / N and reduce-scattered: rank r receives row r,
+  split into the shards of the reduced gradients (marked meta["reduced"]);
+  the parameters are gathered in their own dtype;
 - the gradient processing and the optimizer update (roles GRADIENT and
   OPTIMIZE) computed on shards: every node that reads a gradient, a parameter
   (its shard: flatten, pad, row r) or a sharded state entry is recreated on
@@ -51,7 +53,7 @@ from transpiler.mesh import Dim
 from transpiler.pipeline import Mark, PassContext, consumes
 from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
 from transpiler.shards import shard_numel
-from transpiler.roles import BUCKET, COMM, INPUT, REDUCE, ROLE, Role
+from transpiler.roles import BUCKET, COMM, INPUT, REDUCE, REDUCED, ROLE, Role
 
 aten = torch.ops.aten
 
@@ -153,16 +155,23 @@ class _Rewrite:
         last = max(grads, key=position.__getitem__)
         pack = last.meta[ROLE]
         dtype = grads[0].meta["val"].dtype
+        wire = self.ctx.fuse_dtype or dtype
         comm = CommInfo("reduce_scatter", bucket=b, params=layout.params,
-                        nbytes=layout.row * self.n * dtype.itemsize)
+                        nbytes=layout.row * self.n * wire.itemsize)
         with self.graph.inserting_before(last.next):
             rows = [self._rows(g, c, pack, b) for g, c in zip(grads, layout.chunks)]
             buffer = self._node(aten.cat.default, (rows, 1), pack, b)
             buffer = self._node(aten.view.default, (buffer, [-1]), pack, b)
+            if wire != dtype:
+                buffer = self._node(aten._to_copy.default, (buffer,), pack, b, {"dtype": wire})
             reduction = dataclasses.replace(grads[0].meta[REDUCE], placement=Placement.SHARD)
             issued = lowering.issue(self.graph, buffer, reduction, self.ctx, comm, pack,
                                     **{BUCKET: b})
             mine = lowering.complete(self.graph, issued, self.ctx, **{BUCKET: b})
+            if wire != dtype:
+                reduced = mine.meta.pop(REDUCED)
+                mine = self._node(aten._to_copy.default, (mine,), Role.COMM, b, {"dtype": dtype})
+                mine.meta[REDUCED] = reduced
             parts = self._node(aten.split_with_sizes.default, (mine, list(layout.chunks)),
                                Role.COMM, b)
             for i, g in enumerate(grads):
@@ -378,7 +387,8 @@ class _Rewrite:
             full[p] = self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b)
         return full
 
-    def _node(self, target, args, role: Role, bucket: int | None, **meta) -> fx.Node:
+    def _node(self, target, args, role: Role, bucket: int | None, kwargs=None,
+              **meta) -> fx.Node:
         if bucket is not None:
             meta[BUCKET] = bucket
-        return new_node(self.graph, target, args, role, **meta)
+        return new_node(self.graph, target, args, role, kwargs, **meta)

@@ -4,7 +4,10 @@ Requires nothing; reads what the reduction passes produced, so it runs after the
 Produces: `ok`, a 0-d bool that is true when every reduced value (meta["reduced"]:
 the averaged gradients, local SGD's summed deltas, whole also when reduced
 hierarchically) is finite; a program without
-collectives checks its gradients. Then each `update` output v of input x
+collectives checks its gradients. Where the reduced values are shards
+(shard_optimizer: each rank holds its part of each averaged gradient), each
+rank's verdict is combined by one all-reduce (max of "not finite") over the
+world, so every rank still decides alike. Then each `update` output v of input x
 becomes where(ok, v, x), and each optimizer state entry the step creates
 where(ok, v, 0) (zeros are what SGD's momentum and Adam's moments and step count
 start from); a held output (Held.SKIPPED) says whether the step
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from transpiler.collectives import ALL_REDUCE, WAIT, Placement
+from transpiler.mesh import Dim
 from transpiler.pipeline import PassContext
-from transpiler.program import Held, OutputSpec, Program, keep_old_unless, new_node
-from transpiler.roles import REDUCED, Role
+from transpiler.program import CommInfo, Held, OutputSpec, Program, keep_old_unless, new_node
+from transpiler.roles import COMM, REDUCED, Role
 
 aten = torch.ops.aten
 
@@ -30,8 +35,8 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
     checked = summed or list(program.grads.values())
     if not checked:
         return
-    def node(target, args):
-        return new_node(graph, target, args, Role.OPTIMIZE)
+    def node(target, args, role=Role.OPTIMIZE, kwargs=None, **meta):
+        return new_node(graph, target, args, role, kwargs, **meta)
 
     with graph.inserting_before(out):
         ok = None
@@ -39,5 +44,13 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
             finite = node(aten.all.default, (node(aten.isfinite.default, (value,)),))
             ok = finite if ok is None else node(aten.logical_and.default, (ok, finite))
         skipped = node(aten.logical_not.default, (ok,))
+        if any(n.meta[REDUCED].placement is Placement.SHARD for n in summed):
+            flag = node(aten._to_copy.default, (skipped,), kwargs={"dtype": torch.float32})
+            comm = CommInfo("all_reduce", nbytes=flag.meta["val"].nbytes, over=Dim.WORLD)
+            anywhere = node(ALL_REDUCE, (flag, "max", ctx.mesh.ring(Dim.WORLD)), Role.COMM,
+                            **{COMM: comm})
+            anywhere = node(WAIT, (anywhere,), Role.COMM, **{COMM: comm})
+            skipped = node(aten.gt.Scalar, (anywhere, 0))
+            ok = node(aten.logical_not.default, (skipped,))
     keep_old_unless(program, [ok] * len(program.outputs))
     program.add_output(OutputSpec.of_held(Held.SKIPPED), skipped)

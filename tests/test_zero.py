@@ -2,10 +2,13 @@
 on 2 and 3 ranks against torch DDP running the same step in the same
 processes; the optimizer state held as shards; full state_dicts and resuming."""
 
+from math import inf
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from passes.shard_optimizer import BucketLayout, plan_layout
@@ -245,6 +248,85 @@ def test_dcp_checkpoint_resumes_bit_for_bit_and_reshards(tmp_path, ranks2, ranks
         assert M.max_rel_error(params, unbroken) <= 1e-5
 
 
+# ------------------------------------------------------------------ options
+
+def poisonable_step(model, optimizer, x, y, poison):
+    """classify_step whose first weight's [0, 0] gradient is `poison` more:
+    an infinity there lands in rank 0's shard only."""
+    optimizer.zero_grad()
+    first = next(model.parameters())
+    loss = F.cross_entropy(model(x), y) + first[0, 0] * poison
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def rank_skip_nonfinite(poison: bool):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(poisonable_step, mode="zero", skip_nonfinite=True, **TINY_BUCKETS)
+    for i, batch in enumerate(M.batches("mlp", 5, 12)):
+        if i == 2 and not poison:
+            continue
+        bad = i == 2 and rank == world_size - 1
+        step(model, opt, *M.shard(batch, rank, world_size), torch.tensor(inf if bad else 0.0))
+    return _model_state(model), step.full_optimizer_state_dict(opt)["state"], step.skipped_steps
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_skip_nonfinite_agrees_when_one_ranks_shard_overflows(world_size, ranks2, ranks3):
+    pool = ranks2 if world_size == 2 else ranks3
+    poisoned, clean = pool.run(rank_skip_nonfinite, True), pool.run(rank_skip_nonfinite, False)
+    for (params, state, skipped), (clean_params, clean_state, none) in zip(poisoned, clean):
+        assert (skipped, none) == (1, 0)
+        # As if the bad batch had never been seen, on every rank.
+        assert M.max_rel_error(params, clean_params) == 0.0
+        assert _state_error(state, clean_state) == 0.0
+    assert M.max_rel_error(poisoned[0][0], poisoned[-1][0]) == 0.0
+
+
+def rank_bf16_wire(mode):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step, mode=mode, fuse_dtype=torch.bfloat16, **TINY_BUCKETS)
+    for batch in M.batches("mlp", STEPS, 12):
+        step(model, opt, *M.shard(batch, rank, world_size))
+    wire = {node.meta["comm"].op: node.meta["val"].dtype for node in step.program.collectives()}
+    return _model_state(model), wire
+
+
+def test_bf16_on_the_wire_rounds_as_fuse_all_reduce_does(ranks2):
+    zero, fused = ranks2.run(rank_bf16_wire, "zero"), ranks2.run(rank_bf16_wire, "fuse_all_reduce")
+    for (params, wire), (fused_params, _) in zip(zero, fused):
+        assert wire == {"reduce_scatter": torch.bfloat16, "all_gather": torch.float32}
+        # The same bf16 sums (a + b on 2 ranks), so the same parameters.
+        assert M.max_rel_error(params, fused_params) == 0.0
+
+
+def rank_backends(opt_name):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    states = []
+    for backend in ("eager", "inductor"):
+        model = M.make("mlp")
+        opt = M.make_optimizer(opt_name, model)
+        step = transpile(clip, mode="zero", backend=backend, **TINY_BUCKETS)
+        for batch in M.batches("mlp", STEPS, 12):
+            step(model, opt, *M.shard(batch, rank, world_size))
+        states.append((_model_state(model), step.full_optimizer_state_dict(opt)["state"]))
+    (params, state), (compiled, compiled_state) = states
+    return M.max_rel_error(compiled, params), _state_error(compiled_state, state)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_inductor_compiles_the_zero_program(opt_name, ranks2):
+    # The reduce-scatters, the partial norm's all-reduce and the all-gathers
+    # compiled with the update on shards: equal to eager to inductor's rounding.
+    for params_error, state_error in ranks2.run(rank_backends, opt_name):
+        assert params_error <= 1e-5 and state_error <= 1e-5
+
+
 # ------------------------------------------------------------------ refused
 
 def rank_refused(which):
@@ -272,7 +354,6 @@ def test_refused_on_every_rank_before_anything_runs(which, says, ranks2):
 
 
 def test_options_zero_does_not_combine_with_are_refused_up_front():
-    for option in (dict(verify=1), dict(hierarchical=True), dict(skip_nonfinite=True),
-                   dict(fuse_dtype=torch.bfloat16)):
+    for option in (dict(verify=1), dict(hierarchical=True)):
         with pytest.raises(TranspileError, match="zero"):
             transpile(M.classify_step, mode="zero", **option)

@@ -122,7 +122,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     sharded = any(resolve(p).__name__ == "shard_optimizer"
                   for program_passes in schedule.programs.values() for p in program_passes)
     if sharded:
-        _check_zero(verify, groups, hierarchical, fuse_dtype, skip_nonfinite)
+        _check_zero(verify, groups, hierarchical)
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive), hierarchical=hierarchical)
@@ -131,11 +131,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
                           sharded_state=sharded)
 
 
-def _check_zero(verify, groups, hierarchical, fuse_dtype, skip_nonfinite) -> None:
+def _check_zero(verify, groups, hierarchical) -> None:
     """What mode zero (shard_optimizer) does not combine with yet, refused up front."""
     given = [name for name, on in (("verify", verify), ("reduce_groups", groups),
-                                   ("hierarchical", hierarchical), ("fuse_dtype", fuse_dtype),
-                                   ("skip_nonfinite", skip_nonfinite)) if on]
+                                   ("hierarchical", hierarchical)) if on]
     if given:
         raise TranspileError(f"mode 'zero' (shard_optimizer) does not support "
                              f"{', '.join(given)} yet; use fuse_all_reduce for them")
