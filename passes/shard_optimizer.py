@@ -23,6 +23,8 @@ Produces:
   shards; it must be elementwise (pointwise ops, the foreach ops but norms,
   views that keep the flat order). A norm over all gradients (clip_grad_norm_)
   is the rank's partial norm, completed by an all-reduce where it is read;
+  GradScaler's unscale runs on the shards, and its found-inf flag, this rank's,
+  is completed the same way (a max);
 - for each bucket, the updated parameter shards all-gathered and unpacked into
   the parameters' new values (role COMM);
 - the state outputs are the new shards; the gradients are not outputs (the
@@ -66,6 +68,9 @@ _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.defaul
 _FLAT_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
 _NOT_ELEMENTWISE_FOREACH = {"_foreach_norm", "_foreach_max"}
+# GradScaler's unscale: elementwise on the gradients, and a flag set where any
+# is not finite, which over shards is this rank's flag (completed by a max).
+_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +225,9 @@ class _Rewrite:
         reads_shard = [a for a in inputs if a in self.shard or self._sharded_param(a)]
         if not reads_shard and not reads_partial:
             return
+        if node.target is _UNSCALE:
+            self._unscale(node)
+            return
         combines = node.target in (aten.stack.default, operator.getitem)
         if node.target in _NORMS or (combines and reads_partial and not reads_shard):
             self._partial_norm(node)
@@ -270,6 +278,25 @@ class _Rewrite:
             raise PassError(f"{node.name} ({node.format_node()}) cannot run on shards of the "
                             f"gradients and parameters: {why}. Mode zero shards the update; "
                             "use fuse_all_reduce for this step")
+
+    def _unscale(self, node: fx.Node) -> None:
+        """GradScaler's unscale on shards: its gradients are the shards of the
+        unscaled gradients, its flag a partial max over the ranks."""
+        new = self._on_shards(node)
+        self.replaced.append(node)
+        role = node.meta[ROLE]
+        with self.graph.inserting_after(new):
+            found = self._node(operator.getitem, (new, 1), role, None)
+            grads = self._node(operator.getitem, (new, 0), role, None)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise PassError(f"{user.name} reads {node.name} whole: mode zero unscales shards")
+            if user.args[1] == 0:
+                self.shard[user] = grads
+            else:
+                user.replace_all_uses_with(found)
+                self.partial[found] = _Partial(float("inf"))
+            self.replaced.append(user)
 
     # ------------------------------------------------------------ norms
 

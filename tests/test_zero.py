@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from passes.shard_optimizer import BucketLayout, plan_layout
 from tests import models as M
+from tests import test_training_loops as loops
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip, zero_grad_after_step, zero_grad_keep_tensors
@@ -246,6 +247,35 @@ def test_dcp_checkpoint_resumes_bit_for_bit_and_reshards(tmp_path, ranks2, ranks
     for loaded, sharded, params, state in ranks3.run(rank_dcp_resume, path):
         assert _state_error(loaded, saved) == 0.0 and sharded
         assert M.max_rel_error(params, unbroken) <= 1e-5
+
+
+def rank_idiom_vs_ddp(fn_name):
+    """An idiom of test_training_loops under mode zero and under DDP."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fn = loops.STEP_FNS[fn_name]
+    runs = []
+    for zero in (True, False):
+        model = M.make("mlp")
+        opt = loops._with_scheduler(M.make_optimizer("sgd", model))
+        step = transpile(fn, mode="zero", **TINY_BUCKETS) if zero else fn
+        outputs = loops._run(step, model if zero else DDP(model), opt, world_size, rank)
+        state = step.full_optimizer_state_dict(opt) if zero else opt.state_dict()
+        runs.append((_model_state(model), state["state"], outputs, opt.param_groups[0]["lr"]))
+    return runs
+
+
+# Every idiom but those that read the .grad a step starts with (refused above).
+@pytest.mark.parametrize("fn_name", ["clip_value", "zero_grad_after_step", "scheduler_inside",
+                                     "accumulate", "everything", "scaled"])
+def test_training_loop_idioms_equal_ddp(fn_name, ranks2):
+    for (params, state, outputs, lr), (ref, ref_state, ref_outputs, ref_lr) in \
+            ranks2.run(rank_idiom_vs_ddp, fn_name):
+        assert M.max_rel_error(params, ref) <= 1e-6
+        assert _state_error(state, ref_state) <= 1e-6
+        assert lr == ref_lr
+        for ours, theirs in zip(outputs, ref_outputs):
+            assert all(torch.allclose(a, b, rtol=1e-6, atol=0, equal_nan=True)
+                       for a, b in zip(ours, theirs))
 
 
 # ------------------------------------------------------------------ options
