@@ -24,7 +24,7 @@ def plan_rings(n_collectives: int, nrings: int) -> list[int]:
     return [i % nrings for i in range(n_collectives)]
 
 
-@requires("insert_allreduce|coalesce_tensors|shard_optimizer|broadcast_params")
+@requires("insert_allreduce|coalesce_tensors|shard_optimizer|gather_grads|broadcast_params")
 def ring_round_robin(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1 or ctx.nrings == 1:
         return

@@ -43,7 +43,7 @@ def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
     return chain
 
 
-@requires("insert_allreduce|coalesce_tensors|shard_optimizer")
+@requires("insert_allreduce|coalesce_tensors|shard_optimizer|gather_grads")
 def schedule_comm(program: Program, ctx: PassContext) -> None:
     graph = program.graph
     for collective in program.collectives():

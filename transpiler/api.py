@@ -119,10 +119,15 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     if verify and groups:
         raise TranspileError("verify compares with DDP's semantics, which average every "
                              "gradient over the world: it cannot check reduce_groups")
-    sharded = any(resolve(p).__name__ == "shard_optimizer"
-                  for program_passes in schedule.programs.values() for p in program_passes)
-    if sharded:
-        _check_zero(verify, groups, hierarchical)
+    used = {resolve(p).__name__ for program_passes in schedule.programs.values()
+            for p in program_passes}
+    sharded = "shard_optimizer" in used
+    for pass_name, mode_name in (("shard_optimizer", "zero"), ("gather_grads", "all_gather")):
+        if pass_name in used:
+            _check_unsupported(mode_name, pass_name, verify=verify, reduce_groups=groups,
+                               hierarchical=hierarchical,
+                               **({"skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
+                                  if pass_name == "gather_grads" else {}))
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive), hierarchical=hierarchical)
@@ -131,12 +136,11 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
                           sharded_state=sharded)
 
 
-def _check_zero(verify, groups, hierarchical) -> None:
-    """What mode zero (shard_optimizer) does not combine with yet, refused up front."""
-    given = [name for name, on in (("verify", verify), ("reduce_groups", groups),
-                                   ("hierarchical", hierarchical)) if on]
+def _check_unsupported(mode: str, pass_name: str, **options) -> None:
+    """Options a mode's pass does not combine with, refused up front."""
+    given = [name for name, on in options.items() if on]
     if given:
-        raise TranspileError(f"mode 'zero' (shard_optimizer) does not support "
+        raise TranspileError(f"mode {mode!r} ({pass_name}) does not support "
                              f"{', '.join(given)} yet; use fuse_all_reduce for them")
 
 

@@ -283,6 +283,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
+    "all_gather": _transpiled("all_gather"),
 }
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a

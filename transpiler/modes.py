@@ -7,6 +7,9 @@ FUSE_ALL_REDUCE = ("average_grads", "coalesce_tensors", "ring_round_robin", "sch
 # ZeRO-2: gradients reduce-scattered in buckets, each rank updates its shard of
 # the parameters and the optimizer state, the parameters all-gathered.
 ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm")
+# Paddle's all_gather mode: every rank gathers every rank's gradients and applies
+# the update once per rank's gradient, in rank order.
+ALL_GATHER = ("gather_grads", "ring_round_robin", "schedule_comm")
 # Paddle's LocalSGD: the local program takes its step without communication; the
 # sync program also averages the parameters, its deltas reduced by the same
 # passes that reduce gradients in fuse_all_reduce.
@@ -21,6 +24,7 @@ MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "fuse_all_reduce": FUSE_ALL_REDUCE,
     "local_sgd": LOCAL_SGD,
     "zero": ZERO,
+    "all_gather": ALL_GATHER,
 }
 
 # Run once before the first step: every rank starts from rank 0's state.
