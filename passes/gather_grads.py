@@ -32,7 +32,7 @@ from transpiler.errors import PassError
 from transpiler.mesh import Dim
 from transpiler.pipeline import PassContext
 from transpiler.program import CommInfo, OutputKind, Program, new_node
-from transpiler.roles import BUCKET, COMM, INPUT, ROLE, Role
+from transpiler.roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
 
 from .coalesce_tensors import MB, GradInfo, plan_buckets
 
@@ -61,7 +61,7 @@ def _gather(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node
     position = {node: i for i, node in enumerate(graph.nodes)}
     last = max(grads, key=position.__getitem__)
     sizes = [g.meta["val"].numel() for g in grads]
-    comm = CommInfo("all_gather", bucket=bucket, params=tuple(g.meta["param"] for g in grads),
+    comm = CommInfo("all_gather", bucket=bucket, params=tuple(g.meta[PARAM] for g in grads),
                     nbytes=sum(sizes) * n * grads[0].meta["val"].itemsize)
 
     def node(target, args, role, **meta):

@@ -5,6 +5,7 @@ order. Against a hand-written reference in plain torch, on 2 and 3 ranks."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
@@ -28,7 +29,7 @@ def test_golden_all_gather():
         == 2 * updates
 
 
-def reference(model_name, opt_name, step_fn, world_size):
+def reference(model_name, opt_name, clipped, world_size):
     """Plain torch in one process: each rank's gradient at the step's starting
     parameters, then optimizer.step() once per rank's gradient, in rank order."""
     model = M.make(model_name)
@@ -38,35 +39,30 @@ def reference(model_name, opt_name, step_fn, world_size):
         grads = []
         for r in range(world_size):
             opt.zero_grad()
-            loss_fn = M.step_fn(model_name) if step_fn is None else None
             x, y = M.shard(batch, r, world_size)
-            if loss_fn is not None:
-                out = model(x)
-                torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
-                                                  y.reshape(-1)).backward()
-            else:
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             grads.append([None if p.grad is None else p.grad.clone() for p in params])
         for r in range(world_size):
             for p, g in zip(params, grads[r]):
                 p.grad = g
-            if step_fn is clip:
+            if clipped:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
     return M.state_of(model, opt)
 
 
-def rank_all_gather(model_name, opt_name, clipped):
+def rank_all_gather(model_name, opt_name, clipped, backend="eager"):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make(model_name)
     opt = M.make_optimizer(opt_name, model)
     fn = clip if clipped else M.step_fn(model_name)
-    step = transpile(fn, mode="all_gather", bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)
+    step = transpile(fn, mode="all_gather", backend=backend, bucket_mb=2048 / 2**20,
+                     first_bucket_mb=256 / 2**20)
     for batch in M.batches(model_name, STEPS, 12):
         step(model, opt, *M.shard(batch, rank, world_size))
     ops = [node.meta["comm"].op for node in step.program.collectives()]
-    return (M.state_of(model, opt), reference(model_name, opt_name, clip if clipped else None,
-                                              world_size), ops)
+    return M.state_of(model, opt), reference(model_name, opt_name, clipped, world_size), ops
 
 
 # SGD is torch's own formulation: bit for bit. AdamW is its capturable foreach
@@ -85,6 +81,11 @@ def test_all_gather_equals_the_reference(world_size, model_name, opt_name, clipp
         assert set(ops) == {"all_gather"} and len(ops) >= 2
     # Every rank took the same N updates.
     assert all(torch.equal(results[0][0][k], r[0][k]) for r in results[1:] for k in results[0][0])
+
+
+def test_inductor_compiles_the_replays(ranks2):
+    for ours, ref, _ in ranks2.run(rank_all_gather, "mlp", "adamw", True, "inductor"):
+        assert M.max_rel_error(ours, ref) <= 1e-5
 
 
 def test_options_all_gather_does_not_combine_with_are_refused_up_front():

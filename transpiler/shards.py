@@ -114,7 +114,7 @@ class ShardedState:
                 "state cannot be made ahead of a step: run one step before saving, or resume "
                 "through full_optimizer_state_dict")
         state = optimizer.state_dict()
-        rank, world_size = self._world()
+        rank, _ = self._world()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         mesh = DeviceMesh.from_group(dist.group.WORLD, params[0].device.type)
         sharded = {}
