@@ -50,15 +50,15 @@ def gather_grads(program: Program, ctx: PassContext) -> None:
         return
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
+    position = {node: i for i, node in enumerate(program.graph.nodes)}
     gathered: dict[fx.Node, list[fx.Node]] = {}   # gradient -> its value on each rank
     for bucket, names in enumerate(plan):
-        gathered.update(_gather(program, ctx, bucket, [grads[n] for n in names]))
+        gathered.update(_gather(program, ctx, bucket, [grads[n] for n in names], position))
     _replay(program, ctx, region, gathered)
 
 
-def _gather(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node]):
+def _gather(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position):
     graph, n = program.graph, ctx.world_size
-    position = {node: i for i, node in enumerate(graph.nodes)}
     last = max(grads, key=position.__getitem__)
     sizes = [g.meta["val"].numel() for g in grads]
     comm = CommInfo("all_gather", bucket=bucket, params=tuple(g.meta[PARAM] for g in grads),

@@ -49,7 +49,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from passes.coalesce_tensors import MB, GradInfo, plan_buckets
 from transpiler import lowering
-from transpiler.collectives import ALL_GATHER, ALL_REDUCE, WAIT, Placement, ReduceOp
+from transpiler.collectives import ALL_GATHER, WAIT, Placement, ReduceOp
 from transpiler.errors import PassError
 from transpiler.mesh import Dim
 from transpiler.pipeline import Mark, PassContext, consumes
@@ -336,23 +336,17 @@ class _Rewrite:
         powers summed over the ranks, then the p-th root; for inf, the max."""
         if node not in self.completed:
             ord, role = self.partial[node].ord, node.meta[ROLE]
-            comm = CommInfo("all_reduce", nbytes=node.meta["val"].nbytes)
             with self.graph.inserting_before(node.next):
                 if ord == float("inf"):
-                    reduced = self._collective(node, "max", comm)
+                    reduced = lowering.all_reduce_now(self.graph, node, "max", self.ctx)
                 elif ord in (0.0, float("-inf")):
                     raise PassError(f"{node.name}: a norm of order {ord} over shards is not supported")
                 else:
                     powered = self._node(aten.pow.Tensor_Scalar, (node, ord), role, None)
-                    summed = self._collective(powered, "sum", comm)
+                    summed = lowering.all_reduce_now(self.graph, powered, "sum", self.ctx)
                     reduced = self._node(aten.pow.Tensor_Scalar, (summed, 1 / ord), role, None)
             self.completed[node] = reduced
         return self.completed[node]
-
-    def _collective(self, value: fx.Node, op: str, comm: CommInfo) -> fx.Node:
-        issued = self._node(ALL_REDUCE, (value, op, self.ctx.mesh.ring(Dim.WORLD)), Role.COMM,
-                            None, **{COMM: comm})
-        return self._node(WAIT, (issued,), Role.COMM, None, **{COMM: comm})
 
     # ------------------------------------------------------------ outputs
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from transpiler.collectives import ALL_REDUCE, WAIT, Placement
-from transpiler.mesh import Dim
+from transpiler import lowering
+from transpiler.collectives import Placement
 from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, Held, OutputSpec, Program, keep_old_unless, new_node
-from transpiler.roles import COMM, REDUCED, Role
+from transpiler.program import Held, OutputSpec, Program, keep_old_unless, new_node
+from transpiler.roles import REDUCED, Role
 
 aten = torch.ops.aten
 
@@ -35,8 +35,8 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
     checked = summed or list(program.grads.values())
     if not checked:
         return
-    def node(target, args, role=Role.OPTIMIZE, kwargs=None, **meta):
-        return new_node(graph, target, args, role, kwargs, **meta)
+    def node(target, args, kwargs=None):
+        return new_node(graph, target, args, Role.OPTIMIZE, kwargs)
 
     with graph.inserting_before(out):
         ok = None
@@ -46,10 +46,7 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
         skipped = node(aten.logical_not.default, (ok,))
         if any(n.meta[REDUCED].placement is Placement.SHARD for n in summed):
             flag = node(aten._to_copy.default, (skipped,), kwargs={"dtype": torch.float32})
-            comm = CommInfo("all_reduce", nbytes=flag.meta["val"].nbytes, over=Dim.WORLD)
-            anywhere = node(ALL_REDUCE, (flag, "max", ctx.mesh.ring(Dim.WORLD)), Role.COMM,
-                            **{COMM: comm})
-            anywhere = node(WAIT, (anywhere,), Role.COMM, **{COMM: comm})
+            anywhere = lowering.all_reduce_now(graph, flag, "max", ctx)
             skipped = node(aten.gt.Scalar, (anywhere, 0))
             ok = node(aten.logical_not.default, (skipped,))
     keep_old_unless(program, [ok] * len(program.outputs))

@@ -18,6 +18,14 @@ from .schedule import EveryStep, LocalSGD
 MAX_RINGS = 16
 
 
+# Passes of a mode and the options they do not combine with yet, refused up front.
+_UNSUPPORTED = {
+    "shard_optimizer": ("zero", ("verify", "reduce_groups", "hierarchical")),
+    "gather_grads": ("all_gather", ("verify", "reduce_groups", "hierarchical",
+                                    "skip_nonfinite", "fuse_dtype")),
+}
+
+
 def transpile(step_fn: Callable, mode: str | None = None, *,
               passes: Sequence[PassLike] | None = None, nrings: int = 2,
               bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
@@ -121,27 +129,21 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
                              "gradient over the world: it cannot check reduce_groups")
     used = {resolve(p).__name__ for program_passes in schedule.programs.values()
             for p in program_passes}
+    options = {"verify": verify, "reduce_groups": groups, "hierarchical": hierarchical,
+               "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
+    for pass_name in sorted(used & _UNSUPPORTED.keys()):
+        mode_name, refused = _UNSUPPORTED[pass_name]
+        given = [name for name in refused if options[name]]
+        if given:
+            raise TranspileError(f"mode {mode_name!r} ({pass_name}) does not support "
+                                 f"{', '.join(given)} yet; use fuse_all_reduce for them")
     sharded = "shard_optimizer" in used
-    for pass_name, mode_name in (("shard_optimizer", "zero"), ("gather_grads", "all_gather")):
-        if pass_name in used:
-            _check_unsupported(mode_name, pass_name, verify=verify, reduce_groups=groups,
-                               hierarchical=hierarchical,
-                               **({"skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
-                                  if pass_name == "gather_grads" else {}))
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),
                            first_bucket_mb=float(first_bucket_mb), fuse_dtype=fuse_dtype,
                            adaptive_k=bool(adaptive), hierarchical=hierarchical)
     return TranspiledStep(step_fn, schedule, settings, backend=backend, check_every=check_every,
                           verify=verify, verify_tolerance=float(verify_tolerance), groups=groups,
                           sharded_state=sharded)
-
-
-def _check_unsupported(mode: str, pass_name: str, **options) -> None:
-    """Options a mode's pass does not combine with, refused up front."""
-    given = [name for name, on in options.items() if on]
-    if given:
-        raise TranspileError(f"mode {mode!r} ({pass_name}) does not support "
-                             f"{', '.join(given)} yet; use fuse_all_reduce for them")
 
 
 def _local_sgd(k_steps, begin_step, adaptive) -> LocalSGD:

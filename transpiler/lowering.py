@@ -83,6 +83,16 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     return Issued(reduction, collective, comm, shape, numel)
 
 
+def all_reduce_now(graph: fx.Graph, value: fx.Node, op: str, ctx: PassContext) -> fx.Node:
+    """At the insertion point: `value` all-reduced with `op` ("sum", "max") over
+    the world on ring 0, and waited for at once (a scalar a pass must combine
+    across ranks: a partial norm, a verdict). Returns the waited node."""
+    comm = CommInfo("all_reduce", nbytes=value.meta["val"].nbytes, over=Dim.WORLD)
+    issued = new_node(graph, ALL_REDUCE, (value, op, ctx.mesh.ring(Dim.WORLD)), Role.COMM,
+                      **{COMM: comm})
+    return new_node(graph, WAIT, (issued,), Role.COMM, **{COMM: comm})
+
+
 def forget_marks(graph: fx.Graph) -> None:
     """Remove every mark to reduce: a reduction pass has lowered them all."""
     for node in graph.nodes:
