@@ -13,7 +13,9 @@ from .errors import TranspileError
 from .modes import MODES
 from .pipeline import PassContext, PassLike, check_order, resolve
 from .runtime import TranspiledStep
-from .schedule import EveryStep, LocalSGD
+from .schedule import Decentralized, EveryStep, LocalSGD
+from .topology import Topology
+from .topology import check_spec as check_topology
 
 MAX_RINGS = 16
 
@@ -23,6 +25,9 @@ _UNSUPPORTED = {
     "shard_optimizer": ("zero", ("verify", "reduce_groups", "hierarchical")),
     "gather_grads": ("all_gather", ("verify", "reduce_groups", "hierarchical",
                                     "skip_nonfinite", "fuse_dtype")),
+    # the ranks' parameters differ by design: nothing to check them against
+    "mix_params": ("decentralized", ("verify", "reduce_groups", "hierarchical",
+                                     "skip_nonfinite", "fuse_dtype", "check_every")),
 }
 
 
@@ -31,7 +36,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
               fuse_dtype: torch.dtype | None = None,
               k_steps: int | None = None, begin_step: int | None = None,
-              adaptive: bool | None = None,
+              adaptive: bool | None = None, topology: str | Topology | None = None,
               backend: str = "eager", check_every: int | None = None,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
@@ -51,6 +56,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     k_steps steps (default 4), after begin_step steps of gradient averaging
     (default 0); adaptive=True recomputes k after each average from the loss and
     the learning rate.
+    topology (decentralized only): who averages parameters with whom at each
+    step: "ring" (the default), "complete", "one-peer-exp",
+    "alternating-exp-ring", or a Topology of one's own (topology.of(...)); see
+    transpiler/topology.py.
     backend: how the programs run: "eager" (op by op, the reference), "inductor"
     (compiled by inductor, CPU and CUDA), "cudagraphs" (inductor plus one CUDA graph per
     program), "hpu" (Intel Gaudi), or "auto" (hpu on a Gaudi device, else
@@ -84,12 +93,18 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     elif mode is not None:
         raise TranspileError("give either mode or passes, not both")
     local = {"k_steps": k_steps, "begin_step": begin_step, "adaptive": adaptive}
+    given = [name for name, value in local.items() if value is not None]
+    if given and mode != "local_sgd":
+        raise TranspileError(f"{', '.join(given)} apply only to mode='local_sgd'")
+    if topology is not None and mode != "decentralized":
+        raise TranspileError("topology applies only to mode='decentralized'")
     if mode == "local_sgd":
         schedule = _local_sgd(k_steps, begin_step, adaptive)
+    elif mode == "decentralized":
+        topology = "ring" if topology is None else topology
+        check_topology(topology)
+        schedule = Decentralized(MODES[mode], topology)
     else:
-        given = [name for name, value in local.items() if value is not None]
-        if given:
-            raise TranspileError(f"{', '.join(given)} apply only to mode='local_sgd'")
         schedule = EveryStep(MODES[mode] if passes is None else passes)
     if not isinstance(skip_nonfinite, bool):
         raise TranspileError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
@@ -130,7 +145,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     used = {resolve(p).__name__ for program_passes in schedule.programs.values()
             for p in program_passes}
     options = {"verify": verify, "reduce_groups": groups, "hierarchical": hierarchical,
-               "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
+               "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype,
+               "check_every": check_every}
     for pass_name in sorted(used & _UNSUPPORTED.keys()):
         mode_name, refused = _UNSUPPORTED[pass_name]
         given = [name for name in refused if options[name]]

@@ -5,8 +5,8 @@ Ranks are numbered node by node (rank = node * local_size + local rank), as
 torchrun assigns them, and torchrun tells each process how many ranks its node
 runs (LOCAL_WORLD_SIZE). A reduction names the group it runs over with a `Dim`
 (the world, this rank's node, or the ranks across nodes that share this rank's
-local rank) or a `UserGroup` (a process group the user gave for some
-parameters); the mesh maps each to its size and to the process-group names of
+local rank), a `UserGroup` (a process group the user gave for some
+parameters) or `Peers` (this rank's group at a step of a decentralized topology); the mesh maps each to its size and to the process-group names of
 its rings. The mesh is plain data: passes read it and create nothing.
 """
 
@@ -38,7 +38,21 @@ class UserGroup:
         return f"group{self.index}"
 
 
-Over = Union[Dim, UserGroup]
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """This rank's group in partition `index` of a decentralized topology
+    (transpiler/topology.py), of `size` ranks. Printed without the size: the
+    ranks of one partition may be in groups of different sizes, and issue the
+    same collective on each."""
+
+    index: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"peers{self.index}"
+
+
+Over = Union[Dim, UserGroup, Peers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +73,7 @@ class Mesh:
         return self.world_size // self.local_size
 
     def size(self, over: Over) -> int:
-        if isinstance(over, UserGroup):
+        if not isinstance(over, Dim):
             return over.size
         return {Dim.WORLD: self.world_size, Dim.NODE: self.local_size,
                 Dim.ACROSS: self.nodes}[over]

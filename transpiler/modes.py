@@ -10,6 +10,11 @@ ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm")
 # Paddle's all_gather mode: every rank gathers every rank's gradients and applies
 # the update once per rank's gradient, in rank order.
 ALL_GATHER = ("gather_grads", "ring_round_robin", "schedule_comm")
+# Decentralized (Decent-DP's gossip): each rank averages its parameters with its
+# group of the topology at this step (a program per step of its period), then
+# updates them with its own gradient; the parameter sums are issued as the step
+# starts and overlap the forward and backward passes.
+DECENTRALIZED = ("mix_params", "coalesce_tensors", "ring_round_robin", "schedule_comm")
 # Paddle's LocalSGD: the local program takes its step without communication; the
 # sync program also averages the parameters, its deltas reduced by the same
 # passes that reduce gradients in fuse_all_reduce.
@@ -25,6 +30,7 @@ MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "local_sgd": LOCAL_SGD,
     "zero": ZERO,
     "all_gather": ALL_GATHER,
+    "decentralized": DECENTRALIZED,
 }
 
 # Run once before the first step: every rank starts from rank 0's state.

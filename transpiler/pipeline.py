@@ -14,6 +14,7 @@ from .errors import PassError
 from .mesh import Dim, Mesh, Over
 from .program import HistoryEntry, Program
 from .roles import REDUCE, ROLE, Role
+from .topology import Gossip
 
 log = logging.getLogger("transpiler")
 
@@ -34,6 +35,9 @@ class PassContext:
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
+    # mix_params: this rank's mixing in the program being built (decentralized
+    # mode; the schedule sets it per program)
+    gossip: Gossip | None = None
 
     @property
     def world_size(self) -> int:

@@ -93,6 +93,8 @@ def check_program(program: Program, groups: dict[str, Over]) -> None:
     silent divergence. Values reduced over the world are the same everywhere
     again; the step's returned values and the grouped parameters' own state may
     differ."""
+    if not groups:
+        return
     varying: dict[fx.Node, bool | frozenset[int]] = {}
     for node in program.graph.nodes:
         reduced = node.meta.get(REDUCED)

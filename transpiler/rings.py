@@ -16,14 +16,14 @@ from typing import Sequence
 import torch.distributed as dist
 
 from .errors import TranspileError
-from .mesh import Dim, Mesh, Over, UserGroup
+from .mesh import Dim, Mesh, Over, Peers, UserGroup
 
 log = logging.getLogger("transpiler")
 
-# (dim, ring, ranks per node) -> the name of this rank's group, for every
-# communicator created so far over `_world` (holding it keeps its id from being
-# reused by a later default group)
-_names: dict[tuple[Dim, int, int], str] = {}
+# (dim, ring, ranks per node) or (partition, ring) -> the name of this rank's
+# group, for every communicator created so far over `_world` (holding it keeps
+# its id from being reused by a later default group)
+_names: dict[tuple, str] = {}
 _world: list = [None]
 
 
@@ -60,12 +60,15 @@ def world_timeout():
 
 
 def build_mesh(nrings: int, hierarchical: bool,
-               groups: Sequence[dist.ProcessGroup | Dim] = ()) -> Mesh:
+               groups: Sequence[dist.ProcessGroup | Dim] = (),
+               partitions: Sequence[Sequence[Sequence[int]]] = ()) -> Mesh:
     """The mesh of this world with `nrings` rings over the world, and over the
     node and across-node groups where they are used: by a hierarchical
     reduction (with more than one node), or by a reduce group given as a mesh
     dimension. A reduce group given as a process group is its own single ring,
-    numbered by its position in `groups`."""
+    numbered by its position in `groups`. Each partition of a decentralized
+    topology gets `nrings` rings over each of its groups (Peers, numbered by
+    the partition's position)."""
     world_size, rank = world()
     if world_size == 1:
         return Mesh()
@@ -81,6 +84,11 @@ def build_mesh(nrings: int, hierarchical: bool,
     for i, group in enumerate(groups):
         if not isinstance(group, Dim):
             rings[UserGroup(i, group.size())] = (group.group_name,)
+    for i, partition in enumerate(partitions):
+        mine = next(g for g in partition if rank in g)
+        rings[Peers(i, len(mine))] = tuple(
+            _created((tuple(map(tuple, partition)), ring), [list(g) for g in partition])
+            for ring in range(nrings))
     return Mesh(world_size, rank, local_size, rings)
 
 
@@ -95,21 +103,22 @@ def _partition(mesh: Mesh, dim: Dim) -> list[list[int]]:
 
 
 def _rings(mesh: Mesh, dim: Dim, nrings: int) -> tuple[str, ...]:
-    """Names of `nrings` communicators of this rank's group along `dim`,
-    creating those missing (every rank creates every group of the partition)."""
+    """Names of `nrings` communicators of this rank's group along `dim`."""
+    key = 0 if dim is Dim.WORLD else mesh.local_size
+    return tuple(_created((dim, ring, key), _partition(mesh, dim)) for ring in range(nrings))
+
+
+def _created(key: tuple, partition: list[list[int]]) -> str:
+    """The name of this rank's group of `partition`, created under `key` unless
+    it was already (every rank creates every group of the partition)."""
     if _world[0] is not dist.group.WORLD:   # a new default group: new communicators
         _names.clear()
         _world[0] = dist.group.WORLD
-    names = []
-    for ring in range(nrings):
-        key = (dim, ring, 0 if dim is Dim.WORLD else mesh.local_size)
-        if key not in _names:
-            partition = _partition(mesh, dim)
-            if dim is Dim.WORLD:
-                group = dist.new_group(ranks=partition[0], timeout=world_timeout())
-            else:
-                group, _ = dist.new_subgroups_by_enumeration(partition, timeout=world_timeout())
-            _names[key] = group.group_name
-            log.debug("created ring %d over %s (group %s)", ring, dim, group.group_name)
-        names.append(_names[key])
-    return tuple(names)
+    if key not in _names:
+        if len(partition) == 1:
+            group = dist.new_group(ranks=partition[0], timeout=world_timeout())
+        else:
+            group, _ = dist.new_subgroups_by_enumeration(partition, timeout=world_timeout())
+        _names[key] = group.group_name
+        log.debug("created communicator %s (group %s)", key, group.group_name)
+    return _names[key]

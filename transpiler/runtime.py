@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import agreement, consistency, reduce_groups, verify
+from . import agreement, consensus, consistency, reduce_groups, verify
 from .backends import check_process_group, device_of, resolve
 from .capture import Captured, HeldSlot, describe_change, flatten_args, make_first_state, trace_step
 from .errors import DivergenceError, TranspileError
@@ -146,6 +146,34 @@ class TranspiledStep:
                 + ". Something outside the transpiled step changed them on some ranks "
                 "(a different seed, data-dependent code, an in-place edit).")
 
+    def _state_tensors(self, buffers: bool) -> list[torch.Tensor]:
+        """The parameters the step updates (with `buffers`, its floating-point
+        buffers too), the live tensors, in program order."""
+        runnable = next(iter(self._last_built().programs.values()))
+        updated = {spec.target for spec in runnable.program.outputs
+                   if spec.kind is OutputKind.UPDATE}
+        kinds = (InputKind.PARAM, InputKind.BUFFER) if buffers else (InputKind.PARAM,)
+        tensors = [slot.read(None) for spec, slot in zip(runnable.program.inputs, runnable.slots)
+                   if spec.kind in kinds and spec.name in updated]
+        return [t for t in tensors if t.is_floating_point()]
+
+    def global_average(self, buffers: bool = False) -> None:
+        """Set the parameters the step updates (with `buffers=True`, also its
+        floating-point buffers, such as BatchNorm's statistics) to their mean
+        over the ranks, in place: for evaluation, a checkpoint or the end of
+        decentralized training, where the ranks' parameters differ by design. A
+        collective: call it on every rank at the same step."""
+        if world()[0] > 1:
+            consensus.global_average(self._state_tensors(buffers))
+
+    def consensus_distance(self) -> float:
+        """The mean over the ranks of the distance (Euclidean, float64, all the
+        updated parameters as one vector) of each rank's parameters to their
+        average; 0.0 when they agree. A collective: call it on every rank."""
+        if world()[0] == 1:
+            return 0.0
+        return consensus.consensus_distance(self._state_tensors(False))
+
     def state_dict(self) -> dict:
         """The step's own state: its schedule (step counter; local_sgd: steps since
         the last sync, k) and its held tensors while they are current (local_sgd:
@@ -211,7 +239,7 @@ class TranspiledStep:
         self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
-        if self._check_due and name != "local":   # local SGD's ranks differ until the sync
+        if self._check_due and self.schedule.parameters_agree_after(name):
             self._check_due = False
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
@@ -232,12 +260,22 @@ class TranspiledStep:
         """Trace the step and run the passes of every program of the schedule and
         of the startup program; the ranks agree on all of them before any runs."""
         world_size = world()[0]
+        try:   # an error here must reach every rank before any collective
+            self.schedule.bind(world_size)
+            unbound = None
+        except TranspileError as exc:
+            unbound = exc
         if world_size > 1 and not self._settings_agreed:
+            settings = self._describe_settings()
+            if unbound is not None:
+                settings["schedule"] = f"{type(unbound).__name__}: {unbound}"
             with self._timed("agreement"):
-                agreement.agree_on_settings(self._describe_settings())
+                agreement.agree_on_settings(settings)
             self._settings_agreed = True
+        if unbound is not None:
+            raise unbound
         mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
-                          [g.group for g in self.groups])
+                          [g.group for g in self.groups], self.schedule.partitions)
         error, built, to_agree = None, None, []
         try:
             captured = self._trace(step_args, sig)
@@ -283,7 +321,7 @@ class TranspiledStep:
         programs = {}
         for name, passes in self.schedule.programs.items():
             program = captured.program.copy(name)
-            run_passes(program, passes, ctx)
+            run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
             programs[name] = Runnable(program, *self._bind(program, captured), backend)
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs

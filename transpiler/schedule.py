@@ -9,14 +9,17 @@ program at the same step and no program has a data-dependent branch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Mapping, Sequence
 
 import torch
 
-from .pipeline import PassLike
+from .pipeline import PassContext, PassLike
 from .program import Held, held_name
+from .rings import local_world_size
+from .topology import Topology, resolve
 
 log = logging.getLogger("transpiler")
 
@@ -32,10 +35,24 @@ class Schedule:
     """Counts the steps taken and the updates skip_nonfinite skipped."""
 
     programs: dict[str, tuple[PassLike, ...]]
+    # Partitions of the ranks whose groups the programs reduce over (decentralized
+    # topologies); the runtime creates their communicators.
+    partitions: tuple = ()
 
     def __init__(self):
         self.step = 0
         self.skipped = 0
+
+    def bind(self, world_size: int) -> None:
+        """Before anything is built: settle what depends on the world's size."""
+
+    def context(self, program: str, ctx: PassContext) -> PassContext:
+        """The settings the passes of `program` run with."""
+        return ctx
+
+    def parameters_agree_after(self, program: str) -> bool:
+        """Whether every rank holds the same parameters after `program` ran."""
+        return True
 
     def next_program(self) -> str:
         raise NotImplementedError
@@ -87,6 +104,9 @@ class LocalSGD(Schedule):
             return "warmup"
         return "sync" if self.since_sync + 1 >= self.k else "local"
 
+    def parameters_agree_after(self, program: str) -> bool:
+        return program != "local"
+
     def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
         super().advance(program, held)
         if program == "local":
@@ -116,3 +136,41 @@ class LocalSGD(Schedule):
         super().load_state_dict(state)
         self.since_sync, self.k = int(state["since_sync"]), int(state["k"])
         self.loss0, self.lr0 = state["loss0"], state["lr0"]
+
+
+class Decentralized(Schedule):
+    """Decentralized training over a topology (transpiler/topology.py): step t
+    runs the program of phase t mod the topology's period, whose passes mix
+    each rank's parameters with its group of that phase. The topology, a
+    built-in name or a Topology, is resolved for the world on the first build."""
+
+    def __init__(self, passes: Sequence[PassLike], topology: str | Topology):
+        super().__init__()
+        self.passes = tuple(passes)
+        self.topology = topology
+        self.resolved: Topology | None = None
+        self.programs = {"phase0": self.passes}
+
+    def bind(self, world_size: int) -> None:
+        if self.resolved is not None or world_size == 1:
+            return
+        self.resolved = resolve(self.topology, world_size, local_world_size())
+        self.programs = {f"phase{k}": self.passes for k in range(len(self.resolved.mixings))}
+        self.partitions = self.resolved.partitions
+        log.info("transpiler: decentralized over %s, %d step(s) per period, %s",
+                 self.resolved.name, len(self.programs),
+                 "; ".join(f"step {k}: {[list(g) for g in m.groups]}"
+                           for k, m in enumerate(self.resolved.mixings)))
+
+    def context(self, program: str, ctx: PassContext) -> PassContext:
+        if self.resolved is None:
+            return ctx
+        phase = list(self.programs).index(program)
+        return dataclasses.replace(ctx, gossip=self.resolved.gossip(phase, ctx.rank))
+
+    def parameters_agree_after(self, program: str) -> bool:
+        return False
+
+    def next_program(self) -> str:
+        names = list(self.programs)
+        return names[self.step % len(names)]
