@@ -6,14 +6,18 @@ schedule sets it per program: transpiler/schedule.py, transpiler/topology.py).
 Produces, for every parameter p the step updates (an UPDATE output of a PARAM
 input), where x is p as the step starts and S the sum of x over the group:
 
-    s = alias(x) at the start of the program, marked reduce=<p> (SUM over ctx.gossip.over)
-    m = a * x + b * S      (the group's mean S / |R| when the topology gives no weight)
+    s = alias(x) at the start of the program, marked reduce=<p> over ctx.gossip.over:
+        MEAN where the mixing is the group's plain mean (no weight, or w = 1/|R|:
+        each x times 1/|R|, then summed, one multiply per bucket), else SUM
+    m = s (the mean) or a * x + b * S
 
-placed before the first node of the update (role OPTIMIZE) that reads x; every
-such node, and p's UPDATE output where it is x itself, reads m instead. So the
-forward and backward passes and the gradient processing before
-optimizer.step() run at x, and the optimizer updates the mixed parameters with
-this rank's own gradient. Buffers and optimizer state are not mixed. New nodes
+then, before the first node of the update (role OPTIMIZE) that reads any x,
+one `_foreach_copy` of every m into its parameter's layout (eager runs it in
+place: the mixed values land in the parameters, which the update then updates
+in place); every such node, and p's UPDATE output where it is x itself, reads
+the copy instead of x. So the forward and backward passes and the gradient
+processing before optimizer.step() run at x, and the optimizer updates the
+mixed parameters with this rank's own gradient. Buffers and optimizer state are not mixed. New nodes
 have role OPTIMIZE. The sums are left to a reduction pass (coalesce_tensors),
 which must run after this one; schedule_comm then issues them as the program
 starts, so the communication overlaps the forward and backward passes. With one
@@ -22,10 +26,13 @@ rank it does not apply.
 
 from __future__ import annotations
 
+import operator
+from fractions import Fraction
+
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import Reduction
+from transpiler.collectives import Reduction, ReduceOp
 from transpiler.pipeline import Mark, PassContext, produces
 from transpiler.program import InputKind, OutputKind, Program, new_node
 from transpiler.roles import INPUT, REDUCE, ROLE, Role
@@ -49,35 +56,46 @@ def mix_params(program: Program, ctx: PassContext) -> None:
                          "(transpile(..., mode='decentralized', topology=...))")
     graph, out = program.graph, program.output_node
     params = mixed_parameters(program)
+    if not params:
+        return
+    mean = _is_mean(ctx)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        sums = {p: new_node(graph, aten.alias.default, (p,), Role.OPTIMIZE,
-                            **{REDUCE: Reduction(p.meta[INPUT].name, over=ctx.gossip.over)})
-                for p in params}
+        sums = [new_node(graph, aten.alias.default, (p,), Role.OPTIMIZE, **{REDUCE: Reduction(
+            p.meta[INPUT].name, ReduceOp.MEAN if mean else ReduceOp.SUM, ctx.gossip.over)})
+            for p in params]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    readers = {p: [n for n in p.users if n.meta.get(ROLE, 0) & Role.OPTIMIZE and n not in sums]
+               for p in params}
+    before = min((r for rs in readers.values() for r in rs), key=position.__getitem__, default=out)
+    with graph.inserting_before(before):
+        mixed = sums if mean else [_mix(graph, p, s, ctx) for p, s in zip(params, sums)]
+        copied = new_node(graph, aten._foreach_copy.default, (params, mixed), Role.OPTIMIZE)
+        mixed = [new_node(graph, operator.getitem, (copied, i), Role.OPTIMIZE)
+                 for i in range(len(params))]
     values = list(out.args[0])
     updates = {spec.target: i for i, spec in enumerate(program.outputs)
                if spec.kind is OutputKind.UPDATE}
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for p in params:
-        readers = [n for n in p.users if n.meta.get(ROLE, 0) & Role.OPTIMIZE and n is not sums[p]]
-        before = min(readers, key=position.__getitem__) if readers else out
-        with graph.inserting_before(before):
-            mixed = _mix(graph, p, sums[p], ctx)
-        for reader in readers:
-            reader.replace_input_with(p, mixed)
+    for p, m in zip(params, mixed):
+        for reader in readers[p]:
+            reader.replace_input_with(p, m)
         i = updates[p.meta[INPUT].name]
         if values[i] is p:
-            values[i] = mixed
+            values[i] = m
     out.args = (tuple(values),)
 
 
+def _is_mean(ctx: PassContext) -> bool:
+    """Whether this rank's mixing is its group's plain mean."""
+    coefficients = ctx.gossip.coefficients
+    return coefficients is None or coefficients == (0, Fraction(1, ctx.gossip.over.size))
+
+
 def _mix(graph: fx.Graph, x: fx.Node, total: fx.Node, ctx: PassContext) -> fx.Node:
+    """a * x + b * total (b * total where a is 0)."""
     def node(target, args):
         return new_node(graph, target, args, Role.OPTIMIZE)
 
-    if ctx.gossip.coefficients is None:
-        return node(aten.div.Tensor, (total, ctx.gossip.over.size))
     a, b = ctx.gossip.coefficients
     mixed = node(aten.mul.Tensor, (total, float(b)))
     return mixed if a == 0 else node(aten.add.Tensor, (node(aten.mul.Tensor, (x, float(a))), mixed))
-

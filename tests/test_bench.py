@@ -34,8 +34,9 @@ def test_bench_cli_writes_json(tmp_path):
         split = fields.pop("setup_split", None)
         assert set(fields) == set(bench.FIELDS), config
         for name, value in fields.items():
-            # allreduce_only runs no optimizer: it holds no state.
-            positive = value > 0 or (name, config) == ("opt_state_mb", "allreduce_only")
+            # allreduce_only runs no optimizer: it holds no state; local sends nothing.
+            positive = value > 0 or (name, config) in (("opt_state_mb", "allreduce_only"),
+                                                       ("sent_mb", "local"))
             assert isinstance(value, float) and math.isfinite(value) and positive, \
                 (config, name, value)
         # The transpiler's setup by phase, which adds up to its setup_s.
@@ -45,6 +46,11 @@ def test_bench_cli_writes_json(tmp_path):
             assert split["trace"] > 0 and split["passes"] > 0 and split["agreement"] > 0
             assert sum(split.values()) <= fields["setup_s"] * 1.01, (config, split)
     assert results["ddp"]["vs_ddp"] == 1.0
+    # Counted from the programs' collectives, the gradients all-reduced send what
+    # DDP's all-reduce of every gradient does; local SGD, once per period of 8.
+    sent = results["ddp"]["sent_mb"]
+    assert math.isclose(results["grad_allreduce"]["sent_mb"], sent, rel_tol=1e-9)
+    assert math.isclose(results["local_sgd"]["sent_mb"], sent / bench.LOCAL_SGD_K, rel_tol=1e-9)
     assert "setup_s of the transpiler by phase" in proc.stdout
 
 

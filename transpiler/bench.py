@@ -33,6 +33,10 @@ optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
                             across nodes and all-gathered inside the node
     zero                    mode="zero": gradients reduce-scattered, state and
                             update sharded, parameters all-gathered
+    all_gather              mode="all_gather": gradients all-gathered, the update
+                            applied once per rank's gradient
+    decentralized           mode="decentralized", topology="ring": parameters
+                            averaged with one neighbour per step (even world size)
 
 What is measured, and how:
 
@@ -56,6 +60,11 @@ What is measured, and how:
 - opt_state_mb: bytes of the optimizer state tensors this rank holds after the
   timed steps, max over the ranks (`--optimizer adam`: two per parameter; a
   sharded mode or torch's ZeroRedundancyOptimizer holds 1/N of them).
+- sent_mb: MiB one rank sends per step, counted for the bandwidth-optimal ring
+  algorithms (transpiler.collectives.sent_bytes: an all-reduce sends 2 (g-1)/g
+  of its buffer among g ranks): for the transpiler, the collectives of the
+  programs it ran in the timed steps; for ddp, ddp_compiled and allreduce_only,
+  the all-reduce of every gradient; not counted ("-") for ddp_zero_redundancy.
 - peak_rss_mb: ru_maxrss (a process-lifetime peak) of the rank processes that
   ran only this configuration, max over the ranks. It includes the interpreter,
   torch, the model and the data (the table header says how much that was
@@ -96,6 +105,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from transpiler import MODES, transpile
 from transpiler.backends import BACKENDS
+from transpiler.collectives import sent_bytes
 
 log = logging.getLogger("transpiler.bench")
 
@@ -103,7 +113,7 @@ CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
-FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "peak_rss_mb", "setup_s")
+FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "sent_mb", "peak_rss_mb", "setup_s")
 OPTIMIZERS = ("sgd", "adam")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
 
@@ -284,6 +294,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
     "all_gather": _transpiled("all_gather"),
+    "decentralized": _transpiled("decentralized", topology="ring"),
 }
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
@@ -334,17 +345,24 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     step, setup_s = _between_barriers(build_and_first_call)
     built_s = _build_seconds(step)
     period = PERIOD.get(job.config, 1)
+    sent_before = _bytes_sent(step)
 
     def sample(i):
         for j in range(i * period, (i + 1) * period):
             step(*batches[1 + j % (len(batches) - 1)])
 
     times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
+    if job.config in SENT:
+        sent = SENT[job.config](model, world_size)
+    else:
+        after = _bytes_sent(step)
+        sent = None if after is None else (after - sent_before) / (len(times) * period)
     setup_s += _build_seconds(step) - built_s   # programs built during the warm-up
     split = getattr(_transpiled_step(step), "setup_split", None)
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
             "base_rss_mb": base_rss, "setup_split": split,
-            "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20}
+            "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20,
+            "sent_mb": None if sent is None else sent / 2**20}
 
 
 def _state_bytes(optimizer) -> int:
@@ -353,6 +371,23 @@ def _state_bytes(optimizer) -> int:
     state = getattr(optimizer, "optim", optimizer).state
     return sum(v.nbytes for entries in state.values() for v in entries.values()
                if isinstance(v, torch.Tensor))
+
+
+def _bytes_sent(step) -> float | None:
+    """What a transpiled step's rank has sent so far (None for the others)."""
+    return getattr(_transpiled_step(step), "bytes_sent", None)
+
+
+def _all_reduced_gradients(model, world_size: int) -> float:
+    """What one rank sends to all-reduce every gradient (collectives.sent_bytes)."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return sent_bytes("all_reduce", nbytes, world_size)
+
+
+# What a rank sends per step, for the configurations that are not transpiled
+# (those count their programs' collectives); the others report none.
+SENT = {"local": lambda model, world_size: 0.0, "ddp": _all_reduced_gradients,
+        "ddp_compiled": _all_reduced_gradients, "allreduce_only": _all_reduced_gradients}
 
 
 def _transpiled_step(step):
@@ -452,6 +487,7 @@ class Measurement:
     base_rss_mb: float
     setup_split: dict[str, float] | None = None   # the transpiler's setup by phase
     opt_state_mb: float = 0.0
+    sent_mb: float | None = None   # what a rank sends per step (None: not counted)
 
 
 def combine(per_rank: list[dict]) -> Measurement:
@@ -464,7 +500,13 @@ def combine(per_rank: list[dict]) -> Measurement:
                        peak_rss_mb=max(r["peak_rss_mb"] for r in per_rank),
                        base_rss_mb=max(r["base_rss_mb"] for r in per_rank),
                        setup_split=slowest_setup.get("setup_split"),
-                       opt_state_mb=max(r["opt_state_mb"] for r in per_rank))
+                       opt_state_mb=max(r["opt_state_mb"] for r in per_rank),
+                       sent_mb=_max_or_none(r["sent_mb"] for r in per_rank))
+
+
+def _max_or_none(values) -> float | None:
+    values = list(values)
+    return None if None in values else max(values)
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
@@ -505,7 +547,7 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
                 peak_rss_mb=max(m.peak_rss_mb for m in ms),
                 base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split,
-                opt_state_mb=max(m.opt_state_mb for m in ms))
+                opt_state_mb=max(m.opt_state_mb for m in ms), sent_mb=ms[0].sent_mb)
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
@@ -523,7 +565,8 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
         limit = max(limits) if len(limits) == 2 else None
         summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
                               "vs_limit": _ratio(m.step_ms, limit),
-                              "opt_state_mb": m.opt_state_mb, "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
+                              "opt_state_mb": m.opt_state_mb, "sent_mb": m.sent_mb,
+                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
                               **({"setup_split": m.setup_split} if m.setup_split else {})}
                           for c, m in ok.items()}
     return summary
@@ -558,7 +601,8 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def format_table(raw: dict, summary: dict) -> str:
     columns = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
-               ("opt_state_mb", ".2f"), ("peak_rss_mb", ".1f"), ("setup_s", ".2f"))
+               ("opt_state_mb", ".2f"), ("sent_mb", ".2f"), ("peak_rss_mb", ".1f"),
+               ("setup_s", ".2f"))
     width = max([len(c) for r in raw.values() for c in r] + [len("config")])
     lines = [f"{'model':<12} {'config':<{width}}" + "".join(f" {n:>11}" for n, _ in columns)]
     for model, results in raw.items():
@@ -609,21 +653,21 @@ def write_json(path: str, world_size: int, summary: dict) -> None:
         f.write("\n")
 
 
-def _pyplot():
-    """matplotlib.pyplot, imported only for --plot: matplotlib is an optional extra."""
+def pyplot():
+    """matplotlib.pyplot (Agg), imported only for plots: matplotlib is an optional extra."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BenchError("--plot needs matplotlib, an optional extra: "
+        raise BenchError("plots need matplotlib, an optional extra: "
                          "pip install -e .[bench]") from None
     return plt
 
 
 def plot(path: str, summary: dict, title: str) -> None:
     """One panel per model, one bar per configuration: step time in ms."""
-    plt = _pyplot()
+    plt = pyplot()
     models = [m for m in summary if summary[m]]
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 4.5),
                              squeeze=False)
@@ -698,7 +742,7 @@ def main(argv=None) -> int:
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
         if args.plot:
-            _pyplot()      # fail now, not after minutes of benchmarking
+            pyplot()      # fail now, not after minutes of benchmarking
     except BenchError as exc:
         log.error("error: %s", exc)
         return 2

@@ -17,6 +17,18 @@ BROADCAST = _functional.broadcast.default
 WAIT = _functional.wait_tensor.default
 
 
+def sent_bytes(op: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank sends in a collective over a buffer of `nbytes` (its whole
+    size) among `group_size` ranks, counted for the bandwidth-optimal ring
+    algorithms: an all-reduce sends 2 (g - 1) / g of the buffer, a
+    reduce-scatter or an all-gather (g - 1) / g, a broadcast the buffer.
+    (What a backend's algorithm sends may differ; this is the usual measure.)"""
+    if op == "broadcast":
+        return float(nbytes)
+    share = (group_size - 1) / group_size
+    return (2 if op == "all_reduce" else 1) * share * nbytes
+
+
 class ReduceOp(enum.Enum):
     SUM = "sum"
     # The mean over the group: each rank's value times 1 / group size, then the

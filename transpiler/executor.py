@@ -26,6 +26,7 @@ class Runnable:
     targets: list
     backend: str
     executable: Executable | None = None
+    sent_bytes: float = 0.0   # what this rank sends per run (collectives.sent_bytes)
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 

@@ -120,7 +120,8 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
     across = dataclasses.replace(issued.comm, op="all_reduce", over=Dim.ACROSS, nbytes=shard_bytes)
     summed = node(ALL_REDUCE, (waited, "sum", mesh.ring(Dim.ACROSS)), **{COMM: across})
     summed = node(WAIT, (summed,), **{COMM: across})
-    inside = dataclasses.replace(issued.comm, op="all_gather", over=Dim.NODE, nbytes=shard_bytes)
+    inside = dataclasses.replace(issued.comm, op="all_gather", over=Dim.NODE,
+                                 nbytes=shard_bytes * mesh.local_size)
     gathered = node(ALL_GATHER, (summed, mesh.local_size, mesh.ring(Dim.NODE)), **{COMM: inside})
     full = node(WAIT, (gathered,), **{COMM: inside})
     if full.meta["val"].numel() != issued.numel:

@@ -130,7 +130,7 @@ class CommInfo:
     bucket: int | None = None
     over: Over = Dim.WORLD         # the group of ranks it runs over
     params: tuple[str, ...] = ()   # the parameters whose gradients it carries
-    nbytes: int = 0                # bytes on the wire per rank
+    nbytes: int = 0                # bytes of the whole buffer reduced, gathered or broadcast
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 
 from . import agreement, consensus, consistency, reduce_groups, verify
 from .backends import check_process_group, device_of, resolve
+from .collectives import sent_bytes
 from .capture import Captured, HeldSlot, describe_change, flatten_args, make_first_state, trace_step
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
@@ -31,6 +32,7 @@ from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, record, run_passes
 from .program import InputKind, OutputKind, Program, format_collectives
+from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .mesh import Dim
 from .rings import build_mesh, world
@@ -68,6 +70,8 @@ class TranspiledStep:
         # One-time costs by phase (setup_split): every trace, pass and rank agreement.
         self._seconds = dict.fromkeys(("trace", "passes", "agreement"), 0.0)
         self._last: Built | None = None
+        # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
+        self.bytes_sent = 0.0
         self._last_run: str | None = None
         self.startup_program: Program | None = None
 
@@ -235,6 +239,7 @@ class TranspiledStep:
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
         self._last, self._last_run = built, name
+        self.bytes_sent += runnable.sent_bytes
         self.schedule.advance(name, self._held.tensors)
         self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
         if self.check_every and self.schedule.step % self.check_every == 0:
@@ -323,7 +328,9 @@ class TranspiledStep:
             program = captured.program.copy(name)
             run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
-            programs[name] = Runnable(program, *self._bind(program, captured), backend)
+            sent = sum(sent_bytes(c.op, c.nbytes, ctx.mesh.size(c.over))
+                       for c in (n.meta[COMM] for n in program.collectives()))
+            programs[name] = Runnable(program, *self._bind(program, captured), backend, sent_bytes=sent)
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
                      if spec.kind is InputKind.HELD}.values())
         startup = refresh = None
