@@ -89,16 +89,24 @@ def fits(topology: str, world_size: int) -> bool:
     return True
 
 
-def plot(path: str, results: dict, steps: int, world_size: int) -> None:
+def smoothed(values: list[float], window: int) -> list[float]:
+    """The mean of the last `window` values at each step (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / min(window, i + 1)
+            for i in range(len(values))]
+
+
+def plot(path: str, results: dict, steps: int, world_size: int, window: int = 20) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, r) in enumerate(results.items()):
         label = f"{name} (held-out {r['held_out_loss']:.3f})"
-        left.plot(range(1, steps + 1), r["loss"], color=f"C{i}", lw=1, label=label)
+        left.plot(range(1, steps + 1), smoothed(r["loss"], window), color=f"C{i}", lw=1,
+                  label=label)
         if r["consensus_distance"]:
             right.plot(range(1, steps + 1), r["consensus_distance"], color=f"C{i}", lw=1,
                        label=name)
-    left.set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log")
+    left.set(xlabel="step", ylabel=f"training loss (mean over ranks, last {window} steps)",
+             yscale="log")
     left.legend(fontsize=8)
     right.set(xlabel="step", ylabel="consensus distance", yscale="log")
     right.legend(fontsize=8)

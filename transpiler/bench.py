@@ -33,6 +33,8 @@ optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
                             across nodes and all-gathered inside the node
     zero                    mode="zero": gradients reduce-scattered, state and
                             update sharded, parameters all-gathered
+    <mode>+schedule_updates the mode's passes, then schedule_updates (each
+                            bucket's update as soon as its collective is done)
     all_gather              mode="all_gather": gradients all-gathered, the update
                             applied once per rank's gradient
     decentralized           mode="decentralized", topology="ring": parameters
@@ -270,13 +272,15 @@ def _ddp_zero_redundancy(model, optimizer):
     return functools.partial(train_step, DDP(model), sharded)
 
 
-def _transpiled(mode: str, **options) -> Builder | None:
-    """A transpiler configuration; None where the mode or backend does not exist."""
+def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | None:
+    """A transpiler configuration: the mode, or its passes followed by `then`;
+    None where the mode or backend does not exist."""
     if mode not in MODES or options.get("backend", "eager") not in BACKENDS:
         return None
+    chosen = {"passes": MODES[mode] + then} if then else {"mode": mode}
 
     def build(model, optimizer):
-        return functools.partial(transpile(train_step, mode=mode, **options), model, optimizer)
+        return functools.partial(transpile(train_step, **chosen, **options), model, optimizer)
     return build
 
 
@@ -291,8 +295,10 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
+    "fuse_all_reduce+schedule_updates": _transpiled("fuse_all_reduce", ("schedule_updates",)),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
+    "zero+schedule_updates": _transpiled("zero", ("schedule_updates",)),
     "all_gather": _transpiled("all_gather"),
     "decentralized": _transpiled("decentralized", topology="ring"),
 }
