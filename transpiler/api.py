@@ -25,9 +25,8 @@ _UNSUPPORTED = {
     "shard_optimizer": ("zero", ("verify", "reduce_groups", "hierarchical")),
     "gather_grads": ("all_gather", ("verify", "reduce_groups", "hierarchical",
                                     "skip_nonfinite", "fuse_dtype")),
-    # the ranks' parameters differ by design: nothing to check them against
     "mix_params": ("decentralized", ("verify", "reduce_groups", "hierarchical",
-                                     "skip_nonfinite", "fuse_dtype", "check_every")),
+                                     "skip_nonfinite", "fuse_dtype")),
 }
 
 
@@ -96,6 +95,10 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     given = [name for name, value in local.items() if value is not None]
     if given and mode != "local_sgd":
         raise TranspileError(f"{', '.join(given)} apply only to mode='local_sgd'")
+    if check_every is not None and mode == "decentralized":
+        raise TranspileError("check_every compares the ranks' parameters, which differ by "
+                             "design in mode 'decentralized'; watch step.consensus_distance() "
+                             "instead")
     if topology is not None and mode != "decentralized":
         raise TranspileError("topology applies only to mode='decentralized'")
     if mode == "local_sgd":
@@ -145,8 +148,7 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     used = {resolve(p).__name__ for program_passes in schedule.programs.values()
             for p in program_passes}
     options = {"verify": verify, "reduce_groups": groups, "hierarchical": hierarchical,
-               "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype,
-               "check_every": check_every}
+               "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
     for pass_name in sorted(used & _UNSUPPORTED.keys()):
         mode_name, refused = _UNSUPPORTED[pass_name]
         given = [name for name in refused if options[name]]

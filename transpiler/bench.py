@@ -298,7 +298,6 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+schedule_updates": _transpiled("fuse_all_reduce", ("schedule_updates",)),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
-    "zero+schedule_updates": _transpiled("zero", ("schedule_updates",)),
     "all_gather": _transpiled("all_gather"),
     "decentralized": _transpiled("decentralized", topology="ring"),
 }

@@ -5,8 +5,10 @@ GRAD_ALLREDUCE = ("average_grads", "insert_allreduce", "ring_round_robin")
 # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
 FUSE_ALL_REDUCE = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
 # ZeRO-2: gradients reduce-scattered in buckets, each rank updates its shard of
-# the parameters and the optimizer state, the parameters all-gathered.
-ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm")
+# the parameters and the optimizer state, the parameters all-gathered; each
+# bucket's update and all-gather as soon as its reduce-scatter is done.
+ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm",
+        "schedule_updates")
 # Paddle's all_gather mode: every rank gathers every rank's gradients and applies
 # the update once per rank's gradient, in rank order.
 ALL_GATHER = ("gather_grads", "ring_round_robin", "schedule_comm")

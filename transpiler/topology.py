@@ -42,7 +42,7 @@ class Mixing:
 
     def coefficients(self, rank: int) -> tuple[Fraction, Fraction] | None:
         """(a, b) with x_i <- a * x_i + b * sum(x_j for j in R), exactly; None for
-        the plain mean (the sum divided by |R|)."""
+        the plain mean."""
         if self.weight is None:
             return None
         b = (1 - self.weight) / (len(self.group_of(rank)) - 1)
@@ -92,7 +92,7 @@ class Topology:
 class Gossip:
     """One rank's mixing at one phase of a topology: the group it averages with
     and the coefficients (a, b) of x <- a * x + b * (the group's sum); None: the
-    group's mean (the sum divided by its size). What passes/mix_params reads."""
+    group's mean. What passes/mix_params reads."""
 
     over: Peers
     coefficients: tuple[Fraction, Fraction] | None
