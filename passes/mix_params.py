@@ -40,13 +40,6 @@ from transpiler.roles import INPUT, REDUCE, ROLE, Role
 aten = torch.ops.aten
 
 
-def mixed_parameters(program: Program) -> list[fx.Node]:
-    """The placeholders of the parameters the step updates, in input order."""
-    updated = {spec.target for spec in program.outputs if spec.kind is OutputKind.UPDATE}
-    return [n for n in program.placeholders
-            if n.meta[INPUT].kind is InputKind.PARAM and n.meta[INPUT].name in updated]
-
-
 @produces(Mark.TO_REDUCE)
 def mix_params(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
@@ -55,7 +48,7 @@ def mix_params(program: Program, ctx: PassContext) -> None:
         raise ValueError("mix_params needs the topology's mixing of this program "
                          "(transpile(..., mode='decentralized', topology=...))")
     graph, out = program.graph, program.output_node
-    params = mixed_parameters(program)
+    params = program.updated_inputs(InputKind.PARAM)
     if not params:
         return
     mean = _is_mean(ctx)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from transpiler.pipeline import PassContext
-from transpiler.program import Held, InputKind, InputSpec, OutputKind, Program
+from transpiler.program import Held, InputKind, InputSpec, Program
 from transpiler.roles import INPUT
 
 
@@ -29,9 +29,7 @@ def snapshots(program: Program) -> dict[str, fx.Node]:
 def snapshot_params(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
-    updated = {spec.target for spec in program.outputs if spec.kind is OutputKind.UPDATE}
-    for spec in list(program.inputs):
-        if spec.kind is InputKind.PARAM and spec.name in updated:
-            param = program.input_node(spec.name)
-            program.add_input(InputSpec.of_held(Held.SNAPSHOT, spec.name), param,
-                              "snap_" + param.name.removeprefix("p_"))
+    for param in program.updated_inputs(InputKind.PARAM):
+        name = param.meta[INPUT].name
+        program.add_input(InputSpec.of_held(Held.SNAPSHOT, name), param,
+                          "snap_" + param.name.removeprefix("p_"))

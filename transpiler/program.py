@@ -177,6 +177,13 @@ class Program:
                 return node
         raise KeyError(name)
 
+    def updated_inputs(self, *kinds: InputKind) -> list[fx.Node]:
+        """The placeholders of those kinds that the step gives a new value (an
+        UPDATE output), in input order."""
+        updated = {spec.target for spec in self.outputs if spec.kind is OutputKind.UPDATE}
+        return [n for n in self.placeholders
+                if n.meta[INPUT].kind in kinds and n.meta[INPUT].name in updated]
+
     def to_reduce(self) -> dict[str, fx.Node]:
         """Key -> node of the values a pass marked to be reduced over the ranks
         (meta["reduce"], a Reduction) and that something reads, in program order."""

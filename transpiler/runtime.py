@@ -154,11 +154,10 @@ class TranspiledStep:
         """The parameters the step updates (with `buffers`, its floating-point
         buffers too), the live tensors, in program order."""
         runnable = next(iter(self._last_built().programs.values()))
-        updated = {spec.target for spec in runnable.program.outputs
-                   if spec.kind is OutputKind.UPDATE}
         kinds = (InputKind.PARAM, InputKind.BUFFER) if buffers else (InputKind.PARAM,)
-        tensors = [slot.read(None) for spec, slot in zip(runnable.program.inputs, runnable.slots)
-                   if spec.kind in kinds and spec.name in updated]
+        updated = set(runnable.program.updated_inputs(*kinds))
+        tensors = [slot.read(None) for node, slot in zip(runnable.program.placeholders,
+                                                         runnable.slots) if node in updated]
         return [t for t in tensors if t.is_floating_point()]
 
     def global_average(self, buffers: bool = False) -> None:
