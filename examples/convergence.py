@@ -23,19 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from transpiler import TranspileError, transpile
-from transpiler.bench import pyplot
+from transpiler.bench import pyplot, train_step
 from transpiler.topology import BUILT_IN
 
 log = logging.getLogger("convergence")
 TOPOLOGIES = ("ring", "one-peer-exp", "complete")
-
-
-def train_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def make_data(steps: int, world_size: int, batch: int):

@@ -19,6 +19,7 @@ from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from transpiler import TranspileError, run_passes, topology, transpile
+from transpiler.capture import _compiling_flag   # lets capturable AdamW run on CPU
 from transpiler.mesh import Peers
 from transpiler.modes import MODES
 
@@ -145,21 +146,10 @@ def _mix(p, mixing, group, rank):
     p.copy_(p * w + others * ((1 - w) / (len(members) - 1)))
 
 
-@contextlib.contextmanager
-def _capturable_allowed():
-    """torch runs an optimizer's capturable formulation (the one the program
-    traces: step counts as tensors) on CPU while it believes it is compiling."""
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = old
-
-
 def reference(model_name, opt_name, topo, steps=STEPS):
     """Each rank: forward and backward at its parameters, mix them with its group
-    of this step, then its optimizer's update with its own gradient."""
+    of this step, then its optimizer's update with its own gradient. AdamW runs
+    torch's capturable formulation, the one the program traces."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make(model_name)
     opt = M.make_optimizer(opt_name, model)
@@ -176,7 +166,7 @@ def reference(model_name, opt_name, topo, steps=STEPS):
         for p in model.parameters():
             if p.grad is not None:   # what the optimizer updates
                 _mix(p, mixing, groups[mixing.groups], rank)
-        with _capturable_allowed() if capturable else contextlib.nullcontext():
+        with _compiling_flag() if capturable else contextlib.nullcontext():
             opt.step()
     return M.state_of(model, opt)
 
