@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
+from tests.test_training_loops import clip
 from transpiler import TranspileError, run_passes, topology, transpile
 from transpiler.capture import _compiling_flag   # lets capturable AdamW run on CPU
 from transpiler.mesh import Peers
@@ -146,7 +147,7 @@ def _mix(p, mixing, group, rank):
     p.copy_(p * w + others * ((1 - w) / (len(members) - 1)))
 
 
-def reference(model_name, opt_name, topo, steps=STEPS):
+def reference(model_name, opt_name, topo, steps=STEPS, clipped=False):
     """Each rank: forward and backward at its parameters, mix them with its group
     of this step, then its optimizer's update with its own gradient. AdamW runs
     torch's capturable formulation, the one the program traces."""
@@ -163,6 +164,8 @@ def reference(model_name, opt_name, topo, steps=STEPS):
         x, y = M.shard(batch, rank, world_size)
         out = model(x)
         F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+        if clipped:   # the rank's own gradient, before the mixing
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         for p in model.parameters():
             if p.grad is not None:   # what the optimizer updates
                 _mix(p, mixing, groups[mixing.groups], rank)
@@ -171,20 +174,21 @@ def reference(model_name, opt_name, topo, steps=STEPS):
     return M.state_of(model, opt)
 
 
-def rank_decentralized(model_name, opt_name, topo, backend="eager", steps=STEPS):
+def rank_decentralized(model_name, opt_name, topo, backend="eager", steps=STEPS,
+                       clipped=False):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if topo == "alternating-exp-ring":
         os.environ["LOCAL_WORLD_SIZE"] = "2"   # 2 nodes of 2 ranks
     try:
         model = M.make(model_name)
         opt = M.make_optimizer(opt_name, model)
-        step = transpile(M.step_fn(model_name), mode="decentralized", topology=topo,
-                         backend=backend)
+        step = transpile(clip if clipped else M.step_fn(model_name), mode="decentralized",
+                         topology=topo, backend=backend)
         for batch in M.batches(model_name, steps, 16):
             step(model, opt, *M.shard(batch, rank, world_size))
         resolved = step.schedule.resolved
         ops = {n.meta["comm"].over for p in step.programs.values() for n in p.collectives()}
-        return (M.state_of(model, opt), reference(model_name, opt_name, resolved, steps),
+        return (M.state_of(model, opt), reference(model_name, opt_name, resolved, steps, clipped),
                 sorted(map(str, ops)), step.consensus_distance())
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -207,6 +211,13 @@ def test_decentralized_equals_the_reference(topo, model_name, opt_name, ranks4):
         assert distance > 0   # the ranks' parameters differ by design
     # every rank measured the same distance
     assert len({r[3] for r in results}) == 1
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_clipping_reads_the_ranks_own_gradient(opt_name, ranks4):
+    for ours, ref, _, _ in ranks4.run(rank_decentralized, "mlp", opt_name, "ring",
+                                      clipped=True):
+        assert M.max_rel_error(ours, ref) == 0.0
 
 
 def test_inductor_compiles_every_phase(ranks4):
