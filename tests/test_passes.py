@@ -199,3 +199,34 @@ def test_inputs_say_what_they_hold_in_typed_fields():
     run_passes(program, ["snapshot_params"], CTX)
     held = {spec.param: spec.held for spec in program.inputs if spec.kind is InputKind.HELD}
     assert held == {name: Held.SNAPSHOT for name in program.grads}
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero", "all_gather", "decentralized",
+                                  "grad_allreduce"])
+def test_values_of_new_nodes_are_those_of_fake_dispatch(mode):
+    """new_node computes values with meta kernels, not fake-tensor dispatch: the
+    shape, strides, offset, dtype and device of every node a pass made are what
+    fake dispatch gives."""
+    from tests.test_decentralized import ring_context
+    from tests.test_fuse_all_reduce import SMALL
+    program = _captured("tied").program
+    run_passes(program, MODES[mode], ring_context(SMALL) if mode == "decentralized" else SMALL)
+    checked = 0
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        vals = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with _fake_mode(vals):
+            expected = node.target(*vals[0], **vals[1])
+        ours = node.meta["val"]
+        for a, b in zip(torch.utils._pytree.tree_leaves(ours),
+                        torch.utils._pytree.tree_leaves(expected)):
+            assert (a.shape, a.stride(), a.storage_offset(), a.dtype, a.device) == \
+                (b.shape, b.stride(), b.storage_offset(), b.dtype, b.device), node.name
+            checked += 1
+    assert checked > 50
+
+
+def _fake_mode(vals):
+    return next(v.fake_mode for v in torch.utils._pytree.tree_leaves(vals)
+                if hasattr(v, "fake_mode"))
