@@ -17,11 +17,11 @@ place: the mixed values land in the parameters, which the update then updates
 in place); every such node, and p's UPDATE output where it is x itself, reads
 the copy instead of x. So the forward and backward passes and the gradient
 processing before optimizer.step() run at x, and the optimizer updates the
-mixed parameters with this rank's own gradient. Buffers and optimizer state are not mixed. New nodes
-have role OPTIMIZE. The sums are left to a reduction pass (coalesce_tensors),
-which must run after this one; schedule_comm then issues them as the program
-starts, so the communication overlaps the forward and backward passes. With one
-rank it does not apply.
+mixed parameters with this rank's own gradient. Buffers and optimizer state
+are not mixed. New nodes have role OPTIMIZE. The sums are left to a reduction
+pass (coalesce_tensors), which must run after this one; schedule_comm then
+issues them as the program starts, so the communication overlaps the forward
+and backward passes. With one rank it does not apply.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def mix_params(program: Program, ctx: PassContext) -> None:
             p.meta[INPUT].name, ReduceOp.MEAN if mean else ReduceOp.SUM, ctx.gossip.over)})
             for p in params]
     position = {n: i for i, n in enumerate(graph.nodes)}
-    readers = {p: [n for n in p.users if n.meta.get(ROLE, 0) & Role.OPTIMIZE and n not in sums]
+    marked = set(sums)
+    readers = {p: [n for n in p.users if n.meta.get(ROLE, 0) & Role.OPTIMIZE and n not in marked]
                for p in params}
     before = min((r for rs in readers.values() for r in rs), key=position.__getitem__, default=out)
     with graph.inserting_before(before):
