@@ -2,6 +2,7 @@
 on 2 and 3 ranks against torch DDP running the same step in the same
 processes; the optimizer state held as shards; full state_dicts and resuming."""
 
+import dataclasses
 from math import inf
 
 import pytest
@@ -65,6 +66,22 @@ def test_golden_zero():
     assert not [s for s in program.outputs if s.kind.value == "grad"]
 
 
+def test_on_gloo_a_bucket_is_all_reduced_and_its_row_viewed():
+    program = _captured().program
+    mesh = dataclasses.replace(SMALL.mesh, rank=1, reduce_scatter_native=False)
+    run_passes(program, MODES["zero"], dataclasses.replace(SMALL, mesh=mesh))
+    ops = [node.meta["comm"].op for node in program.collectives()]
+    assert ops.count("all_reduce") == ops.count("all_gather") >= 2 and "reduce_scatter" not in ops
+    for node in program.collectives():
+        if node.meta["comm"].op == "all_reduce":
+            (wait,) = node.users
+            (rows,) = wait.users
+            (row,) = rows.users
+            # This rank's row of the [2, L] bucket, a view: no copy.
+            assert rows.args[1] == [2, row.meta["val"].numel()]
+            assert row.target is torch.ops.aten.select.int and row.args[1:] == (0, 1)
+
+
 # ------------------------------------------------------------------ against DDP
 
 def _ddp_and_zero(model_name, opt_name, step_fn, steps=STEPS):
@@ -101,6 +118,24 @@ def rank_vs_ddp(model_name, opt_name):
             "state_bytes": state_bytes, "ref_bytes": ref_bytes}
 
 
+def rank_native_reduce_scatter():
+    """The lowering for communicators with a reduce-scatter of their own
+    (nccl), run on gloo's."""
+    from transpiler import runtime
+    detected = runtime.reduce_scatter_native
+    runtime.reduce_scatter_native = lambda device: True
+    try:
+        return rank_vs_ddp("mlp", "sgd")
+    finally:
+        runtime.reduce_scatter_native = detected
+
+
+def test_native_reduce_scatter_trains_as_ddp(ranks2):
+    for result in ranks2.run(rank_native_reduce_scatter):
+        assert M.max_rel_error(result["params"], result["ref"]) == 0.0
+        assert result["ops"].count("reduce_scatter") == result["ops"].count("all_gather") >= 2
+
+
 def _model_state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -127,7 +162,8 @@ def test_zero_trains_as_ddp(world_size, model_name, opt_name, ranks2, ranks3):
         assert M.max_rel_error(result["params"], result["ref"]) <= tol
         assert _state_error(result["full_state"], result["ref_state"]) <= tol
         assert all(a == pytest.approx(b, rel=1e-6) for a, b in result["losses"])
-        assert result["ops"].count("reduce_scatter") == result["ops"].count("all_gather") >= 2
+        # gloo has no reduce-scatter of its own: each bucket is all-reduced (lowering.py).
+        assert result["ops"].count("all_reduce") == result["ops"].count("all_gather") >= 2
         # Each entry shaped like its parameter holds ceil(numel / N) elements.
         for name, entries in result["shards"].items():
             chunk = shard_numel(result["numel"][name], world_size)
@@ -330,7 +366,7 @@ def rank_bf16_wire(mode):
 def test_bf16_on_the_wire_rounds_as_fuse_all_reduce_does(ranks2):
     zero, fused = ranks2.run(rank_bf16_wire, "zero"), ranks2.run(rank_bf16_wire, "fuse_all_reduce")
     for (params, wire), (fused_params, _) in zip(zero, fused):
-        assert wire == {"reduce_scatter": torch.bfloat16, "all_gather": torch.float32}
+        assert wire == {"all_reduce": torch.bfloat16, "all_gather": torch.float32}   # gloo
         # The same bf16 sums (a + b on 2 ranks), so the same parameters.
         assert M.max_rel_error(params, fused_params) == 0.0
 

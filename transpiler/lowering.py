@@ -12,7 +12,9 @@ all-reduce): reduce-scatter inside the node, all-reduce of this rank's shard
 across the nodes, all-gather inside the node; the value is flattened and padded
 to a multiple of the node's ranks for it. Otherwise it is one all-reduce over
 its group. A reduction to a SHARD placement is one reduce-scatter over its group
-(of a flat value whose size the group's ranks divide: the caller lays it out).
+(of a flat value whose size the group's ranks divide: the caller lays it out);
+over the world on gloo, whose reduce-scatter is an all-reduce of a copy, it is
+that all-reduce and a view of this rank's chunk (Mesh.reduce_scatter_native).
 """
 
 from __future__ import annotations
@@ -63,9 +65,14 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
         size = mesh.size(reduction.over)
         if len(shape) != 1 or numel % size:
             raise ValueError(f"internal: a sharded reduction of a {shape} value over {size} ranks")
-        comm = dataclasses.replace(comm, op="reduce_scatter", over=reduction.over)
-        collective = node(REDUCE_SCATTER, (sent, "sum", size, mesh.ring(reduction.over)),
-                          Role.COMM, **{COMM: comm})
+        if _scatter_by_all_reduce(reduction, mesh):
+            comm = dataclasses.replace(comm, op="all_reduce", over=reduction.over)
+            collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(reduction.over)), Role.COMM,
+                              **{COMM: comm})
+        else:
+            comm = dataclasses.replace(comm, op="reduce_scatter", over=reduction.over)
+            collective = node(REDUCE_SCATTER, (sent, "sum", size, mesh.ring(reduction.over)),
+                              Role.COMM, **{COMM: comm})
         return Issued(reduction, collective, comm, [numel // size], numel // size)
     if not hierarchical(reduction, ctx):
         comm = dataclasses.replace(comm, over=reduction.over)
@@ -81,6 +88,13 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     collective = node(REDUCE_SCATTER, (flat, "sum", local, mesh.ring(Dim.NODE)), Role.COMM,
                       **{COMM: comm})
     return Issued(reduction, collective, comm, shape, numel)
+
+
+def _scatter_by_all_reduce(reduction: Reduction, mesh) -> bool:
+    """A reduce-scatter over the world on communicators without a native one
+    (gloo) runs as what that backend would do anyway, less its two copies:
+    the value all-reduced (in place, in eager), and a view of this rank's chunk."""
+    return not mesh.reduce_scatter_native and reduction.over is Dim.WORLD
 
 
 def all_reduce_now(graph: fx.Graph, value: fx.Node, op: str, ctx: PassContext) -> fx.Node:
@@ -114,6 +128,10 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
         return new_node(graph, target, args, Role.COMM, **meta, **extra)
 
     waited = node(WAIT, (issued.collective,), **{COMM: issued.comm})
+    if issued.reduction.placement is Placement.SHARD and issued.collective.target is ALL_REDUCE:
+        size = ctx.mesh.size(issued.reduction.over)
+        rows = node(aten.view.default, (waited, [size, issued.numel]))
+        return node(aten.select.int, (rows, 0, ctx.mesh.rank))
     if not hierarchical(issued.reduction, ctx):
         return waited
     mesh, shard_bytes = ctx.mesh, waited.meta["val"].nbytes

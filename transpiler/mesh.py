@@ -63,6 +63,11 @@ class Mesh:
     # The process-group names of each group's rings, for the groups this
     # process created communicators for (Dim.WORLD always, with more than one rank).
     rings: dict[Over, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # Whether the communicators reduce-scatter natively (nccl, hccl). gloo's
+    # reduce-scatter copies the whole value, all-reduces the copy and copies
+    # this rank's chunk out of it; a world reduce-scatter is then lowered as
+    # that all-reduce, in place, and a view of the chunk (transpiler/lowering.py).
+    reduce_scatter_native: bool = True
 
     def __post_init__(self):
         if self.local_size < 1 or self.world_size % self.local_size:

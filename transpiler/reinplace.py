@@ -167,6 +167,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
                 continue
             node.target = variant
             node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
+    _write_rows_in_place(graph, written_to)
     _fuse_scaled_adds(graph)
     graph.lint()
     gm.recompile()
@@ -212,6 +213,64 @@ def _fuse_scaled_adds(graph: fx.Graph) -> None:
             graph.erase_node(item)
         graph.erase_node(mul)
 
+
+def _write_rows_in_place(graph: fx.Graph, written_to: list) -> None:
+    """An update of an input computed as rows [N, c] (strided) flattened, cut
+    to the input's size and viewed as it (mode zero unpacks each parameter from
+    its all-gathered bucket so) -> the rows copied straight into the input, at
+    the end (after every collective): one copy where the reshape and the
+    write-back made two."""
+    out = graph.output_node()
+    values = list(out.args[0])
+    for i, (target, value) in enumerate(zip(written_to, values)):
+        rows, m = _unpacked_rows(value, target)
+        if rows is None or any(a in values for a in _aliases(target)) or values.count(value) > 1:
+            continue
+        c = rows.meta["val"].shape[1]
+        full, rest = divmod(m, c)
+
+        def node(target, *args):   # the update's write, after every collective
+            new = graph.call_function(target, args)
+            new.meta[ROLE] = Role.OPTIMIZE
+            return new
+        with graph.inserting_before(out):
+            flat = node(aten.view.default, target, [-1])
+            if full:
+                part = node(aten.view.default, node(aten.slice.Tensor, flat, 0, 0, full * c),
+                            [full, c])
+                node(aten.copy_.default, part, node(aten.slice.Tensor, rows, 0, 0, full))
+            if rest:
+                part = node(aten.slice.Tensor, flat, 0, full * c, m)
+                src = node(aten.select.int, rows, 0, full)
+                node(aten.copy_.default, part, node(aten.slice.Tensor, src, 0, 0, rest))
+        values[i] = target
+        out.args = (values,)
+        while value is not rows and not value.users:
+            below = value.args[0]
+            graph.erase_node(value)
+            value = below
+
+
+def _unpacked_rows(value, target) -> tuple[fx.Node | None, int]:
+    """(rows, the target's numel) when value is view(slice?(reshape(rows, [-1])),
+    shape) of strided 2-D rows, each step read only by the next; else (None, 0)."""
+    if target is None or not isinstance(value, fx.Node) or value.target is not aten.view.default:
+        return None, 0
+    tv = target.meta["val"]
+    flat = value.args[0]
+    if flat.target is aten.slice.Tensor and flat.args[1:] == (0, 0, tv.numel()):
+        if len(flat.users) != 1:
+            return None, 0
+        flat = flat.args[0]
+    if flat.target is not aten.reshape.default or flat.args[1] != [-1] or len(flat.users) != 1:
+        return None, 0
+    rows = flat.args[0]
+    rv = rows.meta.get("val")
+    if (len(value.users) != 1 or not isinstance(rv, torch.Tensor) or rv.dim() != 2
+            or rv.is_contiguous() or not tv.is_contiguous() or rv.dtype != tv.dtype
+            or list(value.args[1]) != list(tv.shape) or rv.numel() < tv.numel()):
+        return None, 0
+    return rows, tv.numel()
 
 
 def _same_layout(x: fx.Node, val) -> bool:

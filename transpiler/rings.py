@@ -59,6 +59,14 @@ def world_timeout():
     return None
 
 
+def reduce_scatter_native(device) -> bool:
+    """Whether the world's communicator for `device` reduce-scatters natively.
+    gloo's reduce-scatter (ProcessGroupGloo.reduce_scatter_tensor_coalesced)
+    clones its input, all-reduces the clone and copies this rank's chunk out."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    return gloo is None or not isinstance(dist.group.WORLD._get_backend(device), gloo)
+
+
 def build_mesh(nrings: int, hierarchical: bool,
                groups: Sequence[dist.ProcessGroup | Dim] = (),
                partitions: Sequence[Sequence[Sequence[int]]] = ()) -> Mesh:

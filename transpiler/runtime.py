@@ -35,7 +35,7 @@ from .program import InputKind, OutputKind, Program, format_collectives
 from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .mesh import Dim
-from .rings import build_mesh, world
+from .rings import build_mesh, reduce_scatter_native, world
 from .shards import ShardedState
 from .startup import startup_program
 
@@ -283,13 +283,14 @@ class TranspiledStep:
         error, built, to_agree = None, None, []
         try:
             captured = self._trace(step_args, sig)
-            ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
-                self.groups, captured.param_names()))
             start = time.perf_counter()
             device = device_of(captured.program)
             backend = resolve(self.backend, device)
             if world_size > 1:
                 check_process_group(device)
+                mesh = dataclasses.replace(mesh, reduce_scatter_native=reduce_scatter_native(device))
+            ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
+                self.groups, captured.param_names()))
             with self._timed("passes"):
                 programs, startup, refresh = self._programs(captured, ctx, backend, world_size)
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
