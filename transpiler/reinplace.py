@@ -222,17 +222,18 @@ def _write_rows_in_place(graph: fx.Graph, written_to: list) -> None:
     write-back made two."""
     out = graph.output_node()
     values = list(out.args[0])
+
+    def node(op, *args):   # the update's write, after every collective
+        new = graph.call_function(op, args)
+        new.meta[ROLE] = Role.OPTIMIZE
+        return new
+
     for i, (target, value) in enumerate(zip(written_to, values)):
         rows, m = _unpacked_rows(value, target)
         if rows is None or any(a in values for a in _aliases(target)) or values.count(value) > 1:
             continue
         c = rows.meta["val"].shape[1]
         full, rest = divmod(m, c)
-
-        def node(target, *args):   # the update's write, after every collective
-            new = graph.call_function(target, args)
-            new.meta[ROLE] = Role.OPTIMIZE
-            return new
         with graph.inserting_before(out):
             flat = node(aten.view.default, target, [-1])
             if full:
