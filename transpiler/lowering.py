@@ -128,7 +128,8 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
         return new_node(graph, target, args, Role.COMM, **meta, **extra)
 
     waited = node(WAIT, (issued.collective,), **{COMM: issued.comm})
-    if issued.reduction.placement is Placement.SHARD and issued.collective.target is ALL_REDUCE:
+    if issued.reduction.placement is Placement.SHARD and _scatter_by_all_reduce(issued.reduction,
+                                                                                 ctx.mesh):
         size = ctx.mesh.size(issued.reduction.over)
         rows = node(aten.view.default, (waited, [size, issued.numel]))
         return node(aten.select.int, (rows, 0, ctx.mesh.rank))
