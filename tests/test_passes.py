@@ -25,11 +25,12 @@ UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 CTX = PassContext(mesh=Mesh(2, 0, 2, {Dim.WORLD: ("ring0", "ring1")}), nrings=2)
 
 
-def _captured(model_name="tiny"):
+def _captured(model_name="tiny", optimizer="sgd"):
     torch.manual_seed(0)
     model = M.MLP([4, 8, 3]) if model_name == "tiny" else M.make(model_name)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
-                          momentum=0.9)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd" \
+        else torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     fn = M.step_fn("tied" if model_name == "tied" else "mlp")
     batch = M.shard(M.batches(model_name if model_name == "tied" else "mlp", 1, 4)[0], 0, 1)
     if model_name == "tiny":
@@ -201,30 +202,75 @@ def test_inputs_say_what_they_hold_in_typed_fields():
     assert held == {name: Held.SNAPSHOT for name in program.grads}
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero", "all_gather", "decentralized",
                                   "grad_allreduce"])
-def test_values_of_new_nodes_are_those_of_fake_dispatch(mode):
+def test_values_of_new_nodes_are_those_of_fake_dispatch(mode, optimizer):
     """new_node computes values with meta kernels, not fake-tensor dispatch: the
-    shape, strides, offset, dtype and device of every node a pass made are what
-    fake dispatch gives."""
+    shape, strides, offset, dtype and device of every node a pass made (and
+    functionalization: the optimizer's out-of-place foreach ops) are what fake
+    dispatch gives."""
     from tests.test_decentralized import ring_context
     from tests.test_fuse_all_reduce import SMALL
-    program = _captured("tied").program
+    program = _captured("tied", optimizer).program
     run_passes(program, MODES[mode], ring_context(SMALL) if mode == "decentralized" else SMALL)
-    checked = 0
-    for node in program.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        vals = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with _fake_mode(vals):
-            expected = node.target(*vals[0], **vals[1])
-        ours = node.meta["val"]
-        for a, b in zip(torch.utils._pytree.tree_leaves(ours),
-                        torch.utils._pytree.tree_leaves(expected)):
-            assert (a.shape, a.stride(), a.storage_offset(), a.dtype, a.device) == \
-                (b.shape, b.stride(), b.storage_offset(), b.dtype, b.device), node.name
-            checked += 1
+    checked = sum(_check_like_fake_dispatch(node) for node in program.graph.nodes)
     assert checked > 50
+
+
+def test_foreach_values_are_those_of_fake_dispatch_for_any_layout():
+    """new_node's shortcut for elementwise foreach ops (contiguous operands of
+    one shape and one floating dtype, or 0-d) and its fallback for the rest:
+    transposed, broadcast, mixed-dtype, integer and scalar-list operands."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    aten = torch.ops.aten
+    with FakeTensorMode() as mode:
+        a = [torch.empty(3, 4), torch.empty(4, 3).t(), torch.empty(5)]
+        b = [torch.empty(3, 4), torch.empty(3, 4), torch.empty(5)]
+        wide = [torch.empty(3, 4), torch.empty(2, 3, 4), torch.empty(1)]
+        half = [torch.empty(3, 4, dtype=torch.float16)] * 3
+        ints = [torch.zeros(3, 4, dtype=torch.int64)] * 3
+        zero_d = torch.empty(())
+        double = torch.empty((), dtype=torch.float64)
+    graph = torch.fx.Graph()
+
+    def placeholder(value):
+        if isinstance(value, list) and isinstance(value[0], torch.Tensor):
+            return [placeholder(v) for v in value]
+        if not isinstance(value, torch.Tensor):
+            return value
+        node = graph.placeholder(f"x{len(graph.nodes)}")
+        node.meta["val"] = value
+        return node
+
+    calls = [
+        (aten._foreach_mul.List, (a, b)), (aten._foreach_mul.List, (b, b)),
+        (aten._foreach_add.List, (b, wide)), (aten._foreach_mul.Tensor, (b, zero_d)),
+        (aten._foreach_mul.Tensor, (b, double)), (aten._foreach_mul.List, (half, half)),
+        (aten._foreach_div.Scalar, (ints, 2)), (aten._foreach_sqrt.default, (a,)),
+        (aten._foreach_lerp.Scalar, (b, b, 0.5)), (aten._foreach_addcdiv.ScalarList, (b, b, b, [1., 2, 3])),
+        (aten._foreach_pow.ScalarAndTensor, (0.9, [zero_d] * 3)),
+        (aten._foreach_add.List, ([zero_d] * 3, [double] * 3)),
+    ]
+    for target, args in calls:
+        node = new_node(graph, target, tuple(placeholder(x) for x in args), Role.OPTIMIZE)
+        assert _check_like_fake_dispatch(node) == 3, target
+
+
+def _check_like_fake_dispatch(node) -> int:
+    """How many tensors node's value holds, each checked against fake dispatch."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    vals = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with _fake_mode(vals):
+        expected = node.target(*vals[0], **vals[1])
+    ours = torch.utils._pytree.tree_leaves(node.meta["val"])
+    expected = torch.utils._pytree.tree_leaves(expected)
+    assert len(ours) == len(expected), node.name
+    for a, b in zip(ours, expected):
+        assert (a.shape, a.stride(), a.storage_offset(), a.dtype, a.device) == \
+            (b.shape, b.stride(), b.storage_offset(), b.dtype, b.device), node.name
+    return len(ours)
 
 
 def _fake_mode(vals):

@@ -27,6 +27,7 @@ import importlib
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .errors import TranspileError
@@ -241,7 +242,11 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
                     "sparse gradients and GradScaler's grad_scale/found_inf cannot be captured "
                     "in a program's optimizer update; use dense gradients and unscale outside "
                     "the optimizer")
-            form.update(group, h, terms, params, grads, *lists)
+            fake_mode = getattr(params[0], "fake_mode", None)
+            # Each foreach op of the update lists every parameter: fake tensors'
+            # cache would hash them all and never hit.
+            with disable_fake_tensor_cache(fake_mode) if fake_mode else contextlib.nullcontext():
+                form.update(group, h, terms, params, grads, *lists)
         return functional
 
     modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}

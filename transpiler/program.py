@@ -253,11 +253,14 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
     node.meta[ROLE] = role
     node.meta.update(meta)
     vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-    fake_mode = _fake_mode_of(vals)
-    val = _on_meta(target, vals, fake_mode)
-    if val is None:
-        with fake_mode:
-            val = target(*vals[0], **vals[1])
+    if target is operator.getitem:   # an element of a list of values: nothing to dispatch
+        val = target(*vals[0], **vals[1])
+    else:
+        fake_mode = _fake_mode_of(vals)
+        val = _on_meta(target, vals, fake_mode)
+        if val is None:
+            with fake_mode:
+                val = target(*vals[0], **vals[1])
     node.meta["val"] = val
     if isinstance(val, torch.Tensor):
         node.meta["tensor_meta"] = _extract_tensor_metadata(val)
@@ -287,18 +290,23 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
 def _on_meta(target, vals, fake_mode):
     """target's fake result computed by its meta kernel on meta tensors laid out
     as the fake inputs: what fake-tensor dispatch does, without its Python
-    machinery (about 8x faster; passes create thousands of nodes). None where
-    that is not plainly the same: not an ATen op, a device argument, inputs on
-    several devices, a result that is not tensors, or no meta kernel."""
+    machinery (about 8x faster; passes create thousands of nodes), and for an
+    elementwise foreach op on plain operands without running its meta kernel
+    (_foreach_results). None where that is not plainly the same: not an ATen
+    op, a device argument, inputs on several devices, a result that is not
+    tensors, or no meta kernel."""
     if not isinstance(target, torch._ops.OpOverload) or "device" in vals[1]:
         return None
     leaves = [v for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, torch.Tensor)]
     devices = {v.device for v in leaves}
     if len(devices) != 1 or not all(isinstance(v, FakeTensor) for v in leaves):
         return None
+    out = _foreach_results(target, vals) if target._schema.name.startswith("aten::_foreach_") \
+        and not target._schema.is_mutable else None
     try:
-        out = target(*torch.utils._pytree.tree_map_only(FakeTensor, _meta_like, vals[0]),
-                     **torch.utils._pytree.tree_map_only(FakeTensor, _meta_like, vals[1]))
+        if out is None:
+            out = target(*torch.utils._pytree.tree_map_only(FakeTensor, _meta_like, vals[0]),
+                         **torch.utils._pytree.tree_map_only(FakeTensor, _meta_like, vals[1]))
     except (NotImplementedError, RuntimeError):
         return None
     results = out if isinstance(out, (list, tuple)) else [out]
@@ -307,6 +315,55 @@ def _on_meta(target, vals, fake_mode):
     device = devices.pop()
     wrapped = [FakeTensor(fake_mode, r, device) for r in results]
     return type(out)(wrapped) if isinstance(out, (list, tuple)) else wrapped[0]
+
+
+# Foreach ops that apply one elementwise op at each index of their lists.
+_FOREACH_ELEMENTWISE = frozenset({
+    "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_lerp",
+    "_foreach_addcmul", "_foreach_addcdiv", "_foreach_sqrt", "_foreach_neg",
+    "_foreach_reciprocal", "_foreach_maximum", "_foreach_minimum", "_foreach_pow",
+})
+
+
+def _foreach_results(target, vals) -> list[torch.Tensor] | None:
+    """The meta results of an out-of-place elementwise foreach op where, at
+    each index, its tensor operands share one floating dtype and are either 0-d
+    or contiguous with one shape: contiguous tensors of that shape and dtype,
+    what the op's meta kernel allocates (it runs in Python, once per index:
+    tens of milliseconds for an optimizer's parameter list). None where any
+    operand is otherwise."""
+    if target.overloadpacket.__name__ not in _FOREACH_ELEMENTWISE:
+        return None
+    lists, single, numbers = [], [], []
+    for a in list(vals[0]) + list(vals[1].values()):
+        if isinstance(a, torch.Tensor):
+            single.append(a)
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            lists.append(a)
+        else:
+            numbers += a if isinstance(a, (list, tuple)) else [a]
+    if not lists or len({len(a) for a in lists}) != 1 or not all(
+            type(x) in (int, float) for x in numbers):
+        return None
+    results = []
+    for operands in zip(*lists):
+        operands = operands + tuple(single)
+        dtypes = {t.dtype for t in operands}
+        shapes = {t.shape for t in operands if t.dim()}
+        dtype = dtypes.pop()
+        if dtypes or not dtype.is_floating_point or len(shapes) > 1 or not all(
+                t.stride() == _contiguous_strides(t.shape) for t in operands if t.dim()):
+            return None
+        results.append(torch.empty(shapes.pop() if shapes else (), dtype=dtype, device="meta"))
+    return results
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _meta_like(v: torch.Tensor) -> torch.Tensor:

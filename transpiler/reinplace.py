@@ -125,23 +125,27 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     boundary = _sink_after_gradients(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
 
-    def reusable(x, node) -> bool:
+    def reusable(x, node, others: set[fx.Node]) -> bool:
+        """x (an input of node) may be overwritten by node: `others` are node's
+        other inputs, which must not alias it."""
         if not isinstance(x, fx.Node) or not _is_base(x) or out in x.users:
             return False
         if x.op == "placeholder" and (x not in donated or position[node] <= boundary):
             return False
         alias = _aliases(x)
-        late = [u for a in alias for u in a.users if u is not node and position[u] > position[node]]
-        others = [a for a in torch.utils._pytree.tree_leaves((node.args[1:], node.kwargs))
-                  if isinstance(a, fx.Node)]
-        return not late and not any(o in alias for o in others)
+        late = any(u is not node and position[u] > position[node] for a in alias for u in a.users)
+        return not late and alias.isdisjoint(others)
+
+    def other_inputs(node) -> set[fx.Node]:
+        return {a for a in torch.utils._pytree.tree_leaves((node.args[1:], node.kwargs))
+                if isinstance(a, fx.Node)}
 
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.slice_scatter.default:
             buffer = node.args[0]
-            if reusable(buffer, node) and _same_layout(buffer, node.meta["val"]):
+            if reusable(buffer, node, other_inputs(node)) and _same_layout(buffer, node.meta["val"]):
                 for new in _scatter_in_place(graph, node):
                     position[new] = position[node]
             continue
@@ -151,19 +155,17 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
         if _is_foreach(node):
             selves = node.args[0]
             vals = node.meta["val"]
+            others = other_inputs(node)
             if not isinstance(selves, (list, tuple)) or not all(
-                    reusable(x, node) and _same_layout(x, v) for x, v in zip(selves, vals)):
+                    reusable(x, node, others) and _same_layout(x, v) for x, v in zip(selves, vals)):
                 continue
             if len(set(selves)) != len(selves):
                 continue
             node.target = variant
-            for user in list(node.users):
-                if user.target is operator.getitem:
-                    user.replace_all_uses_with(selves[user.args[1]])
-                    graph.erase_node(user)
+            _items_to_selves(graph, node, selves)
         else:
             x = node.args[0]
-            if not (reusable(x, node) and _same_layout(x, node.meta["val"])):
+            if not (reusable(x, node, other_inputs(node)) and _same_layout(x, node.meta["val"])):
                 continue
             node.target = variant
             node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
@@ -174,6 +176,17 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     in_place = [target is not None and value is target
                 for target, value in zip(written_to, out.args[0])]
     return gm, in_place
+
+
+def _items_to_selves(graph: fx.Graph, node: fx.Node, selves) -> None:
+    """Every use of getitem(node, i) becomes selves[i], and the getitems go:
+    one rewrite of each user's arguments, not one per item (a foreach op's
+    user lists hundreds)."""
+    items = {u: selves[u.args[1]] for u in node.users if u.target is operator.getitem}
+    for user in dict.fromkeys(v for item in items for v in item.users):
+        user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda a: items.get(a, a))
+    for item in items:
+        graph.erase_node(item)
 
 
 def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
