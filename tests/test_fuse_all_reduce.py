@@ -3,6 +3,8 @@ ranks against grad_allreduce."""
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,7 +136,7 @@ def test_explain_lists_buckets():
     rows = table.splitlines()
     assert rows[1].endswith("layers.1.weight") and "  1  " in rows[1]
     assert rows[2].endswith("layers.1.bias, layers.0.weight, layers.0.bias")
-    assert table.splitlines()[-1] == "2 collectives, 268 bytes per rank per step"
+    assert table.splitlines()[-1] == "2 collectives of 268 bytes in all"
 
 
 # ------------------------------------------------------------------ numerics
@@ -152,6 +154,7 @@ def rank_compare(model_name, opt_name, fuse_kwargs):
         out[mode] = M.state_of(model, opt)
         if mode == "fuse_all_reduce":
             out["buckets"] = len(step.program.collectives())
+            out["footer"] = step.explain().splitlines()[-1]
     return out
 
 
@@ -172,6 +175,10 @@ def test_fuse_equals_grad_allreduce(world_size, model_name, opt_name, ranks2, ra
         tol = 2 ** -6 if (model_name == "mixed" and world_size == 3) else 1e-6
         assert M.max_rel_error(result["fuse_all_reduce"], result["grad_allreduce"]) <= tol
         assert result["buckets"] >= 2
+        # A ring all-reduce sends 2 (N - 1) / N of its buffer.
+        total = int(re.match(r"\d+ collectives of (\d+) bytes in all", result["footer"])[1])
+        assert result["footer"].endswith(
+            f"; this rank sends {2 * (world_size - 1) / world_size * total:.0f} bytes per step")
 
 
 def test_bf16_on_the_wire_stays_within_bf16_rounding(ranks2):

@@ -477,8 +477,10 @@ def format_graph(graph: fx.Graph) -> str:
     return "\n".join(lines)
 
 
-def format_collectives(program: Program) -> str:
-    """A table of the program's collectives in issue order."""
+def format_collectives(program: Program, sent_bytes: float | None = None) -> str:
+    """A table of the program's collectives in issue order. The footer sums
+    their buffers and, given, the bytes a rank sends per run (which depend
+    on the group sizes: collectives.sent_bytes)."""
     rows = [("#", "op", "ring", "bucket", "dtype", "tensors", "bytes", "parameters")]
     collectives = program.collectives()
     for i, node in enumerate(collectives):
@@ -491,5 +493,6 @@ def format_collectives(program: Program) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     total = sum(node.meta[COMM].nbytes for node in collectives)
-    lines.append(f"{len(collectives)} collectives, {total} bytes per rank per step")
+    sent = "" if sent_bytes is None else f"; this rank sends {sent_bytes:.0f} bytes per step"
+    lines.append(f"{len(collectives)} collectives of {total} bytes in all{sent}")
     return "\n".join(lines)

@@ -120,11 +120,12 @@ class TranspiledStep:
     def explain(self, name: str | None = None) -> str:
         """The collectives of a program (default: the one last run) as a table:
         one row per collective (a bucket in fuse_all_reduce), with its ring,
-        dtype, size and parameters."""
-        programs = self.programs
+        dtype, size and parameters, and the bytes this rank sends per step."""
+        programs = self._last_built().programs
         if name is not None and name not in programs:
             raise TranspileError(f"no program {name!r}; this step has {', '.join(programs)}")
-        return format_collectives(programs[name] if name else self.program)
+        runnable = programs[name or self._last_run]
+        return format_collectives(runnable.program, runnable.sent_bytes)
 
     def check_consistency(self) -> list[str]:
         """Compare a checksum of every parameter across the ranks: one line per
