@@ -220,6 +220,58 @@ def test_clipping_reads_the_ranks_own_gradient(opt_name, ranks4):
         assert M.max_rel_error(ours, ref) == 0.0
 
 
+def scaled_step(model, opt, x, y, scaler):
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return scaler._scale.clone()
+
+
+def rank_loss_scaling():
+    """GradScaler under gossip: rank 0's first two steps overflow. Its scaler
+    skips its own update and backs off; the mixing of its parameters with its
+    neighbour's stays, as in the reference (mix, then scaler.step)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    topo = topology.ring(world_size, world_size)
+    groups = _groups(topo)
+    results = []
+    for transpiled in (True, False):
+        model = M.make("mlp")
+        opt = M.make_optimizer("sgd", model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=2)
+        step = transpile(scaled_step, mode="decentralized", topology=topo)
+        scales = []
+        for t, batch in enumerate(M.batches("mlp", STEPS, 16)):
+            x, y = M.shard(batch, rank, world_size)
+            if rank == 0 and t < 2:
+                x = x * 1e36
+            if transpiled:
+                scales.append(step(model, opt, x, y, scaler).item())
+                continue
+            mixing = topo.mixings[t % len(topo.mixings)]
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.unscale_(opt)
+            for p in model.parameters():
+                _mix(p, mixing, groups[mixing.groups], rank)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        results.append((M.state_of(model, opt), scales))
+    return results
+
+
+def test_loss_scaling_skips_a_ranks_own_update_and_keeps_its_mixing(ranks4):
+    for rank, ((ours, scales), (ref, ref_scales)) in enumerate(ranks4.run(rank_loss_scaling)):
+        assert M.max_rel_error(ours, ref) == 0.0
+        assert scales == ref_scales
+        skipped_twice, grew_twice = [2.0 ** 19, 2.0 ** 18, 2.0 ** 18, 2.0 ** 19], \
+            [2.0 ** 20, 2.0 ** 21, 2.0 ** 21, 2.0 ** 22]
+        assert scales == (skipped_twice if rank == 0 else grew_twice)
+
+
 def test_inductor_compiles_every_phase(ranks4):
     for ours, ref, groups, _ in ranks4.run(rank_decentralized, "mlp", "adamw", "ring",
                                            "inductor"):
