@@ -21,10 +21,6 @@ from transpiler.program import Program
 from transpiler.roles import BUCKET, COMM, ROLE, Role
 
 
-def _position(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
     """`start` and the nodes of its bucket reached through `neighbours` that have
     role COMM or not as `comm_role` says (inputs, not COMM: the packing; users,
@@ -45,23 +41,20 @@ def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
 
 @requires("insert_allreduce|coalesce_tensors|shard_optimizer|gather_grads")
 def schedule_comm(program: Program, ctx: PassContext) -> None:
+    # fx nodes compare by their place in the graph, kept current as they move.
     graph = program.graph
     for collective in program.collectives():
-        position = _position(graph)
         pack = _bucket_chain(collective, lambda n: n.all_input_nodes, comm_role=False)
-        for node in sorted(pack, key=position.__getitem__):
+        for node in sorted(pack):
             if not node.all_input_nodes:
                 continue
-            anchor = max(node.all_input_nodes, key=position.__getitem__)
+            anchor = max(node.all_input_nodes)
             if anchor.next is not node:
                 anchor.append(node)
-                position = _position(graph)
     waits = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT and COMM in n.meta]
     for wait in waits:
-        position = _position(graph)
         unpack = _bucket_chain(wait, lambda n: n.users, comm_role=True)
-        for node in sorted(unpack, key=position.__getitem__, reverse=True):
-            first_use = min(node.users, key=position.__getitem__)
+        for node in sorted(unpack, reverse=True):
+            first_use = min(node.users)
             if node.next is not first_use:
                 first_use.prepend(node)
-                position = _position(graph)
