@@ -224,7 +224,7 @@ def test_foreach_values_are_those_of_fake_dispatch_for_any_layout():
     transposed, broadcast, mixed-dtype, integer and scalar-list operands."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     aten = torch.ops.aten
-    with FakeTensorMode() as mode:
+    with FakeTensorMode():
         a = [torch.empty(3, 4), torch.empty(4, 3).t(), torch.empty(5)]
         b = [torch.empty(3, 4), torch.empty(3, 4), torch.empty(5)]
         wide = [torch.empty(3, 4), torch.empty(2, 3, 4), torch.empty(1)]
