@@ -301,8 +301,7 @@ def _on_meta(target, vals, fake_mode):
     devices = {v.device for v in leaves}
     if len(devices) != 1 or not all(isinstance(v, FakeTensor) for v in leaves):
         return None
-    out = _foreach_results(target, vals) if target._schema.name.startswith("aten::_foreach_") \
-        and not target._schema.is_mutable else None
+    out = _foreach_results(target, vals)
     try:
         if out is None:
             out = target(*torch.utils._pytree.tree_map_only(FakeTensor, _meta_like, vals[0]),
@@ -317,7 +316,8 @@ def _on_meta(target, vals, fake_mode):
     return type(out)(wrapped) if isinstance(out, (list, tuple)) else wrapped[0]
 
 
-# Foreach ops that apply one elementwise op at each index of their lists.
+# Foreach ops that apply one elementwise op at each index of their lists (the
+# out-of-place packets: `_foreach_add_` is another).
 _FOREACH_ELEMENTWISE = frozenset({
     "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_lerp",
     "_foreach_addcmul", "_foreach_addcdiv", "_foreach_sqrt", "_foreach_neg",
