@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -952,8 +953,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             return tuple(out_leaves) + tuple(new_state) + tuple(grads)
 
     try:
-        gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*inputs.values)
+        # The traced module's Python code is never run (it becomes a Program):
+        # a lazy module does not generate it.
+        with _use_lazy_graph_module(True):
+            gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*inputs.values)
     except TranspileError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
