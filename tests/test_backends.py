@@ -126,6 +126,46 @@ def test_failed_step_leaves_state_untouched_under_inductor():
                for k, v in st.items())
 
 
+def rank_compile_fails_on_rank_1():
+    """Rank 1's compiler fails on the first call: every rank raises before any
+    issues the program's collectives (which would leave rank 0 waiting in the
+    first all-reduce), nothing is written; the next call compiles again and runs."""
+    from torch._inductor import compile_fx as inductor
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.classify_step, mode="fuse_all_reduce", backend="inductor")
+    batch = M.shard(M.batches("mlp", 1, BATCH)[0], rank, world_size)
+    before = copy.deepcopy(model.state_dict())
+    real = inductor.compile_fx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler on this rank")
+
+    inductor.compile_fx = broken if rank == 1 else real
+    try:
+        step(model, opt, *batch)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        inductor.compile_fx = real
+    untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    step(model, opt, *batch)
+    return error, untouched, step.check_consistency(), opt.state != {}
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_compile_stops_every_rank(ranks2):
+    (error0, untouched0, diff0, stepped0), (error1, untouched1, _, stepped1) = \
+        ranks2.run(rank_compile_fails_on_rank_1, timeout=300)
+    assert error0 == ("TranspileError: rank 1 could not compile program 'main', so no rank "
+                      "runs it: RuntimeError: no C++ compiler on this rank")
+    assert error1 == "RuntimeError: no C++ compiler on this rank"
+    assert untouched0 and untouched1
+    assert diff0 == [] and stepped0 and stepped1
+
+
 def test_cudagraphs_on_a_cpu_model_is_a_clear_error():
     model = M.make("mlp")
     opt = M.make_optimizer("sgd", model)

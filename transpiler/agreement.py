@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from .control import control_group
 from .errors import TranspileError
 from .program import InputKind, Program
+from .rings import world
 from .roles import COMM
 
 
@@ -45,12 +47,8 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
         digest = hashlib.sha256("\n".join(summary).encode()).hexdigest()
         mine = ("ok", digest, summary)
     everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))]
-    failed = [(r, msg) for r, (status, msg, _) in enumerate(everyone) if status == "error"]
-    if failed:
-        if error is not None:
-            raise error
-        rank, msg = failed[0]
-        raise TranspileError(f"rank {rank} could not build the step, so no rank runs it: {msg}")
+    _raise_first_failure([msg if status == "error" else None for status, msg, _ in everyone],
+                         error, "build the step")
     reference = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs[1] != reference[1]:
@@ -58,6 +56,34 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
                 f"rank {rank} built a different program than rank 0 "
                 f"({_first_difference(reference[2], theirs[2])}); every rank must run the "
                 "same model, batch shapes, mode and options")
+
+
+def compiled_on_every_rank(compile: Callable[[], None], program: str) -> None:
+    """Run `compile`, then exchange whether it succeeded. If it failed on any
+    rank, every rank raises (the failing one its own error) before running the
+    program, whose collectives would leave the others waiting."""
+    error = None
+    try:
+        compile()
+    except Exception as exc:  # noqa: BLE001 - shown to every rank, then raised
+        error = exc
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages = ([mine] if world()[0] == 1
+                else [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))])
+    _raise_first_failure(messages, error, f"compile program {program!r}")
+
+
+def _raise_first_failure(messages: list[str | None], error: BaseException | None,
+                         doing: str) -> None:
+    """messages[r]: what failed on rank r, or None. Raise this rank's own error,
+    or name the first rank that failed."""
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, msg = failed[0]
+    raise TranspileError(f"rank {rank} could not {doing}, so no rank runs it: {msg}")
 
 
 def agree_on_settings(settings: dict[str, str]) -> None:

@@ -39,10 +39,13 @@ PROCESS_GROUP = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 class Executable:
     """run: input tensors -> output tensors. written[i]: output i is a state
     update the program already wrote into its input (no write-back needed;
-    its value in the list returned by run is not used)."""
+    its value in the list returned by run is not used). prepare: compile for
+    these inputs, before the first run (which would otherwise compile); None
+    where there is nothing to compile."""
 
     run: Callable[[list], list]
     written: list[bool]
+    prepare: Callable[[list], None] | None = None
 
 
 def device_of(program: Program) -> torch.device:
@@ -90,7 +93,7 @@ def compile_program(program: Program, backend: str) -> Executable:
         gm, written = reinplace(program)
         return Executable(lambda inputs: gm(*inputs), written)
     if backend in ("inductor", "cudagraphs"):
-        return _with_outputs(*_updating_inputs(program), _inductor,
+        return _with_outputs(*_updating_inputs(program), _Inductor,
                              cudagraphs=backend == "cudagraphs")
     if backend == "hpu":
         from . import hpu   # imports the Gaudi stack, only when asked for
@@ -119,27 +122,32 @@ _INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": F
                      "fallback_random": True, "max_fusion_buffer_group_pairwise_attempts": 8}
 
 
-def _inductor(gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False) -> Callable:
+class _Inductor:
     """Inductor on the program's graph as it is: it is already whole, functional
     and ATen-level, so it goes to the compiler directly (no Dynamo re-trace, no
-    guards), compiled on the first call from the real inputs."""
-    patches = dict(_INDUCTOR_OPTIONS, **({"triton.cudagraphs": True} if cudagraphs else {}))
-    compiled = None
+    guards), compiled from the real inputs (prepare, or the first call)."""
 
-    def run(*inputs):
-        nonlocal compiled
-        if compiled is None:
-            if cudagraphs:
-                # Read and updated where they are; the other inputs (the batch,
-                # the hyperparameters) are copied into the graph's own buffers.
-                for tensor, is_static in zip(inputs, static):
-                    if is_static:
-                        torch._dynamo.mark_static_address(tensor)
-            from torch._inductor.compile_fx import compile_fx   # heavy: only when used
-            with contextlib.nullcontext() if cudagraphs else _cacheable():
-                compiled = compile_fx(gm, list(inputs), config_patches=patches)
-        return compiled(*inputs)
-    return run
+    def __init__(self, gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False):
+        self.gm, self.static, self.cudagraphs = gm, static, cudagraphs
+        self.compiled = None
+
+    def prepare(self, inputs: list) -> None:
+        if self.compiled is not None:
+            return
+        if self.cudagraphs:
+            # Read and updated where they are; the other inputs (the batch,
+            # the hyperparameters) are copied into the graph's own buffers.
+            for tensor, is_static in zip(inputs, self.static):
+                if is_static:
+                    torch._dynamo.mark_static_address(tensor)
+        from torch._inductor.compile_fx import compile_fx   # heavy: only when used
+        patches = dict(_INDUCTOR_OPTIONS, **({"triton.cudagraphs": True} if self.cudagraphs else {}))
+        with contextlib.nullcontext() if self.cudagraphs else _cacheable():
+            self.compiled = compile_fx(self.gm, list(inputs), config_patches=patches)
+
+    def __call__(self, *inputs):
+        self.prepare(list(inputs))
+        return self.compiled(*inputs)
 
 
 def _cacheable():
@@ -167,7 +175,7 @@ def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **opti
     def run(inputs):
         returned = iter(compiled(*inputs))
         return [None if w else next(returned) for w in written]
-    return Executable(run, written)
+    return Executable(run, written, compiled.prepare if isinstance(compiled, _Inductor) else None)
 
 
 def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from .agreement import compiled_on_every_rank
 from .backends import Executable, compile_program
 from .program import InputKind, OutputKind, Program
 
@@ -47,12 +48,20 @@ class Executor:
         """Run the compiled program and write back the outputs it did not write
         in place; its outputs (None where written in place)."""
         first = runnable.executable is None
-        if first:
-            runnable.executable = compile_program(runnable.program, runnable.backend)
         start = time.perf_counter()
-        executable = runnable.executable
-        with torch.no_grad():
-            outputs = executable.run([slot.read(leaves) for slot in runnable.slots])
+        inputs = [slot.read(leaves) for slot in runnable.slots]
+        with torch.no_grad():   # programs run, and compile, as inference
+            if first:
+                executable = compile_program(runnable.program, runnable.backend)
+                if executable.prepare is not None:
+                    # Compiled on every rank before any issues the program's
+                    # collectives; kept only then (a failed compile is tried,
+                    # and agreed on, again at the next call).
+                    compiled_on_every_rank(lambda: executable.prepare(inputs),
+                                           runnable.program.name)
+                runnable.executable = executable
+            executable = runnable.executable
+            outputs = executable.run(inputs)
             for target, value, written in zip(runnable.targets, outputs, executable.written):
                 if target is not None and not written:
                     target.write(value)
