@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -352,18 +353,10 @@ def _foreach_results(target, vals) -> list[torch.Tensor] | None:
         shapes = {t.shape for t in operands if t.dim()}
         dtype = dtypes.pop()
         if dtypes or not dtype.is_floating_point or len(shapes) > 1 or not all(
-                t.stride() == _contiguous_strides(t.shape) for t in operands if t.dim()):
+                t.stride() == make_contiguous_strides_for(t.shape) for t in operands if t.dim()):
             return None
         results.append(torch.empty(shapes.pop() if shapes else (), dtype=dtype, device="meta"))
     return results
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _meta_like(v: torch.Tensor) -> torch.Tensor:
