@@ -146,7 +146,8 @@ class _Inductor:
             self.compiled = compile_fx(self.gm, list(inputs), config_patches=patches)
 
     def __call__(self, *inputs):
-        self.prepare(list(inputs))
+        if self.compiled is None:
+            self.prepare(list(inputs))
         return self.compiled(*inputs)
 
 
