@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import models as M
 from tests.test_decentralized import ring_context
@@ -13,7 +14,7 @@ from transpiler import run_passes, transpile
 
 from transpiler.modes import MODES
 from transpiler.program import InputKind, OutputKind
-from transpiler.reinplace import _VIEWS, reinplace
+from transpiler.reinplace import _VIEWS, _produce_into_slices, reinplace
 from transpiler.roles import Role
 
 
@@ -89,3 +90,72 @@ def test_error_inside_the_program_leaves_state_untouched():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
     after = opt.state_dict()["state"]
     assert all(torch.equal(v, after[p][k]) for p, st in before[1]["state"].items() for k, v in st.items())
+
+
+def _packed_gradients(model_name):
+    """fuse_all_reduce's executable graph on `model_name`, its nodes and the
+    buckets it all-reduces."""
+    program = _captured(model_name).program
+    run_passes(program, MODES["fuse_all_reduce"], CTX)
+    nodes = list(reinplace(program)[0].graph.nodes)
+    buckets = {n.args[0] for n in nodes if n.target is torch.ops._c10d_functional.all_reduce_.default}
+    return program, nodes, buckets
+
+
+def test_matmul_and_sum_gradients_are_computed_into_their_bucket():
+    program, nodes, buckets = _packed_gradients("mlp")
+    into = [n for n in nodes if n.target in (torch.ops.aten.mm.out, torch.ops.aten.sum.IntList_out)]
+    # Every gradient of an MLP is a weight's matmul or a bias's sum: each one
+    # writes its slice of a bucket that is then all-reduced, and nothing is copied.
+    assert len(into) == len(program.grads) == 6
+    assert all(_base(n.kwargs["out"]) in buckets for n in into)
+    assert not [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    # Each bucket is allocated before the first op that writes into it.
+    position = {n: i for i, n in enumerate(nodes)}
+    assert all(position[_base(n.kwargs["out"])] < position[n] for n in into)
+
+
+def test_a_gradient_something_else_writes_is_copied_into_its_bucket():
+    # The tied embedding's gradient is the output layer's matmul plus the
+    # embedding's backward, added in place into the matmul's result: that
+    # matmul must not write into the bucket, its sum is copied there.
+    _, nodes, buckets = _packed_gradients("tied")
+    copies = [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == 1 and _base(copies[0].args[0]) in buckets
+    src = _base(copies[0].args[1])
+    assert src.target is torch.ops.aten.mm.default
+    assert any(u.target is torch.ops.aten.add_.Tensor for u in src.users)
+
+
+def _pack(case: str):
+    """A gradient of a matmul copied into its bucket's slice, as the eager
+    lowering leaves it, where `case` is "alone", "also_read" (something else
+    reads the gradient) or "bucket_written" (the bucket is written between the
+    matmul and the copy)."""
+    def pack(a, b, c):
+        if case == "bucket_written":
+            bucket = torch.ops.aten.new_empty.default(a, [20], dtype=torch.float32)
+        g = torch.mm(a, b)
+        if case == "bucket_written":
+            bucket[:].fill_(3.0)
+        else:   # allocated after the matmul, like its gradient
+            bucket = torch.ops.aten.new_empty.default(g, [20], dtype=torch.float32)
+        other = g * c if case == "also_read" else c
+        bucket[4:16].copy_(g.reshape(-1))
+        bucket[:4].fill_(1.0)
+        bucket[16:].fill_(2.0)
+        return bucket, other
+    return make_fx(pack, tracing_mode="fake")(torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("case", ["alone", "also_read", "bucket_written"])
+def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(case):
+    gm = _pack(case)
+    inputs = [torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4)]
+    expected = gm(*inputs)
+    _produce_into_slices(gm.graph)
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert (torch.ops.aten.mm.out in targets) is (case == "alone")
+    assert (torch.ops.aten.copy_.default in targets) is (case != "alone")
+    assert all(torch.equal(x, y) for x, y in zip(gm(*inputs), expected))

@@ -18,7 +18,9 @@ elementwise, foreach and collective ops whose in-place form computes the same
 values are rewritten, and only when the result has the argument's shape and
 dtype and no other argument aliases it; `slice_scatter` into a buffer nothing
 reads afterwards becomes a copy into a slice of it (how coalesce_tensors packs a
-bucket). Last, a foreach multiply by a scalar tensor that only feeds an
+bucket), and where the copied gradient comes from a matmul or a sum that
+nothing else reads, that op writes it there itself (its out= form: the same
+kernel, one copy and one temporary fewer). Last, a foreach multiply by a scalar tensor that only feeds an
 in-place foreach add becomes one addcmul_ (SGD's update by -lr), which saves a
 temporary per parameter.
 """
@@ -169,6 +171,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
                 continue
             node.target = variant
             node.replace_all_uses_with(x, delete_user_cb=lambda u: u is not node)
+    _produce_into_slices(graph)
     _write_rows_in_place(graph, written_to)
     _fuse_scaled_adds(graph)
     graph.lint()
@@ -201,6 +204,66 @@ def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]
     node.replace_all_uses_with(buffer)
     graph.erase_node(node)
     return part, copy
+
+
+# Ops that compute a gradient and can write it into a given tensor, with the
+# same kernel: the out= overload of each.
+_OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _produce_into_slices(graph: fx.Graph) -> None:
+    """copy_(slice(buf, 0, ...), reshape(op(...))) -> op(..., out=view(slice(buf, 0, ...)))
+    where op has an out= form (_OUT_FORMS), its contiguous result of buf's dtype
+    feeds only that copy (through views), buf is a 1-D intermediate (never
+    state, written only after the collectives) and nothing between op and the
+    copy touches buf: the gradient is computed straight into its bucket. A
+    bucket allocated after op (new_empty like its first gradient) is allocated
+    before it instead, like op's first input."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for copy in [n for n in graph.nodes if n.target is aten.copy_.default]:
+        part, src = copy.args
+        if (copy.users or not isinstance(src, fx.Node) or part.target is not aten.slice.Tensor
+                or len(src.users) != 1):
+            continue
+        chain, op = [], src
+        while op.target in _RESHAPES and len(op.users) == 1:
+            chain.append(op)
+            op = op.args[0]
+        buffer = part.args[0]
+        val, into = op.meta.get("val"), buffer.meta.get("val")
+        if (op.target not in _OUT_FORMS or set(op.users) - {buffer} != {(chain or [copy])[-1]}
+                or "out" in op.kwargs or buffer.op == "placeholder"
+                or not isinstance(val, torch.Tensor) or not val.is_contiguous()
+                or not isinstance(into, torch.Tensor) or val.dtype != into.dtype
+                or into.dim() != 1 or part.args[1:2] != (0,) or len(part.args) > 4):
+            continue
+        alias, n = _aliases(buffer), op.next
+        while n is not copy and (n in chain or n is part or n is buffer
+                                 or alias.isdisjoint(n.all_input_nodes)):
+            n = n.next
+        if n is not copy:
+            continue
+        if position[buffer] > position[op]:
+            like = op.args[0]
+            if (buffer.target is not aten.new_empty.default or len(buffer.all_input_nodes) != 1
+                    or buffer.kwargs.get("dtype") != into.dtype or not isinstance(like, fx.Node)):
+                continue
+            buffer.args = (like,) + tuple(buffer.args[1:])
+            op.prepend(buffer)
+            position[buffer] = position[op]
+        with graph.inserting_before(op):
+            dst = graph.call_function(aten.slice.Tensor, part.args, part.kwargs)
+            dst.meta.update(part.meta)
+            if list(val.shape) != [val.numel()]:
+                dst = graph.call_function(aten.view.default, (dst, list(val.shape)))
+                dst.meta.update(part.meta)
+        op.target = _OUT_FORMS[op.target]
+        op.kwargs = {**op.kwargs, "out": dst}
+        graph.erase_node(copy)
+        for n in [part] + chain:
+            if not n.users:
+                graph.erase_node(n)
 
 
 def _fuse_scaled_adds(graph: fx.Graph) -> None:
