@@ -221,9 +221,9 @@ def _produce_into_slices(graph: fx.Graph) -> None:
     bucket allocated after op (new_empty like its first gradient) is allocated
     before it instead, like op's first input."""
     position = {n: i for i, n in enumerate(graph.nodes)}
-    for copy in [n for n in graph.nodes if n.target is aten.copy_.default]:
-        part, src = copy.args
-        if (copy.users or not isinstance(src, fx.Node) or part.target is not aten.slice.Tensor
+    for write in [n for n in graph.nodes if n.target is aten.copy_.default]:
+        part, src = write.args
+        if (write.users or not isinstance(src, fx.Node) or part.target is not aten.slice.Tensor
                 or len(src.users) != 1):
             continue
         chain, op = [], src
@@ -232,17 +232,17 @@ def _produce_into_slices(graph: fx.Graph) -> None:
             op = op.args[0]
         buffer = part.args[0]
         val, into = op.meta.get("val"), buffer.meta.get("val")
-        if (op.target not in _OUT_FORMS or set(op.users) - {buffer} != {(chain or [copy])[-1]}
+        if (op.target not in _OUT_FORMS or set(op.users) - {buffer} != {(chain or [write])[-1]}
                 or "out" in op.kwargs or buffer.op == "placeholder"
                 or not isinstance(val, torch.Tensor) or not val.is_contiguous()
                 or not isinstance(into, torch.Tensor) or val.dtype != into.dtype
                 or into.dim() != 1 or part.args[1:2] != (0,) or len(part.args) > 4):
             continue
         alias, n = _aliases(buffer), op.next
-        while n is not copy and (n in chain or n is part or n is buffer
+        while n is not write and (n in chain or n is part or n is buffer
                                  or alias.isdisjoint(n.all_input_nodes)):
             n = n.next
-        if n is not copy:
+        if n is not write:
             continue
         if position[buffer] > position[op]:
             like = op.args[0]
@@ -260,7 +260,7 @@ def _produce_into_slices(graph: fx.Graph) -> None:
                 dst.meta.update(part.meta)
         op.target = _OUT_FORMS[op.target]
         op.kwargs = {**op.kwargs, "out": dst}
-        graph.erase_node(copy)
+        graph.erase_node(write)
         for n in [part] + chain:
             if not n.users:
                 graph.erase_node(n)
