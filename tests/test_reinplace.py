@@ -129,7 +129,8 @@ def test_a_gradient_something_else_writes_is_copied_into_its_bucket():
 
 def _pack(case: str):
     """A gradient of a matmul copied into its bucket's slice, as the eager
-    lowering leaves it, where `case` is "alone", "also_read" (something else
+    lowering leaves it, where `case` is "alone" (or "alone_like_a_view": the
+    bucket is allocated like a view of it), "also_read" (something else
     reads the gradient) or "bucket_written" (the bucket is written between the
     matmul and the copy)."""
     def pack(a, b, c):
@@ -138,17 +139,18 @@ def _pack(case: str):
         g = torch.mm(a, b)
         if case == "bucket_written":
             bucket[:].fill_(3.0)
-        else:   # allocated after the matmul, like its gradient
-            bucket = torch.ops.aten.new_empty.default(g, [20], dtype=torch.float32)
+        else:   # allocated after the matmul, like its gradient or a view of it
+            like = g.view(-1) if case == "alone_like_a_view" else g
+            bucket = torch.ops.aten.new_empty.default(like, [20], dtype=torch.float32)
         other = g * c if case == "also_read" else c
-        bucket[4:16].copy_(g.reshape(-1))
+        bucket[4:16].copy_((like if case == "alone_like_a_view" else g).reshape(-1))
         bucket[:4].fill_(1.0)
         bucket[16:].fill_(2.0)
         return bucket, other
     return make_fx(pack, tracing_mode="fake")(torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("case", ["alone", "also_read", "bucket_written"])
+@pytest.mark.parametrize("case", ["alone", "alone_like_a_view", "also_read", "bucket_written"])
 def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(case):
     gm = _pack(case)
     inputs = [torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4)]
@@ -156,6 +158,7 @@ def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(ca
     _produce_into_slices(gm.graph)
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes]
-    assert (torch.ops.aten.mm.out in targets) is (case == "alone")
-    assert (torch.ops.aten.copy_.default in targets) is (case != "alone")
+    alone = case.startswith("alone")
+    assert (torch.ops.aten.mm.out in targets) is alone
+    assert (torch.ops.aten.copy_.default in targets) is not alone
     assert all(torch.equal(x, y) for x, y in zip(gm(*inputs), expected))

@@ -226,11 +226,11 @@ def _produce_into_slices(graph: fx.Graph) -> None:
         if (write.users or not isinstance(src, fx.Node) or part.target is not aten.slice.Tensor
                 or len(src.users) != 1):
             continue
+        buffer = part.args[0]   # new_empty may be like the gradient or a view of it
         chain, op = [], src
-        while op.target in _RESHAPES and len(op.users) == 1:
+        while op.target in _RESHAPES and len(set(op.users) - {buffer}) == 1:
             chain.append(op)
             op = op.args[0]
-        buffer = part.args[0]
         val, into = op.meta.get("val"), buffer.meta.get("val")
         if (op.target not in _OUT_FORMS or set(op.users) - {buffer} != {(chain or [write])[-1]}
                 or "out" in op.kwargs or buffer.op == "placeholder"
