@@ -115,24 +115,24 @@ def test_matmul_and_sum_gradients_are_computed_into_their_bucket():
     assert all(position[_base(n.kwargs["out"])] < position[n] for n in into)
 
 
-def test_a_gradient_something_else_writes_is_copied_into_its_bucket():
+def test_a_tied_weight_gradient_is_summed_in_its_bucket():
     # The tied embedding's gradient is the output layer's matmul plus the
-    # embedding's backward, added in place into the matmul's result: that
-    # matmul must not write into the bucket, its sum is copied there.
+    # embedding's backward, added in place into the matmul's result: the
+    # matmul writes into the bucket and the addition is done there.
     _, nodes, buckets = _packed_gradients("tied")
-    copies = [n for n in nodes if n.target is torch.ops.aten.copy_.default]
-    assert len(copies) == 1 and _base(copies[0].args[0]) in buckets
-    src = _base(copies[0].args[1])
-    assert src.target is torch.ops.aten.mm.default
-    assert any(u.target is torch.ops.aten.add_.Tensor for u in src.users)
+    assert not [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    added = [n for n in nodes if n.target is torch.ops.aten.add_.Tensor]
+    assert len(added) == 1 and added[0].args[0].target is torch.ops.aten.mm.out
+    assert _base(added[0].args[0].kwargs["out"]) in buckets
 
 
 def _pack(case: str):
     """A gradient of a matmul copied into its bucket's slice, as the eager
     lowering leaves it, where `case` is "alone" (or "alone_like_a_view": the
-    bucket is allocated like a view of it), "also_read" (something else
-    reads the gradient) or "bucket_written" (the bucket is written between the
-    matmul and the copy)."""
+    bucket is allocated like a view of it; "added_before": something is added
+    to the gradient in place before the copy), "added_after" (... after it),
+    "also_read" (something else reads the gradient) or "bucket_written" (the
+    bucket is written between the matmul and the copy)."""
     def pack(a, b, c):
         if case == "bucket_written":
             bucket = torch.ops.aten.new_empty.default(a, [20], dtype=torch.float32)
@@ -143,14 +143,23 @@ def _pack(case: str):
             like = g.view(-1) if case == "alone_like_a_view" else g
             bucket = torch.ops.aten.new_empty.default(like, [20], dtype=torch.float32)
         other = g * c if case == "also_read" else c
+        if case == "added_before":
+            g.add_(c)
         bucket[4:16].copy_((like if case == "alone_like_a_view" else g).reshape(-1))
+        if case == "added_after":
+            g.add_(c)
         bucket[:4].fill_(1.0)
         bucket[16:].fill_(2.0)
         return bucket, other
-    return make_fx(pack, tracing_mode="fake")(torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4))
+    gm = make_fx(pack, tracing_mode="fake")(torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4))
+    for node in gm.graph.nodes:   # later uses read the tensor an op updated, as reinplace writes them
+        if node.target is torch.ops.aten.add_.Tensor:
+            node.replace_all_uses_with(node.args[0], delete_user_cb=lambda u: u is not node)
+    return gm
 
 
-@pytest.mark.parametrize("case", ["alone", "alone_like_a_view", "also_read", "bucket_written"])
+@pytest.mark.parametrize("case", ["alone", "alone_like_a_view", "added_before", "added_after",
+                                  "also_read", "bucket_written"])
 def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(case):
     gm = _pack(case)
     inputs = [torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4)]
@@ -158,7 +167,7 @@ def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(ca
     _produce_into_slices(gm.graph)
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes]
-    alone = case.startswith("alone")
+    alone = case in ("alone", "alone_like_a_view", "added_before")
     assert (torch.ops.aten.mm.out in targets) is alone
     assert (torch.ops.aten.copy_.default in targets) is not alone
     assert all(torch.equal(x, y) for x, y in zip(gm(*inputs), expected))

@@ -215,48 +215,43 @@ _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _produce_into_slices(graph: fx.Graph) -> None:
     """copy_(slice(buf, 0, ...), reshape(op(...))) -> op(..., out=view(slice(buf, 0, ...)))
     where op has an out= form (_OUT_FORMS), its contiguous result of buf's dtype
-    feeds only that copy (through views), buf is a 1-D intermediate (never
-    state, written only after the collectives) and nothing between op and the
-    copy touches buf: the gradient is computed straight into its bucket. A
-    bucket allocated after op (new_empty like its first gradient) is allocated
-    before it instead, like op's first input."""
+    is read only by that copy (through views) and written only by in-place ops
+    before it (a tied weight's second contribution, added in place), buf is a
+    1-D intermediate (never state, written only after the collectives) and
+    nothing between op and the copy touches buf outside the other gradients'
+    slices: the gradient is computed straight into its bucket. A bucket allocated after op (new_empty like its
+    first gradient) is allocated before it instead, like op's first input."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     for write in [n for n in graph.nodes if n.target is aten.copy_.default]:
-        part, src = write.args
-        if (write.users or not isinstance(src, fx.Node) or part.target is not aten.slice.Tensor
-                or len(src.users) != 1):
+        found = _producer(write)
+        if found is None:
             continue
-        buffer = part.args[0]   # new_empty may be like the gradient or a view of it
-        chain, op = [], src
-        while op.target in _RESHAPES and len(set(op.users) - {buffer}) == 1:
-            chain.append(op)
-            op = op.args[0]
-        val, into = op.meta.get("val"), buffer.meta.get("val")
-        if (op.target not in _OUT_FORMS or set(op.users) - {buffer} != {(chain or [write])[-1]}
-                or "out" in op.kwargs or buffer.op == "placeholder"
-                or not isinstance(val, torch.Tensor) or not val.is_contiguous()
-                or not isinstance(into, torch.Tensor) or val.dtype != into.dtype
-                or into.dim() != 1 or part.args[1:2] != (0,) or len(part.args) > 4):
-            continue
-        alias, n = _aliases(buffer), op.next
-        while n is not write and (n in chain or n is part or n is buffer
-                                 or alias.isdisjoint(n.all_input_nodes)):
+        op, chain, adds = found
+        part = write.args[0]
+        buffer = part.args[0]
+        elsewhere = _other_slices(buffer, part)
+        alias, n = _aliases(buffer) - elsewhere, op.next
+        while n is not write and (n in chain or n is part or n is buffer or n in elsewhere
+                                  or alias.isdisjoint(n.all_input_nodes)):
+            adds.discard(n)
             n = n.next
-        if n is not write:
+        if n is not write or adds:   # something touched buf, or op is written after the copy
             continue
         if position[buffer] > position[op]:
             like = op.args[0]
             if (buffer.target is not aten.new_empty.default or len(buffer.all_input_nodes) != 1
-                    or buffer.kwargs.get("dtype") != into.dtype or not isinstance(like, fx.Node)):
+                    or buffer.kwargs.get("dtype") != buffer.meta["val"].dtype
+                    or not isinstance(like, fx.Node)):
                 continue
             buffer.args = (like,) + tuple(buffer.args[1:])
             op.prepend(buffer)
             position[buffer] = position[op]
+        shape = list(op.meta["val"].shape)
         with graph.inserting_before(op):
             dst = graph.call_function(aten.slice.Tensor, part.args, part.kwargs)
             dst.meta.update(part.meta)
-            if list(val.shape) != [val.numel()]:
-                dst = graph.call_function(aten.view.default, (dst, list(val.shape)))
+            if shape != [op.meta["val"].numel()]:
+                dst = graph.call_function(aten.view.default, (dst, shape))
                 dst.meta.update(part.meta)
         op.target = _OUT_FORMS[op.target]
         op.kwargs = {**op.kwargs, "out": dst}
@@ -264,6 +259,57 @@ def _produce_into_slices(graph: fx.Graph) -> None:
         for n in [part] + chain:
             if not n.users:
                 graph.erase_node(n)
+
+
+def _span(node: fx.Node) -> tuple[int, int] | None:
+    """(start, end) of slice(x, 0, start, end) with constant bounds, else None."""
+    if (node.target is not aten.slice.Tensor or len(node.args) != 4 or node.args[1] != 0
+            or not all(isinstance(i, int) for i in node.args[2:])):
+        return None
+    return node.args[2], node.args[3]
+
+
+def _other_slices(buffer: fx.Node, part: fx.Node) -> set[fx.Node]:
+    """The slices of buffer that do not overlap part (the other gradients'
+    places in the bucket), with every view of them."""
+    start, end = _span(part)
+    return {a for s in buffer.users if (span := _span(s)) and (span[1] <= start or span[0] >= end)
+            for a in _aliases(s)}
+
+
+def _producer(write: fx.Node) -> tuple[fx.Node, list[fx.Node], set[fx.Node]] | None:
+    """For copy_(slice(buf, 0, a, b), src) of a 1-D intermediate buf: the op
+    with an out= form that src views, the views between them, and the in-place
+    ops that write op's result (read by nothing); None if there is no such op,
+    or anything else reads its result."""
+    part, src = write.args
+    if write.users or not isinstance(src, fx.Node) or len(src.users) != 1 or not _span(part):
+        return None
+    buffer = part.args[0]   # new_empty may be like the gradient or a view of it
+    into = buffer.meta.get("val")
+    if buffer.op == "placeholder" or not isinstance(into, torch.Tensor) or into.dim() != 1:
+        return None
+    chain, op = [], src
+    while op.target in _RESHAPES and len(set(op.users) - {buffer}) == 1:
+        chain.append(op)
+        op = op.args[0]
+    val = op.meta.get("val")
+    if (op.target not in _OUT_FORMS or "out" in op.kwargs or not isinstance(val, torch.Tensor)
+            or not val.is_contiguous() or val.dtype != into.dtype):
+        return None
+    adds = set(op.users) - {buffer, (chain or [write])[-1]}
+    if not all(_writes_in_place(u, op) for u in adds):
+        return None
+    return op, chain, adds
+
+
+def _writes_in_place(node: fx.Node, x: fx.Node) -> bool:
+    """node is an in-place op on x (its first argument) that reads x nowhere
+    else and whose result nothing reads."""
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return (alias is not None and alias.is_write and node.args[:1] == (x,) and not node.users
+            and x not in torch.utils._pytree.tree_leaves((node.args[1:], node.kwargs)))
 
 
 def _fuse_scaled_adds(graph: fx.Graph) -> None:
