@@ -219,9 +219,11 @@ def _produce_into_slices(graph: fx.Graph) -> None:
     before it (a tied weight's second contribution, added in place), buf is a
     1-D intermediate (never state, written only after the collectives) and
     nothing between op and the copy touches buf outside the other gradients'
-    slices: the gradient is computed straight into its bucket. A bucket allocated after op (new_empty like its
-    first gradient) is allocated before it instead, like op's first input."""
+    slices: the gradient is computed straight into its bucket. A bucket
+    allocated after op (new_empty like its first gradient) is allocated before
+    it instead, like op's first input."""
     position = {n: i for i, n in enumerate(graph.nodes)}
+    views: dict[fx.Node, _BucketViews] = {}
     for write in [n for n in graph.nodes if n.target is aten.copy_.default]:
         found = _producer(write)
         if found is None:
@@ -229,8 +231,11 @@ def _produce_into_slices(graph: fx.Graph) -> None:
         op, chain, adds = found
         part = write.args[0]
         buffer = part.args[0]
-        elsewhere = _other_slices(buffer, part)
-        alias, n = _aliases(buffer) - elsewhere, op.next
+        if buffer not in views:
+            views[buffer] = _BucketViews(buffer)
+        bucket = views[buffer]
+        elsewhere = bucket.elsewhere(_span(part))
+        alias, n = bucket.all - elsewhere, op.next
         while n is not write and (n in chain or n is part or n is buffer or n in elsewhere
                                   or alias.isdisjoint(n.all_input_nodes)):
             adds.discard(n)
@@ -253,6 +258,7 @@ def _produce_into_slices(graph: fx.Graph) -> None:
             if shape != [op.meta["val"].numel()]:
                 dst = graph.call_function(aten.view.default, (dst, shape))
                 dst.meta.update(part.meta)
+        bucket.add(_span(part), {dst, dst.args[0]} - {buffer})
         op.target = _OUT_FORMS[op.target]
         op.kwargs = {**op.kwargs, "out": dst}
         graph.erase_node(write)
@@ -269,12 +275,22 @@ def _span(node: fx.Node) -> tuple[int, int] | None:
     return node.args[2], node.args[3]
 
 
-def _other_slices(buffer: fx.Node, part: fx.Node) -> set[fx.Node]:
-    """The slices of buffer that do not overlap part (the other gradients'
-    places in the bucket), with every view of them."""
-    start, end = _span(part)
-    return {a for s in buffer.users if (span := _span(s)) and (span[1] <= start or span[0] >= end)
-            for a in _aliases(s)}
+class _BucketViews:
+    """The views of a bucket: all of them, and those of each slice of it."""
+
+    def __init__(self, buffer: fx.Node):
+        self.all = _aliases(buffer)
+        self.slices = [(span, _aliases(s)) for s in buffer.users if (span := _span(s))]
+
+    def elsewhere(self, span: tuple[int, int]) -> set[fx.Node]:
+        """The views of the slices that do not overlap `span` (the other
+        gradients' places in the bucket)."""
+        start, end = span
+        return {a for (s, e), nodes in self.slices if e <= start or s >= end for a in nodes}
+
+    def add(self, span: tuple[int, int], nodes: set[fx.Node]) -> None:
+        self.all |= nodes
+        self.slices.append((span, nodes))
 
 
 def _producer(write: fx.Node) -> tuple[fx.Node, list[fx.Node], set[fx.Node]] | None:
