@@ -20,9 +20,10 @@ dtype and no other argument aliases it; `slice_scatter` into a buffer nothing
 reads afterwards becomes a copy into a slice of it (how coalesce_tensors packs a
 bucket), and where the copied gradient comes from a matmul or a sum that
 nothing else reads, that op writes it there itself (its out= form: the same
-kernel, one copy and one temporary fewer). Last, a foreach multiply by a scalar tensor that only feeds an
-in-place foreach add becomes one addcmul_ (SGD's update by -lr), which saves a
-temporary per parameter.
+kernel, one copy and one temporary fewer; a tied weight's second part is then
+added there in place). Last, a foreach multiply by a scalar tensor that only
+feeds an in-place foreach add becomes one addcmul_ (SGD's update by -lr), which
+saves a temporary per parameter.
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]
 # Ops that compute a gradient and can write it into a given tensor, with the
 # same kernel: the out= overload of each.
 _OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
+# Views that keep the elements in order (a gradient reshaped to its slice).
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
@@ -222,7 +224,6 @@ def _produce_into_slices(graph: fx.Graph) -> None:
     slices: the gradient is computed straight into its bucket. A bucket
     allocated after op (new_empty like its first gradient) is allocated before
     it instead, like op's first input."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
     views: dict[fx.Node, _BucketViews] = {}
     for write in [n for n in graph.nodes if n.target is aten.copy_.default]:
         found = _producer(write)
@@ -242,7 +243,7 @@ def _produce_into_slices(graph: fx.Graph) -> None:
             n = n.next
         if n is not write or adds:   # something touched buf, or op is written after the copy
             continue
-        if position[buffer] > position[op]:
+        if buffer > op:   # fx keeps the graph's order as nodes move
             like = op.args[0]
             if (buffer.target is not aten.new_empty.default or len(buffer.all_input_nodes) != 1
                     or buffer.kwargs.get("dtype") != buffer.meta["val"].dtype
@@ -250,7 +251,6 @@ def _produce_into_slices(graph: fx.Graph) -> None:
                 continue
             buffer.args = (like,) + tuple(buffer.args[1:])
             op.prepend(buffer)
-            position[buffer] = position[op]
         shape = list(op.meta["val"].shape)
         with graph.inserting_before(op):
             dst = graph.call_function(aten.slice.Tensor, part.args, part.kwargs)
