@@ -31,7 +31,7 @@ aten = torch.ops.aten
 _SAME = {aten.detach.default, aten.alias.default}
 
 
-def _mutated_index(target) -> int | None:
+def mutated_index(target) -> int | None:
     """The position of the one argument an op writes to, or None if it writes
     to none; -1 where it writes to several or to one that is not its first."""
     schema = target._schema
@@ -61,7 +61,7 @@ def _twin(target):
     twin = getattr(packet, overload)
     same = [(a.name, str(a.type)) for a in twin._schema.arguments] == \
            [(a.name, str(a.type)) for a in target._schema.arguments]
-    return twin if same and _mutated_index(twin) is None else None
+    return twin if same and mutated_index(twin) is None else None
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ def _plan(graph: fx.Graph) -> _Plan:
             continue
         if not isinstance(target, torch._ops.OpOverload):
             raise Unsupported(f"{node.name} calls {target}, not an aten op")
-        written = _mutated_index(target)
+        written = mutated_index(target)
         if written == -1:
             raise Unsupported(f"{node.name} ({target}) writes to several arguments")
         if written is None:

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_REDUCE
+from .functionalize import mutated_index
 from .program import OutputKind, Program, graph_module
 from .roles import ROLE, Role
 
@@ -320,11 +321,10 @@ def _producer(write: fx.Node) -> tuple[fx.Node, list[fx.Node], set[fx.Node]] | N
 
 
 def _writes_in_place(node: fx.Node, x: fx.Node) -> bool:
-    """node is an in-place op on x (its first argument) that reads x nowhere
-    else and whose result nothing reads."""
-    schema = getattr(node.target, "_schema", None)
-    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
-    return (alias is not None and alias.is_write and node.args[:1] == (x,) and not node.users
+    """node is an in-place op on x (its first argument, the only one it writes)
+    that reads x nowhere else and whose result nothing reads."""
+    return (isinstance(node.target, torch._ops.OpOverload) and mutated_index(node.target) == 0
+            and node.args[:1] == (x,) and not node.users
             and x not in torch.utils._pytree.tree_leaves((node.args[1:], node.kwargs)))
 
 
