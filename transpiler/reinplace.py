@@ -94,14 +94,15 @@ def _is_base(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target not in _VIEWS
 
 
-def _sink_after_gradients(graph: fx.Graph) -> int:
+def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
     """Move the nodes that feed neither the backward pass nor a collective after
-    the last node that does, keeping their order; return that node's position."""
+    the last node that does, keeping their order; return that node (None if
+    there is none)."""
     nodes = list(graph.nodes)
     ends = [i for i, n in enumerate(nodes) if n.op == "call_function"
             and n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM)]
     if not ends:
-        return -1
+        return None
     feeds: set[fx.Node] = set()
     for n in reversed(nodes[:ends[-1] + 1]):
         if n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM) or any(u in feeds for u in n.users):
@@ -111,7 +112,7 @@ def _sink_after_gradients(graph: fx.Graph) -> int:
         if n.op == "call_function" and n not in feeds:
             anchor.append(n)
             anchor = n
-    return list(graph.nodes).index(end)
+    return end
 
 
 def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
@@ -126,18 +127,18 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     written_to = [by_name[spec.target] if spec.kind is OutputKind.UPDATE else None
                   for spec in program.outputs]
     donated = {p for p in written_to if p is not None}
-    boundary = _sink_after_gradients(graph)
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    # State is written only after `end`; fx nodes compare by their place in the graph.
+    end = _sink_after_gradients(graph)
 
     def reusable(x, node, others: set[fx.Node]) -> bool:
         """x (an input of node) may be overwritten by node: `others` are node's
         other inputs, which must not alias it."""
         if not isinstance(x, fx.Node) or not _is_base(x) or out in x.users:
             return False
-        if x.op == "placeholder" and (x not in donated or position[node] <= boundary):
+        if x.op == "placeholder" and (x not in donated or (end is not None and node <= end)):
             return False
         alias = _aliases(x)
-        late = any(u is not node and position[u] > position[node] for a in alias for u in a.users)
+        late = any(u is not node and u > node for a in alias for u in a.users)
         return not late and alias.isdisjoint(others)
 
     def other_inputs(node) -> set[fx.Node]:
@@ -150,8 +151,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
         if node.target is aten.slice_scatter.default:
             buffer = node.args[0]
             if reusable(buffer, node, other_inputs(node)) and _same_layout(buffer, node.meta["val"]):
-                for new in _scatter_in_place(graph, node):
-                    position[new] = position[node]
+                _scatter_in_place(graph, node)
             continue
         variant = _inplace_variant(node.target)
         if variant is None or not node.args:
@@ -194,7 +194,7 @@ def _items_to_selves(graph: fx.Graph, node: fx.Node, selves) -> None:
         graph.erase_node(item)
 
 
-def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
+def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> None:
     """slice_scatter(buf, src, dim, start, end) -> copy_(slice(buf, dim, start, end), src)."""
     buffer, src, *rest = node.args
     dim, start, end = (list(rest) + [0, None, None])[:3]
@@ -205,7 +205,6 @@ def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]
     copy.meta.update(node.meta)
     node.replace_all_uses_with(buffer)
     graph.erase_node(node)
-    return part, copy
 
 
 # Ops that compute a gradient and can write it into a given tensor, with the
