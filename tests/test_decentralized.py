@@ -20,7 +20,7 @@ from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip
 from transpiler import TranspileError, run_passes, topology, transpile
-from transpiler.capture import _compiling_flag   # lets capturable AdamW run on CPU
+from transpiler.capture import compiling_flag   # lets capturable AdamW run on CPU
 from transpiler.mesh import Peers
 from transpiler.modes import MODES
 
@@ -169,7 +169,7 @@ def reference(model_name, opt_name, topo, steps=STEPS, clipped=False):
         for p in model.parameters():
             if p.grad is not None:   # what the optimizer updates
                 _mix(p, mixing, groups[mixing.groups], rank)
-        with _compiling_flag() if capturable else contextlib.nullcontext():
+        with compiling_flag() if capturable else contextlib.nullcontext():
             opt.step()
     return M.state_of(model, opt)
 

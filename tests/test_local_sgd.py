@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tests import models as M
 from tests.ranks import RankPool
 from transpiler import TranspileError, transpile
-from transpiler.capture import _compiling_flag
+from transpiler.capture import compiling_flag
 from transpiler.schedule import LR, MEAN_LOSS, LocalSGD
 from transpiler.modes import LOCAL_SGD
 
@@ -36,7 +36,7 @@ def _reference_optimizer(opt_name, model):
     reference runs torch's capturable AdamW, eagerly."""
     if opt_name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True,
-                                 capturable=True), _compiling_flag
+                                 capturable=True), compiling_flag
     return _optimizer(opt_name, model), contextlib.nullcontext
 
 

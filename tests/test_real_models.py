@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from transpiler import transpile
-from transpiler.capture import _compiling_flag   # lets capturable AdamW run on CPU
+from transpiler.capture import compiling_flag   # lets capturable AdamW run on CPU
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +73,7 @@ def _train(family, opt_name, step_fn, wrap, rank, world_size):
     outputs = []
     for _ in range(STEPS):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        with _compiling_flag() if reference else contextlib.nullcontext():
+        with compiling_flag() if reference else contextlib.nullcontext():
             out = step_fn(net, opt, tokens.chunk(world_size)[rank])
         outputs.append(torch.stack([t.detach() for t in out]))
     return M.state_of(model, opt), torch.stack(outputs)

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .capture import Captured, _identifier
+from .capture import Captured, identifier
 from .pipeline import record
 from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
 from .roles import INPUT, ROLE, Role
@@ -35,7 +35,7 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
     copies = [n for n in gm.graph.nodes if n.op == "call_function"]
     for node, spec in zip(copies, held):
         node.meta[ROLE] = Role.OPTIMIZE
-        node._rename(_identifier("", spec.name))
+        node._rename(identifier("", spec.name))
     gm.recompile()
     program = Program(name, gm, [spec for spec, _ in chosen],
                       [OutputSpec(OutputKind.UPDATE, spec.name) for spec, _ in chosen]

@@ -1,0 +1,75 @@
+"""The step's arguments, flattened into leaves: modules, optimizers and
+GradScalers are leaves, tensors are the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..scaler import GradScaler
+
+
+@dataclasses.dataclass
+class StepArgs:
+    """The step's arguments, flattened: modules and optimizers are leaves."""
+
+    names: list[str]       # a readable name per leaf
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    bound: inspect.BoundArguments | None
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return _unique(x for x in self.leaves if isinstance(x, torch.nn.Module))
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return _unique(x for x in self.leaves if isinstance(x, torch.optim.Optimizer))
+
+    @property
+    def scalers(self) -> list[GradScaler]:
+        return _unique(x for x in self.leaves if isinstance(x, GradScaler))
+
+    def call(self, step_fn, leaves):
+        values = pytree.tree_unflatten(leaves, self.spec)
+        if self.bound is None:
+            args, kwargs = values
+            return step_fn(*args, **kwargs)
+        for name, value in zip(self.bound.arguments, values):
+            self.bound.arguments[name] = value
+        return step_fn(*self.bound.args, **self.bound.kwargs)
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, GradScaler))
+
+
+def flatten_args(step_fn, args, kwargs) -> StepArgs:
+    try:
+        bound = inspect.signature(step_fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None:
+        leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=is_leaf)
+        return StepArgs([f"arg{i}" for i in range(len(leaves))], leaves, spec, None)
+    values = list(bound.arguments.values())
+    leaves, spec = pytree.tree_flatten(values, is_leaf=is_leaf)
+    names = []
+    for name, value in bound.arguments.items():
+        n = len(pytree.tree_leaves(value, is_leaf=is_leaf))
+        names += [name] if n == 1 else [f"{name}_{i}" for i in range(n)]
+    return StepArgs(names, leaves, spec, bound)
+
+
+def _unique(items):
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+

@@ -1,0 +1,89 @@
+"""What becomes a program input: every parameter, buffer, .grad, optimizer state
+entry, lifted hyperparameter, GradScaler value and batch tensor, with its slot."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..optimizers import formulation_of
+from ..program import Hyper, InputKind, InputSpec
+from ..scaler import scaler_slots
+from .arguments import StepArgs
+from .optimizer_state import opt_params
+from .slots import DataSlot, GradSlot, HyperSlot, ParamSlot, StateSlot
+
+
+@dataclasses.dataclass
+class Inputs:
+    specs: list[InputSpec] = dataclasses.field(default_factory=list)
+    slots: list = dataclasses.field(default_factory=list)
+    # What the trace sees of each input: the tensor, or a tensor of its layout.
+    # Parameters are detached: fake tensors would otherwise also copy their .grad.
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    param_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # by param_names order
+
+    def add(self, spec, slot, value):
+        self.specs.append(spec)
+        self.slots.append(slot)
+        self.values.append(value)
+
+
+def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) -> Inputs:
+    inputs = Inputs()
+    modules, optimizers = step_args.modules, step_args.optimizers
+    for mi, module in enumerate(modules):
+        prefix = f"m{mi}." if len(modules) > 1 else ""
+        for name, p in module.named_parameters():
+            if id(p) not in inputs.param_names:
+                inputs.param_names[id(p)] = prefix + name
+                inputs.params.append(p)
+                inputs.add(InputSpec(InputKind.PARAM, prefix + name), ParamSlot(p), p.detach())
+        for name, b in module.named_buffers():
+            inputs.add(InputSpec(InputKind.BUFFER, prefix + name), ParamSlot(b), b)
+    for oi, opt in enumerate(optimizers):
+        for p in opt_params(opt):
+            if id(p) not in inputs.param_names:
+                name = f"opt{oi}.param{len(inputs.param_names)}"
+                inputs.param_names[id(p)] = name
+                inputs.params.append(p)
+                inputs.add(InputSpec(InputKind.PARAM, name), ParamSlot(p), p.detach())
+    for p in inputs.params:
+        if p.grad is not None:
+            # Tracing reads only its layout: a stand-in, because a .grad that is a
+            # view of a reduced bucket, cast since by module.to(), is a view of a
+            # tensor of another dtype, which fake tensors refuse.
+            g, name = p.grad, inputs.param_names[id(p)]
+            stand_in = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
+            inputs.add(InputSpec(InputKind.GRAD, f"{name}.grad", param=name), GradSlot(p),
+                       stand_in)
+    for oi, opt in enumerate(optimizers):
+        oname = f"opt{oi}." if len(optimizers) > 1 else ""
+        for p in opt_params(opt):
+            pname = inputs.param_names[id(p)]
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    inputs.add(InputSpec(InputKind.STATE, f"{oname}{pname}:{key}", param=pname),
+                               StateSlot(opt, p, key),
+                               state_stand_in(p, value) if state_stand_in else value)
+        form = formulation_of(opt)
+        for gi, group in enumerate(opt.param_groups if form else ()):
+            wide = any(p.dtype == torch.float64 for p in group["params"])
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            for key in form.lifted(form.terms(group)):
+                slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)
+                spec = InputSpec(InputKind.HYPER, f"{oname}{key}[{gi}]", hyper=Hyper(key, gi, oi))
+                inputs.add(spec, slot, slot.read(None))
+    device = inputs.params[0].device if inputs.params else torch.device("cpu")
+    for name, slot in scaler_slots(step_args.scalers, device):
+        inputs.add(InputSpec(InputKind.SCALER, name), slot, slot.read(None))
+    for i, leaf in enumerate(step_args.leaves):
+        if isinstance(leaf, torch.Tensor):
+            inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), DataSlot(i), leaf)
+    return inputs
+
+
+

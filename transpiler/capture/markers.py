@@ -1,0 +1,229 @@
+"""Markers placed while the step is traced (a wrapper around backward(), hooks
+around optimizer.step(), LR schedulers intercepted) and the roles the graph's
+nodes get from them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+from ..errors import TranspileError
+from ..roles import PARAM, ROLE, Role
+from .optimizer_state import opt_params
+from .user_code import step_name, user_line
+
+
+@dataclasses.dataclass
+class Markers:
+    """What happened during the trace, as positions in the graph being built."""
+
+    # traced parameters whose .grad a zero_grad(set_to_none=True) dropped before
+    # the first backward(): the program does not depend on what they had
+    reset: set[int] = dataclasses.field(default_factory=set)
+    seeds: list[fx.Node] = dataclasses.field(default_factory=list)    # one per backward()
+    losses: list[fx.Node] = dataclasses.field(default_factory=list)   # one per backward()
+    backwards: list[tuple[fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+    # parameter name -> node of its .grad where the last backward() ended
+    grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    # ... as it stood when the first optimizer.step() began: the gradients to reduce
+    reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
+    stepping: torch.optim.Optimizer | None = None  # inside its step() right now
+    schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
+    averaged_after: int = 0   # backward() calls before the first step (0: no step)
+
+
+def last_node() -> fx.Node:
+    return get_proxy_mode().tracer.graph._root.prev
+
+
+def node_of(t: torch.Tensor) -> fx.Node:
+    return get_proxy_slot(t, get_proxy_mode().tracer).proxy.node
+
+
+@contextlib.contextmanager
+def compiling_flag():
+    # Optimizers keep their step counters as tensors (no .item()) when compiling.
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
+    """Mark each backward() (its seed, its loss, its nodes) and record every
+    parameter's .grad where it ends: after the last one before optimizer.step(),
+    those are the gradients the program reduces."""
+    original = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, *args, **kwargs):
+        if markers.steps:
+            raise TranspileError(
+                f"{step_name(step_fn)} calls backward() after optimizer.step(){user_line(step_fn)}; "
+                "a transpiled step computes its gradients before the optimizer's step: "
+                "move this backward() into the next call of the step")
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if len(tensors) != 1:
+            raise TranspileError("backward() on several tensors at once is not supported; "
+                                 "sum them into one loss first")
+        loss = tensors[0]
+        if grad_tensors is None:
+            if loss.numel() != 1:
+                raise TranspileError("the loss passed to backward() must be a scalar")
+            seed = torch.ones_like(loss)
+        else:
+            given = grad_tensors if isinstance(grad_tensors, torch.Tensor) else grad_tensors[0]
+            seed = torch.clone(given)
+        markers.losses.append(node_of(loss))
+        markers.seeds.append(node_of(seed))
+        before = last_node()
+        original(loss, seed, *args, **kwargs)
+        markers.backwards.append((before, last_node()))
+        markers.grads = grads_now()
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+def _scheduler_classes() -> list[type]:
+    """torch's LR scheduler classes that define their own step()."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "step" in vars(cls):
+            found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+@contextlib.contextmanager
+def intercepted_schedulers(optimizers, on_step: Callable):
+    """While active, step() of a torch LR scheduler of one of `optimizers`
+    calls on_step(scheduler, *args, **kwargs) instead."""
+    ours = {id(opt) for opt in optimizers}
+    patched = []
+
+    def intercept(original):
+        def step(self, *args, **kwargs):
+            if id(getattr(self, "optimizer", None)) not in ours:
+                return original(self, *args, **kwargs)
+            return on_step(self, *args, **kwargs)
+        return step
+
+    try:
+        for cls in _scheduler_classes():
+            patched.append((cls, vars(cls)["step"]))
+            cls.step = intercept(vars(cls)["step"])
+        yield
+    finally:
+        for cls, original in patched:
+            cls.step = original
+
+
+def scheduler_marker(markers: Markers, optimizers, step_fn):
+    """A scheduler of one of the step's optimizers stepped inside the step is not
+    run by the trace (its change would be frozen into the program): it is
+    recorded, and the runtime steps it on the host after every call."""
+    def record(scheduler, *args, **kwargs):
+        where = user_line(step_fn)
+        if args or kwargs:
+            raise TranspileError(
+                f"{type(scheduler).__name__}.step() is given arguments inside "
+                f"{step_name(step_fn)}{where}: a metric or an epoch is a host value the "
+                "program cannot compute; call this scheduler's step() outside the step")
+        if not markers.steps:
+            raise TranspileError(
+                f"{type(scheduler).__name__}.step() is called before optimizer.step() inside "
+                f"{step_name(step_fn)}{where}: call it after optimizer.step() (the order torch "
+                "requires) or outside the step")
+        markers.schedulers.append(scheduler)
+    return intercepted_schedulers(optimizers, record)
+
+
+@contextlib.contextmanager
+def optimizer_markers(markers: Markers, optimizers, modules):
+    handles = []
+
+    def pre(opt, *_):
+        if not markers.steps:
+            markers.reduced = dict(markers.grads)
+            markers.averaged_after = len(markers.backwards)
+        markers.stepping = opt
+        markers.steps.append([last_node(), None])
+
+    def post(*_):
+        markers.stepping = None
+        markers.steps[-1][1] = last_node()
+
+    def tracked(obj):
+        method = obj.zero_grad
+
+        def zero_grad(set_to_none: bool = True):
+            if set_to_none and not markers.backwards:
+                params = opt_params(obj) if isinstance(obj, torch.optim.Optimizer) \
+                    else obj.parameters()
+                markers.reset.update(id(p) for p in params)
+            return method(set_to_none)
+        return zero_grad
+
+    for opt in optimizers:
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+    patched = list(optimizers) + list(modules)
+    for obj in patched:
+        object.__setattr__(obj, "zero_grad", tracked(obj))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for obj in patched:
+            object.__delattr__(obj, "zero_grad")
+
+
+
+def assign_roles(graph: fx.Graph, markers: Markers):
+    """Roles from the markers: backward inside each backward(), optimize inside
+    optimizer.step(); what reads the gradients between the last backward() and
+    the first step() is gradient processing, and after it optimize; forward for
+    the rest (the forward passes, and whatever reads no gradient)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    backwards = [(position[b], position[e]) for b, e in markers.backwards]
+    steps = [(position[b], position[e]) for b, e in markers.steps]
+    grads_end = backwards[-1][1]
+    first_step = steps[0][0] if steps else len(position)
+    seeds, losses = set(markers.seeds), set(markers.losses)
+    from_grads = Role.GRADIENT | Role.OPTIMIZE
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        i = position[node]
+        reads_grads = any(PARAM in a.meta or a.meta.get(ROLE, Role.FORWARD) & from_grads
+                          for a in node.all_input_nodes if a.op == "call_function")
+        if node in seeds:
+            role = Role.BACKWARD | Role.LOSS
+        elif node in losses:
+            role = Role.FORWARD | Role.LOSS
+        elif any(b < i <= e for b, e in backwards):
+            role = Role.BACKWARD
+        elif any(b < i <= e for b, e in steps):
+            role = Role.OPTIMIZE
+        elif grads_end < i and reads_grads:
+            role = Role.GRADIENT if i <= first_step else Role.OPTIMIZE
+        else:
+            role = Role.FORWARD
+        node.meta[ROLE] = role
+
+

@@ -1,0 +1,107 @@
+"""The optimizers while the step is traced: their state made as their first step
+would make it, their groups pointed at the traced parameters, and the state
+entries the traced step created."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+from ..errors import TranspileError
+from ..optimizers import formulation_of
+
+# Group options forced while tracing: the foreach path, and capturable=True
+# where it exists, keep every step-dependent quantity a tensor (no .item()).
+TRACE_GROUP_OPTIONS = {"foreach": True, "fused": None, "capturable": True}
+
+
+def opt_params(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tensor, str]]:
+    """For each trainable parameter a formulated optimizer keeps no state for,
+    the state its first step would create (Formulation.initial_state), made
+    now: (optimizer, parameter, key) of each entry made. Where zeros would not
+    give the first step's results, nothing is made and the first call's program
+    creates the state (and the second call traces again)."""
+    made = []
+    for opt in optimizers:
+        form = formulation_of(opt)
+        for group in opt.param_groups if form else ():
+            for p in group["params"]:
+                if not p.requires_grad or opt.state.get(p):
+                    continue
+                state = form.initial_state(group, p)
+                for key, value in (state or {}).items():
+                    opt.state[p][key] = value
+                    made.append((opt, p, key))
+    return made
+
+
+def forget_state(made) -> None:
+    for opt, p, key in made:
+        del opt.state[p][key]
+        if not opt.state[p]:
+            del opt.state[p]
+
+
+
+
+@contextlib.contextmanager
+def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, dict]):
+    """Point an optimizer at traced tensors for the duration of the trace."""
+    saved_groups = [dict(g) for g in opt.param_groups]
+    saved_state = opt.state
+    try:
+        new_state = defaultdict(dict)
+        for group in opt.param_groups:
+            originals = group["params"]
+            group["params"] = [traced[id(p)] for p in originals]
+            for p, tp in zip(originals, group["params"]):
+                new_state[tp] = dict(saved_state.get(p, {}))
+                new_state[tp].update(state.get(id(p), {}))
+            for key, value in TRACE_GROUP_OPTIONS.items():
+                if key in group:
+                    group[key] = value
+        opt.state = new_state
+        yield
+    finally:
+        opt.state = saved_state
+        for group, saved in zip(opt.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+
+
+def formulated_groups(optimizers, traced: dict[int, torch.Tensor],
+                       hypers: dict[tuple, torch.Tensor]) -> dict[int, tuple]:
+    """id of a traced parameter -> (formulation, group, terms, {name: hyper
+    input}) for the groups whose update takes its hyperparameters as inputs."""
+    groups = {}
+    for opt in optimizers:
+        form = formulation_of(opt)
+        for gi, group in enumerate(opt.param_groups if form else ()):
+            terms = form.terms(group)
+            h = {key: hypers[(id(opt), gi, key)] for key in form.lifted(terms)}
+            for p in group["params"]:
+                groups[id(traced[id(p)])] = (form, group, terms, h)
+    return groups
+
+
+
+def state_set_by_step(opt, traced_param, given: dict, before: dict):
+    """(key, tensor) of the optimizer state entries the traced step created or
+    replaced for one parameter; raises on non-tensor state that changed."""
+    for key, value in opt.state[traced_param].items():
+        if isinstance(value, torch.Tensor):
+            if value is not given.get(key):
+                yield key, value
+        elif key not in before or repr(before[key]) != repr(value):
+            raise TranspileError(
+                f"{type(opt).__name__} keeps non-tensor state {key!r} that changes every "
+                "step; it cannot be captured in a static program. Use an optimizer whose "
+                "state is tensors.")
+
+

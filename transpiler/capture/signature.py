@@ -1,0 +1,148 @@
+"""The signature of a call: everything the traced program depends on besides
+tensor values. Calls with equal signatures run the same program; a new one
+traces again, and describe_change says what changed in one line."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..optimizers import formulation_of
+from ..scaler import GradScaler
+from ..scaler import signature_of as scaler_signature
+from .arguments import StepArgs, is_leaf
+from .optimizer_state import opt_params
+
+# Registering a parameter, buffer or submodule anywhere bumps this epoch, which
+# invalidates the cached list of a module's tensors (walking a deep module tree
+# on every call would cost a good part of a small step).
+_epoch = [0]
+# Per module, weakly (a dropped model's tensors must not stay alive here): the
+# epoch of the entry, its state and its submodules but itself (an entry that
+# refers to its own module would keep it alive).
+_module_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bump_epoch(*_):
+    _epoch[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_module_registration_hook):
+    _register(_bump_epoch)
+
+
+def _walk(module) -> tuple[list, list]:
+    """(name, tensor) of every parameter (tied ones once) and buffer, and every
+    submodule; cached."""
+    cached = _module_state.get(module)
+    if cached is None or cached[0] != _epoch[0]:
+        cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()],
+                  list(module.modules())[1:])
+        _module_state[module] = cached
+    return cached[1], [module, *cached[2]]
+
+
+def named_state(module) -> list:
+    return _walk(module)[0]
+
+
+def signature(step_args: StepArgs) -> tuple:
+    """Everything the traced program depends on besides tensor values, as
+    ((what, ...), value) pairs: calls with equal signatures can run the same
+    program. Cheap enough for every call."""
+    sig: list = [(("arguments",), step_args.spec)]
+    for name, leaf in zip(step_args.names, step_args.leaves):
+        if isinstance(leaf, torch.Tensor):
+            sig.append((("input", name), _tensor_sig(leaf)))
+        elif isinstance(leaf, GradScaler):
+            sig.append((("input", name), scaler_signature(leaf)))
+        elif is_leaf(leaf):
+            sig.append((("input", name), (type(leaf).__name__, id(leaf))))
+        else:
+            sig.append((("input", name), _hashable(leaf)))
+    for mi, module in enumerate(step_args.modules):
+        state, submodules = _walk(module)
+        for name, t in state:
+            sig.append((("module", mi, name), _tensor_sig(t)))
+        # train() or eval(): dropout, BatchNorm's statistics
+        sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))
+    for oi, opt in enumerate(step_args.optimizers):
+        form = formulation_of(opt)
+        lifted = form.group_keys if form else ()
+        for gi, group in enumerate(opt.param_groups):
+            sig.append((("optimizer", oi, "group", gi, "params"), tuple(map(id, group["params"]))))
+            if form:
+                sig.append((("optimizer", oi, "group", gi, "terms"), form.terms(group)))
+            for key, value in group.items():
+                if key != "params" and key not in lifted:
+                    sig.append((("optimizer", oi, "group", gi, key), _hashable(value)))
+        for pi, p in enumerate(opt_params(opt)):
+            for key, value in opt.state.get(p, {}).items():
+                sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
+                            if isinstance(value, torch.Tensor) else _hashable(value)))
+    return tuple(sig)
+
+
+def grad_signature(step_args: StepArgs) -> tuple:
+    """Which parameters have a .grad, and its type: part of the signature of a
+    program that reads the gradients the step starts with."""
+    sig = []
+    for mi, module in enumerate(step_args.modules):
+        for name, t in named_state(module):
+            if t.grad is not None:
+                sig.append((("grad", mi, name), _tensor_sig(t.grad)))
+    for oi, opt in enumerate(step_args.optimizers):
+        for pi, p in enumerate(opt_params(opt)):
+            if p.grad is not None:
+                sig.append((("grad", "optimizer", oi, pi), _tensor_sig(p.grad)))
+    return tuple(sig)
+
+
+def _tensor_sig(t: torch.Tensor):
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", repr(value))
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def describe_change(old: tuple, new: tuple) -> str:
+    """One line saying what differs between two signatures."""
+    old_d, new_d = dict(old), dict(new)
+    changed = [k for k in new_d if old_d.get(k, _MISSING) != new_d[k]]
+    changed += [k for k in old_d if k not in new_d]
+    if not changed:
+        return "nothing changed"
+    # Which parameters have a .grad is the reason only when nothing else is:
+    # it changes along with the rest, and most programs do not read it.
+    changed = [k for k in changed if k[0] != "grad"] or changed
+    if all(k[0] == "optimizer" and k[2] == "state" and k not in old_d for k in changed):
+        keys = sorted({k[4] for k in changed})
+        return (f"the optimizer's first step created its state ({', '.join(keys)} for "
+                f"{len({k[:4] for k in changed})} parameters)")
+    first = changed[0]
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    what = " ".join(map(str, first))
+    return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
+
+
+_MISSING = object()
+
+
+def _fmt(v) -> str:
+    if v is _MISSING:
+        return "absent"
+    if isinstance(v, tuple) and len(v) == 4 and isinstance(v[0], torch.Size):
+        shape, dtype, device, _ = v
+        return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+    return str(v)
+

@@ -1,0 +1,143 @@
+"""What each program input is read from and each output written to: the live
+tensors of the model, the optimizers, the step's held tensors and its arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..optimizers import hyper_value
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """A parameter or buffer of a module: fed as is (programs run under
+    no_grad), written back in place."""
+
+    tensor: torch.Tensor
+
+    def read(self, leaves):
+        return self.tensor
+
+    def write(self, value):
+        self.tensor.copy_(value)
+
+    def mirror(self, memo: dict):
+        """The same tensor in a deep copy of the step's arguments (verify)."""
+        return memo[id(self.tensor)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """One entry of optimizer.state[param]."""
+
+    optimizer: torch.optim.Optimizer
+    param: torch.Tensor
+    key: str
+
+    def read(self, leaves):
+        return self.optimizer.state[self.param][self.key]
+
+    def write(self, value):
+        _store(self.optimizer.state[self.param], self.key, value)
+
+    def mirror(self, memo: dict):
+        return memo[id(self.optimizer)].state[memo[id(self.param)]].get(self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldSlot:
+    """A tensor the transpiled step keeps between calls (InputKind.HELD)."""
+
+    store: dict
+    name: str
+
+    def read(self, leaves):
+        return self.store[self.name]
+
+    def write(self, value):
+        _store(self.store, self.name, value)
+
+    def mirror(self, memo: dict):
+        return None   # the eager step has no such tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSlot:
+    """A parameter's .grad: read when the step starts with one (InputKind.GRAD),
+    set to the program's value when the step leaves one (OutputKind.GRAD). The
+    value is the program's own tensor (for a reduced gradient, a view of its
+    bucket, as DDP's gradient_as_bucket_view), not a copy."""
+
+    param: torch.Tensor
+
+    def read(self, leaves):
+        return self.param.grad
+
+    def write(self, value):
+        self.param.grad = value
+
+    def mirror(self, memo: dict):
+        return memo[id(self.param)].grad
+
+
+def _store(mapping: dict, key, value: torch.Tensor) -> None:
+    """Copy into the tensor already there when it has the same shape and dtype
+    (so references to it stay valid), else put the new tensor in its place."""
+    old = mapping.get(key)
+    if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+        old.copy_(value)
+    else:
+        mapping[key] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperSlot:
+    """A lifted hyperparameter: a value of param_groups[group], or one derived
+    from it on the host such as 1 - beta1 (optimizers.hyper_value), fed as a 0-d
+    tensor of float64 if the group has a float64 parameter, else float32.
+    Kernels compute a float32 (or bf16/fp16) tensor op in float32 whatever the
+    scalar's width, so this rounds exactly as eager's Python-float alpha, and
+    saves a conversion per tensor."""
+
+    optimizer: torch.optim.Optimizer
+    group: int
+    key: str
+    dtype: torch.dtype
+    device: torch.device   # the group's: a compiled device graph reads no host tensor
+
+    def read(self, leaves):
+        return torch.tensor(hyper_value(self.optimizer.param_groups[self.group], self.key),
+                            dtype=self.dtype, device=self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSlot:
+    """A tensor among the step's arguments (the batch)."""
+
+    leaf: int
+
+    def read(self, leaves):
+        return leaves[self.leaf]
+
+
+@dataclasses.dataclass(frozen=True)
+class Returned:
+    """The structure of what the step returns: a pytree whose leaves are tensors
+    (outputs of the program, in order) or None."""
+
+    spec: pytree.TreeSpec
+    nones: tuple[bool, ...]   # per leaf: None
+
+    @property
+    def num_tensors(self) -> int:
+        return self.nones.count(False)
+
+    def rebuild(self, outputs) -> Any:
+        tensors = iter(outputs)
+        return pytree.tree_unflatten([None if none else next(tensors) for none in self.nones],
+                                     self.spec)
+

@@ -1,0 +1,326 @@
+"""Trace the whole step (forward, backward, optimizer update) with make_fx and
+make it a pure function."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .. import functionalize
+from ..errors import TranspileError
+from ..optimizers import updates_with_lifted_hyperparameters
+from ..program import InputKind, Program
+from ..roles import PARAM, ROLE, Role
+from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
+from .arguments import StepArgs
+from .build import to_program
+from .host_state import host_state_unchanged
+from .inputs import collect_inputs
+from .markers import (
+    Markers,
+    assign_roles,
+    backward_marker,
+    compiling_flag,
+    last_node,
+    node_of,
+    optimizer_markers,
+    scheduler_marker,
+)
+from .optimizer_state import (
+    forget_state,
+    formulated_groups,
+    make_first_state,
+    opt_params,
+    redirect_optimizer,
+    state_set_by_step,
+)
+from .signature import named_state
+from .slots import ParamSlot, Returned, StateSlot
+from .user_code import step_name, trace_error
+
+# More backward() calls than this in one step get a warning: each is unrolled.
+log = logging.getLogger("transpiler")
+
+MANY_BACKWARDS = 8
+
+
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """native_batch_norm updates the running statistics in place but its schema
+    does not say so: functionalization would leave that mutation inside the
+    program. _native_batch_norm_legit is the same kernel with a schema that does."""
+    if running_mean is None:
+        return torch.ops.aten._native_batch_norm_legit.no_stats(input, weight, bias, training,
+                                                                momentum, eps)
+    return torch.ops.aten._native_batch_norm_legit.default(input, weight, bias, running_mean,
+                                                           running_var, training, momentum, eps)
+
+
+_DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm}
+
+
+
+@dataclasses.dataclass
+class Captured:
+    program: Program
+    slots: list            # one per program input
+    targets: list          # one per program output: None (user) or the slot written
+    returned: Returned
+    schedulers: list       # LR schedulers the step steps after its optimizer.step()
+    cleared: list          # (name, parameter) whose .grad the step leaves None
+    # Whether what the program computes depends on the .grad the parameters have
+    # when the step starts (it accumulates into them, or keeps them as zeros):
+    # then which parameters have one is part of the program's signature.
+    reads_grads: bool
+    averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
+
+    def param_names(self) -> dict[int, str]:
+        """id of each parameter the program reads -> its input's name."""
+        return {id(slot.tensor): spec.name for spec, slot in zip(self.program.inputs, self.slots)
+                if spec.kind is InputKind.PARAM}
+
+
+
+def trace_step(step_fn: Callable, step_args: StepArgs,
+               state_stand_in: Callable | None = None) -> Captured:
+    """Trace the whole step (forward, backward, optimizer update) into a Program.
+    state_stand_in(param, entry): what the trace sees of an optimizer state
+    entry (mode zero keeps shards; the step reads full entries).
+
+    The optimizers' state is made first, as their first step would make it
+    (make_first_state), so that the program traced on the first call is the
+    one every later call runs: the state is its input, never its creation."""
+    if not step_args.modules:
+        raise TranspileError(
+            f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
+            "pass the model as an argument, e.g. step(model, optimizer, x, y)")
+    if not step_args.optimizers:
+        raise TranspileError(
+            f"{step_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
+            "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
+    made = make_first_state(step_args.optimizers)
+    try:
+        captured = _trace(step_fn, step_args, state_stand_in)
+    except BaseException:
+        forget_state(made)
+        raise
+    # State made for a parameter the step gives no gradient: its first step
+    # would not have made it, and the program does not read it.
+    read = {(id(slot.optimizer), id(slot.param), slot.key) for slot in captured.slots
+            if isinstance(slot, StateSlot)}
+    forget_state([m for m in made if (id(m[0]), id(m[1]), m[2]) not in read])
+    return captured
+
+
+
+
+def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None) -> Captured:
+    modules, optimizers = step_args.modules, step_args.optimizers
+    inputs = collect_inputs(step_args, state_stand_in)
+    markers = Markers()
+    created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
+    returned: list[Returned] = []
+    left: list[torch.Tensor] = []      # parameters the step leaves a .grad
+    cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
+    kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
+
+    def flat(*values):
+        traced: dict[int, torch.Tensor] = {}
+        leaves = list(step_args.leaves)
+        hypers: dict[tuple, torch.Tensor] = {}
+        scaled: dict[tuple, torch.Tensor] = {}
+        state: dict[int, dict] = defaultdict(dict)
+        for spec, slot, value in zip(inputs.specs, inputs.slots, values):
+            if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
+                if slot.tensor.requires_grad:
+                    value = value.detach().requires_grad_(True)
+                traced[id(slot.tensor)] = value
+            elif spec.kind is InputKind.STATE:
+                state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
+            elif spec.kind is InputKind.HYPER:
+                hypers[(id(slot.optimizer), slot.group, slot.key)] = value
+            elif spec.kind is InputKind.GRAD:
+                traced[id(slot.param)].grad = value
+            elif spec.kind is InputKind.SCALER:
+                scaled[(id(slot.scaler), slot.attr)] = value
+            else:
+                leaves[slot.leaf] = value
+        formulated = formulated_groups(optimizers, traced, hypers)
+
+        def grads_now():
+            return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
+                    if t.grad is not None}
+        real_state = {id(opt): opt.state for opt in optimizers}
+        real_params = {id(opt): opt_params(opt) for opt in optimizers}
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                mapping = {n: traced[id(t)] for n, t in named_state(module)}
+                stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True))
+            for opt in optimizers:
+                stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
+            stack.enter_context(updates_with_lifted_hyperparameters(formulated))
+            stack.enter_context(compiling_flag())
+            stack.enter_context(backward_marker(markers, step_fn, grads_now))
+            stack.enter_context(optimizer_markers(markers, optimizers, modules))
+            stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
+            stack.enter_context(host_state_unchanged(step_fn, modules, optimizers))
+            stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
+                                               step_name(step_fn)))
+            result = step_args.call(step_fn, leaves)
+            _check_markers(step_fn, markers)
+            out_leaves, spec = pytree.tree_flatten(result)
+            returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
+            out_leaves = [o for o in out_leaves if o is not None]
+            for o in out_leaves:
+                if not isinstance(o, torch.Tensor):
+                    raise TranspileError(
+                        f"{step_name(step_fn)} returned a {type(o).__name__}; a transpiled step "
+                        "may return only tensors (any pytree of them): return the loss tensor "
+                        "and convert it with .item() outside the step")
+            new_state = []
+            for opt in optimizers:
+                for p in real_params[id(opt)]:
+                    for key, value in state_set_by_step(opt, traced[id(p)],
+                                                         state[id(opt)].get(id(p), {}),
+                                                         real_state[id(opt)].get(p, {})):
+                        created.append((opt, p, key))
+                        new_state.append(value)
+            for name, node in markers.reduced.items():
+                node.meta[PARAM] = name
+            grads = []
+            for p in inputs.params:
+                tp = traced[id(p)]
+                if tp.grad is not None:
+                    left.append(p)
+                    grads.append(tp.grad)
+                else:
+                    cleared.append((inputs.param_names[id(p)], p))
+                if tp.requires_grad and id(tp) not in markers.reset:
+                    kept.append(p)
+            return tuple(out_leaves) + tuple(new_state) + tuple(grads)
+
+    try:
+        # The traced module's Python code is never run (it becomes a Program):
+        # a lazy module does not generate it.
+        with _use_lazy_graph_module(True):
+            gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*inputs.values)
+    except TranspileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
+        raise trace_error(step_fn, exc, markers) from exc
+
+    _check_no_captured_parameters(step_fn, gm)
+    if len(markers.backwards) > MANY_BACKWARDS:
+        log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
+                    "micro-batch, so it grows and traces in proportion; for many micro-batches "
+                    "accumulate across calls instead (README, Training loops)",
+                    step_name(step_fn), len(markers.backwards))
+    assign_roles(gm.graph, markers)
+    _drop_profiler_nodes(gm.graph)
+    try:
+        functionalize.rewrite(gm.graph)
+        fgm = gm
+    except functionalize.Unsupported as why:
+        log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
+        fgm = _functionalize(gm, inputs.values)
+    program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
+    guard_skipped_steps(program, _optimizer_of(targets, optimizers))
+    reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
+    return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
+                    reads_grads, markers.averaged_after)
+
+
+
+
+def _optimizer_of(targets: list, optimizers) -> list[int | None]:
+    """For each output's target: the index of the optimizer that writes it (a
+    parameter it updates, its state), else None."""
+    index = {id(opt): oi for oi, opt in enumerate(optimizers)}
+    of_param = {id(p): index[id(opt)] for opt in optimizers for p in opt_params(opt)}
+    return [index[id(t.optimizer)] if isinstance(t, StateSlot)
+            else of_param.get(id(t.tensor)) if isinstance(t, ParamSlot) else None
+            for t in targets]
+
+
+def _check_no_captured_parameters(step_fn, gm: fx.GraphModule) -> None:
+    """A parameter the step reaches through a closure or a global, not through
+    its arguments, would be traced as a constant: never updated, never reduced."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter)
+                                                or value.requires_grad):
+            raise TranspileError(
+                f"{step_name(step_fn)} uses a parameter of shape {tuple(value.shape)} that is not "
+                "among its arguments (a module captured from a closure or a global?): pass "
+                "every module whose parameters the step uses as an argument, e.g. "
+                "step(model, optimizer, x, y)")
+
+
+
+
+def _check_markers(step_fn, markers: Markers):
+    if not markers.backwards:
+        raise TranspileError(f"{step_name(step_fn)} never calls loss.backward(): a training "
+                             "step computes a loss, calls backward() and optimizer.step()")
+
+
+def _drop_profiler_nodes(graph: fx.Graph):
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target in _PROFILER_OPS:
+            for user in list(node.users):
+                graph.erase_node(user)
+            graph.erase_node(node)
+
+
+
+
+class _RoleCarrier(fx.Interpreter):
+    """Runs the traced graph under functionalization and gives each node it
+    creates in the new graph the role (and gradient mark) of the node it came
+    from; the loss and the seed keep their LOSS role on the node of their value."""
+
+    def run_node(self, n):
+        before = last_node()
+        result = super().run_node(n)
+        if n.op != "call_function":
+            return result
+        node = before.next
+        while node.op != "root":
+            node.meta.setdefault(ROLE, n.meta[ROLE])
+            node = node.next
+        if PARAM in n.meta or SKIPS in n.meta or n.meta[ROLE] & Role.LOSS:
+            # The node of the value itself: a getitem of a multi-output op is
+            # created with that op and took its role above.
+            inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
+            node = node_of(inner)
+            for key in (PARAM, SKIPS):
+                if key in n.meta:
+                    node.meta[key] = n.meta[key]
+            if n.meta[ROLE] & Role.LOSS:
+                node.meta[ROLE] = n.meta[ROLE]
+        return result
+
+
+def _functionalize(gm: fx.GraphModule, values) -> fx.GraphModule:
+    def run(*args):
+        return _RoleCarrier(gm).run(*args)
+    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake",
+                   _allow_non_fake_inputs=True)(*[v.detach() for v in values])

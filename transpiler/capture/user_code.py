@@ -1,0 +1,56 @@
+"""Errors that name the user's code: the step's name and the innermost frame in
+the user's files."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import TranspileError
+
+if TYPE_CHECKING:
+    from .markers import Markers
+
+
+def step_name(step_fn) -> str:
+    return getattr(step_fn, "__qualname__", None) or getattr(step_fn, "__name__", "train_step")
+
+
+# torch and this package: the frames that are not the user's.
+_LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def user_line(step_fn, tb=None) -> str:
+    """' at file:line (code)' for the innermost frame in the user's code."""
+    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_LIB_DIRS + ("<",)) and "contextlib" not in frame.filename:
+            return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return ""
+
+
+_DATA_DEPENDENT = (
+    "data-dependent", "DataDependent", "_local_scalar_dense", "item()",
+    "value out of a tracing tensor", "DynamicOutputShape", "Cannot call numel",
+)
+
+
+def trace_error(step_fn, exc: BaseException, markers: Markers) -> TranspileError:
+    where = user_line(step_fn, exc.__traceback__)
+    text = f"{type(exc).__name__}: {exc}"
+    if markers.stepping is not None:
+        return TranspileError(
+            f"{type(markers.stepping).__name__}.step() cannot be captured{where}: "
+            f"{text.splitlines()[0]}. SGD, Adam and AdamW are supported; other optimizers "
+            "work when their step traces into tensor operations")
+    if any(s in text for s in _DATA_DEPENDENT):
+        return TranspileError(
+            f"{step_name(step_fn)} depends on the value of a tensor{where}: Python control flow "
+            "or .item()/.tolist() on tensor values cannot be captured in a static program. "
+            "Compute it with tensor operations (torch.where, masking) or move it outside "
+            f"the step. ({text.splitlines()[0]})")
+    return TranspileError(f"tracing {step_name(step_fn)} failed{where}: {text.splitlines()[0]}")
+
