@@ -236,8 +236,9 @@ def test_module_captured_from_a_closure():
         optimizer.step()
         return loss
 
-    _raises_and_touches_nothing(transpile(step_fn), r"uses a parameter of shape \(4, 4\) that is "
-                                "not among its arguments .* pass every module", None, None,
+    _raises_and_touches_nothing(transpile(step_fn), r"uses a parameter of shape \(4, 4\) "
+                                r"\(float32\) that is not among its arguments at .*test_errors.py"
+                                r":\d+ \(loss = .*Pass the batch and every module", None, None,
                                 None, None)
 
 

@@ -1,14 +1,25 @@
 """The programs built for each signature of the step's arguments: a call with
-a signature seen before runs what was built for it, a new one builds again."""
+a signature seen before, whose guarded host values (capture/guards.py) are as
+they were at the trace, runs what was built for it; anything else builds again.
+The programs kept are bounded, as torch.compile bounds its recompiles: past the
+bound the least recently used is dropped, with a warning that names what keeps
+changing."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable
 
-from .capture import Returned, StepArgs, grad_signature, signature
+from .capture import Returned, StepArgs, describe_change, grad_signature, signature
+from .capture.guards import Guards
 from .executor import Runnable
+
+log = logging.getLogger("transpiler")
+
+# Programs kept per step (torch.compile's recompile limit is 8 too).
+CACHE_LIMIT = 8
 
 
 @dataclasses.dataclass
@@ -25,37 +36,65 @@ class Built:
     cleared: list      # (name, parameter) whose .grad each call leaves None
     reads_grads: bool  # whether which parameters have a .grad is part of the key
     averaged_after: int  # backward() calls before the first optimizer.step() (verify)
+    guards: Guards     # host values its programs were traced with
 
 
 class ProgramCache:
-    """Built programs by signature (capture.signature). Where the programs read
-    the .grad the step starts with, the key also says which parameters have one
-    (capture.grad_signature); only those signatures pay for computing it."""
+    """Built programs by signature (capture.signature), each with its guards.
+    Where the programs read the .grad the step starts with, the key also says
+    which parameters have one (capture.grad_signature); only those signatures
+    pay for computing it."""
 
-    def __init__(self):
-        self._built: dict[tuple, Built] = {}
+    def __init__(self, limit: int = CACHE_LIMIT):
+        self._built: dict[tuple, list[Built]] = {}
+        self._order: list[tuple[tuple, Built]] = []   # least recently used first
         self._reads_grads: set[tuple] = set()   # signatures keyed with their grads
+        self.limit = limit
         self.build_seconds = 0.0
+        self.builds = 0
         self.last_built: tuple | None = None   # the full signature last built for
 
     def __len__(self) -> int:
-        return len(self._built)
+        return len(self._order)
 
-    def get(self, step_args: StepArgs, build: Callable[[StepArgs, tuple], Built]) -> Built:
-        """What was built for these arguments; build(step_args, signature with
-        the grads) builds it when there is none."""
+    def get(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built]) -> Built:
+        """What was built for these arguments; build(step_args, why) builds it
+        when there is none, `why` saying in one line what is new."""
         sig = signature(step_args)
         key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
-        built = self._built.get(key)
-        if built is None:
-            start = time.perf_counter()
-            built = build(step_args, sig + grad_signature(step_args))
-            # Building made the optimizers' state the first step would make
-            # (capture.trace_step): the key is the signature later calls have.
-            sig = signature(step_args)
-            self.last_built = full = sig + grad_signature(step_args)
-            if built.reads_grads:
-                self._reads_grads.add(sig)
-            self._built[full if built.reads_grads else sig] = built
-            self.build_seconds += time.perf_counter() - start
+        entries = self._built.get(key, [])
+        for built in entries:
+            if not built.guards.changed():
+                if self._order[-1][1] is not built:
+                    self._order.remove((key, built))
+                    self._order.append((key, built))
+                return built
+        if entries:
+            why = entries[-1].guards.changed()
+        elif self.last_built is None:
+            why = "first call"
+        else:
+            why = describe_change(self.last_built, sig + grad_signature(step_args))
+        start = time.perf_counter()
+        built = build(step_args, why)
+        # Building made the optimizers' state the first step would make
+        # (capture.trace_step): the key is the signature later calls have.
+        sig = signature(step_args)
+        self.last_built = full = sig + grad_signature(step_args)
+        if built.reads_grads:
+            self._reads_grads.add(sig)
+        key = full if built.reads_grads else sig
+        self._built.setdefault(key, []).append(built)
+        self._order.append((key, built))
+        self.builds += 1
+        if len(self._order) > self.limit:
+            old_key, old = self._order.pop(0)
+            self._built[old_key].remove(old)
+            log.warning("transpiler: the step has been traced %d times; %d programs are kept, "
+                        "the least recently used was dropped. The last trace was for: %s. A "
+                        "value that changes every call and only enters arithmetic belongs in "
+                        "a tensor (an argument, or a buffer of the model); one that decides "
+                        "shapes or control flow traces once per value", self.builds,
+                        self.limit, why)
+        self.build_seconds += time.perf_counter() - start
         return built

@@ -25,7 +25,8 @@ import torch
 from . import agreement, consensus, consistency, reduce_groups, verify
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
-from .capture import Captured, HeldSlot, describe_change, flatten_args, make_first_state, trace_step
+from .capture import Captured, HeldSlot, flatten_args, make_first_state, trace_step
+from .capture.optimizer_state import forget_state
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
@@ -261,7 +262,7 @@ class TranspiledStep:
         self._held.initialized(built.state_key, prelude)
         self.startup_program = startup.program
 
-    def _build(self, step_args, sig) -> Built:
+    def _build(self, step_args, why: str) -> Built:
         """Trace the step and run the passes of every program of the schedule and
         of the startup program; the ranks agree on all of them before any runs."""
         world_size = world()[0]
@@ -281,9 +282,9 @@ class TranspiledStep:
             raise unbound
         mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
                           [g.group for g in self.groups], self.schedule.partitions)
-        error, built, to_agree = None, None, []
+        error, built, to_agree, captured = None, None, [], None
         try:
-            captured = self._trace(step_args, sig)
+            captured = self._trace(step_args, why)
             start = time.perf_counter()
             device = device_of(captured.program)
             backend = resolve(self.backend, device)
@@ -305,18 +306,23 @@ class TranspiledStep:
                     "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
-                           captured.reads_grads, captured.averaged_after)
+                           captured.reads_grads, captured.averaged_after, captured.guards)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
                      ", ".join(f"{n} {len(r.program.collectives())}" for n, r in programs.items()))
         except TranspileError as exc:
             error = exc
-        if world_size > 1:
-            with self._timed("agreement"):
-                agreement.agree(to_agree, error)
-        elif error is not None:
-            raise error
+        try:
+            if world_size > 1:
+                with self._timed("agreement"):
+                    agreement.agree(to_agree, error)
+            elif error is not None:
+                raise error
+        except BaseException:
+            if captured is not None:   # nothing of a failed build stays behind
+                forget_state(captured.made_state)
+            raise
         if self._sharded is not None:   # the state the trace made, cut to shards
             self._sharded.shard(step_args.optimizers)
         return built
@@ -366,10 +372,8 @@ class TranspiledStep:
                 "schedule": f"{type(self.schedule).__name__} "
                             f"{ {k: v for k, v in vars(self.schedule).items() if k != 'programs'} }"}
 
-    def _trace(self, step_args, sig) -> Captured:
+    def _trace(self, step_args, why: str) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
-        last = self._cache.last_built
-        why = "first call" if last is None else describe_change(last, sig)
         start = time.perf_counter()
         with self._timed("trace"):
             captured = trace_step(self.step_fn, step_args,

@@ -1,64 +1,103 @@
-"""Host-side Python state the step could change while it is traced: refused,
-since the program runs without the step's Python."""
+"""Host-side Python state the step writes while it is traced: the program runs
+without the step's Python, so such a write would happen once, at the trace, and
+never again. Every value a guard watches (guards.py: attributes of the modules
+and the objects they hold, globals, closure cells), every attribute of a module
+the step rebinds (a tensor stored in forward, `self.n += 1`) and the optimizers'
+param-group entries are compared before and after the trace; a change is undone
+and refused, naming the value. (A buffer or a parameter the step reassigns is
+state the program writes back: trace.py turns it into an in-place write.)"""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
+import torch
+
 from ..errors import TranspileError
+from .guards import record
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .user_code import step_name
 
-_PLAIN = (bool, int, float, str, tuple, type(None))
+# The attributes through which torch.nn.Module keeps its parameters, buffers,
+# submodules and hooks: they are mutated in place, never rebound by a step.
+_MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module()))
 
 
-def _host_values(modules, optimizers) -> dict[str, Any]:
-    """The host-side values a step could change: each submodule's public
-    attributes of plain types (a counter, the training flag) and the values of
-    each optimizer's param groups."""
-    values = {}
+def _attributes(modules) -> dict[tuple[int, str], tuple[str, torch.nn.Module, Any]]:
+    """(id(submodule), attribute) -> (name, submodule, value) of every
+    attribute of every submodule but torch's bookkeeping."""
+    found = {}
     for mi, module in enumerate(modules):
         root = f"model{mi}" if len(modules) > 1 else "model"
-        for name, sub in module.named_modules():
+        for prefix, sub in module.named_modules():
             for key, value in vars(sub).items():
-                if not key.startswith("_") and isinstance(value, _PLAIN):
-                    values[f"{root}.{name + '.' if name else ''}{key}"] = (sub, key, value)
-    for oi, opt in enumerate(optimizers):
-        for gi, group in enumerate(opt.param_groups):
-            for key, value in group.items():
-                if key != "params" and key not in TRACE_GROUP_OPTIONS:
-                    values[f"optimizer {oi} param_groups[{gi}][{key!r}]"] = (None, key, value)
-    return values
+                if key not in _MODULE_BOOKKEEPING or key == "training":
+                    found[(id(sub), key)] = (f"{root}.{prefix + '.' if prefix else ''}{key}",
+                                             sub, value)
+    return found
+
+
+def _group_values(optimizers) -> dict[str, Any]:
+    return {f"optimizer {oi} param_groups[{gi}][{key!r}]": value
+            for oi, opt in enumerate(optimizers) for gi, group in enumerate(opt.param_groups)
+            for key, value in group.items() if key != "params" and key not in TRACE_GROUP_OPTIONS}
 
 
 @contextlib.contextmanager
 def host_state_unchanged(step_fn, modules, optimizers):
-    """Python state the step changes would change once, while it is traced, and
-    never again when the program runs: refuse it (and undo it on the modules;
-    the optimizers' groups are restored by redirect_optimizer)."""
-    before = _host_values(modules, optimizers)
-    yield
-    after = _host_values(modules, optimizers)
-    changed = [k for k in before if k not in after or repr(after[k][2]) != repr(before[k][2])]
+    """Yield the step's guards as they stand before the trace; refuse (and undo
+    on the modules and globals; the optimizers' groups are restored by
+    redirect_optimizer) what the traced step changed on the host."""
+    guards = record(step_fn, modules)
+    attributes = _attributes(modules)
+    groups = _group_values(optimizers)
+    yield guards
+    changed = []
+    for g in guards.guards:
+        if g.current() != g.value:
+            changed.append((g.name, g.value, g.current()))
+            g.restore()
+    after = _attributes(modules)
+    for key, (name, sub, value) in after.items():
+        if key not in attributes:
+            changed.append((name, "absent", _kind(value)))
+            object.__delattr__(sub, key[1])
+        elif attributes[key][2] is not value and all(name != c[0] for c in changed):
+            changed.append((name, _kind(attributes[key][2]), _kind(value)))
+            object.__setattr__(sub, key[1], attributes[key][2])
+    new_groups = _group_values(optimizers)
+    changed += [(name, value, new_groups.get(name, "deleted")) for name, value in groups.items()
+                if repr(new_groups.get(name)) != repr(value)]
     if not changed:
         return
-    for key in changed:
-        owner, attr, value = before[key]
-        if owner is not None:
-            object.__setattr__(owner, attr, value)
-    first = changed[0]
-    new = repr(after[first][2]) if first in after else "deleted"
+    first, old, new = changed[0]
     if first.startswith("optimizer"):
         advice = ("set hyperparameters outside the step, or step a torch.optim.lr_scheduler "
                   "after optimizer.step() inside it (the transpiled step runs it on the host "
                   "after every call)")
     else:
-        advice = ("call model.train()/eval() and change such attributes outside the step, or "
-                  "keep a counter in a tensor buffer (register_buffer) that the step updates")
+        advice = ("call model.train()/eval() and change such values outside the step; keep "
+                  "a counter or a value forward computes in a tensor buffer "
+                  "(register_buffer) that the step updates, or return it from the step")
     raise TranspileError(
-        f"{step_name(step_fn)} changes host-side state: {first} {before[first][2]!r} -> {new}"
+        f"{step_name(step_fn)} changes host-side state: {first} {_show(old)} -> {_show(new)}"
         + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
         + ". The program runs without the step's Python, so this change would happen once, "
         f"while the step is traced, and never again: {advice}")
 
+
+def _kind(value) -> Any:
+    """How a rebound attribute's value is shown: a tensor by its layout."""
+    if isinstance(value, torch.Tensor):
+        return _Shown(f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}")
+    return value
+
+
+class _Shown(str):
+    def __repr__(self):
+        return str(self)
+
+
+def _show(value) -> str:
+    return value if isinstance(value, _Shown) else repr(value)

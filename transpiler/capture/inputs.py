@@ -13,7 +13,8 @@ from ..program import Hyper, InputKind, InputSpec
 from ..scaler import scaler_slots
 from .arguments import StepArgs
 from .optimizer_state import opt_params
-from .slots import DataSlot, GradSlot, HyperSlot, ParamSlot, StateSlot
+from .outside import is_ndarray
+from .slots import ArraySlot, DataSlot, GradSlot, HyperSlot, ParamSlot, StateSlot
 
 
 @dataclasses.dataclass
@@ -83,6 +84,9 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
     for i, leaf in enumerate(step_args.leaves):
         if isinstance(leaf, torch.Tensor):
             inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), DataSlot(i), leaf)
+        elif is_ndarray(leaf):
+            inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), ArraySlot(i),
+                       torch.from_numpy(leaf))
     return inputs
 
 

@@ -13,6 +13,7 @@ from ..scaler import GradScaler
 from ..scaler import signature_of as scaler_signature
 from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params
+from .outside import is_ndarray
 
 # Registering a parameter, buffer or submodule anywhere bumps this epoch, which
 # invalidates the cached list of a module's tensors (walking a deep module tree
@@ -57,6 +58,8 @@ def signature(step_args: StepArgs) -> tuple:
     for name, leaf in zip(step_args.names, step_args.leaves):
         if isinstance(leaf, torch.Tensor):
             sig.append((("input", name), _tensor_sig(leaf)))
+        elif is_ndarray(leaf):
+            sig.append((("input", name), ("ndarray", leaf.shape, leaf.dtype.str)))
         elif isinstance(leaf, GradScaler):
             sig.append((("input", name), scaler_signature(leaf)))
         elif is_leaf(leaf):

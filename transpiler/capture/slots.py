@@ -125,6 +125,16 @@ class DataSlot:
 
 
 @dataclasses.dataclass(frozen=True)
+class ArraySlot:
+    """A numpy array among the step's arguments, fed as a tensor sharing its memory."""
+
+    leaf: int
+
+    def read(self, leaves):
+        return torch.from_numpy(leaves[self.leaf])
+
+
+@dataclasses.dataclass(frozen=True)
 class Returned:
     """The structure of what the step returns: a pytree whose leaves are tensors
     (outputs of the program, in order) or None."""

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ from ..roles import PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import to_program
+from .guards import Guards
 from .host_state import host_state_unchanged
 from .inputs import collect_inputs
 from .markers import (
@@ -44,13 +46,14 @@ from .optimizer_state import (
     redirect_optimizer,
     state_set_by_step,
 )
+from .outside import outside_tensors
 from .signature import named_state
-from .slots import ParamSlot, Returned, StateSlot
+from .slots import ArraySlot, ParamSlot, Returned, StateSlot
 from .user_code import step_name, trace_error
 
-# More backward() calls than this in one step get a warning: each is unrolled.
 log = logging.getLogger("transpiler")
 
+# More backward() calls than this in one step get a warning: each is unrolled.
 MANY_BACKWARDS = 8
 
 
@@ -88,6 +91,10 @@ class Captured:
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
     averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
+    guards: Guards         # the host values the program was traced with
+    # (optimizer, parameter, key) of the state made for this trace as the first
+    # step would make it: forgotten again if the build fails after the trace
+    made_state: list = dataclasses.field(default_factory=list)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -124,6 +131,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     read = {(id(slot.optimizer), id(slot.param), slot.key) for slot in captured.slots
             if isinstance(slot, StateSlot)}
     forget_state([m for m in made if (id(m[0]), id(m[1]), m[2]) not in read])
+    captured.made_state = [m for m in made if (id(m[0]), id(m[1]), m[2]) in read]
     return captured
 
 
@@ -135,6 +143,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     markers = Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []
+    guards: list[Guards] = []
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
@@ -158,6 +167,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 traced[id(slot.param)].grad = value
             elif spec.kind is InputKind.SCALER:
                 scaled[(id(slot.scaler), slot.attr)] = value
+            elif isinstance(slot, ArraySlot):   # the step converts it (outside.py)
+                arrays[id(leaves[slot.leaf])] = value
             else:
                 leaves[slot.leaf] = value
         formulated = formulated_groups(optimizers, traced, hypers)
@@ -178,7 +189,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
-            stack.enter_context(host_state_unchanged(step_fn, modules, optimizers))
+            guards.append(stack.enter_context(host_state_unchanged(step_fn, modules, optimizers)))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
                                                step_name(step_fn)))
             result = step_args.call(step_fn, leaves)
@@ -214,10 +225,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     kept.append(p)
             return tuple(out_leaves) + tuple(new_state) + tuple(grads)
 
+    arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), \
+                outside_tensors(step_fn, arrays, _group_tensors(optimizers),
+                                _outside_hint(step_args)) as check_outside:
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*inputs.values)
     except TranspileError:
@@ -225,7 +239,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
         raise trace_error(step_fn, exc, markers) from exc
 
-    _check_no_captured_parameters(step_fn, gm)
+    check_outside(gm)
     if len(markers.backwards) > MANY_BACKWARDS:
         log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
                     "micro-batch, so it grows and traces in proportion; for many micro-batches "
@@ -243,9 +257,28 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, markers.averaged_after)
+                    reads_grads, markers.averaged_after, guards[0])
 
 
+
+
+def _group_tensors(optimizers) -> set[int]:
+    """ids of the tensors among param-group values (a tensor lr): the
+    signature compares them by value."""
+    return {id(v) for opt in optimizers for group in opt.param_groups for v in group.values()
+            if isinstance(v, torch.Tensor)}
+
+
+def _outside_hint(step_args: StepArgs) -> str:
+    """What to do about a tensor from outside the arguments."""
+    pulled = [name for name, leaf in zip(step_args.names, step_args.leaves)
+              if isinstance(leaf, (Iterator, torch.utils.data.DataLoader))]
+    if pulled:
+        return (f"The argument {pulled[0]!r} is an iterator or a loader: pull each batch "
+                "outside the step (x, y = next(it)) and pass its tensors as arguments")
+    return ("Pass the batch and every module the step uses as arguments, e.g. step(model, "
+            "optimizer, x, y), and keep a module's tensors in parameters or buffers "
+            "(register_buffer)")
 
 
 def _optimizer_of(targets: list, optimizers) -> list[int | None]:
@@ -256,24 +289,6 @@ def _optimizer_of(targets: list, optimizers) -> list[int | None]:
     return [index[id(t.optimizer)] if isinstance(t, StateSlot)
             else of_param.get(id(t.tensor)) if isinstance(t, ParamSlot) else None
             for t in targets]
-
-
-def _check_no_captured_parameters(step_fn, gm: fx.GraphModule) -> None:
-    """A parameter the step reaches through a closure or a global, not through
-    its arguments, would be traced as a constant: never updated, never reduced."""
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = getattr(gm, node.target, None)
-        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter)
-                                                or value.requires_grad):
-            raise TranspileError(
-                f"{step_name(step_fn)} uses a parameter of shape {tuple(value.shape)} that is not "
-                "among its arguments (a module captured from a closure or a global?): pass "
-                "every module whose parameters the step uses as an argument, e.g. "
-                "step(model, optimizer, x, y)")
-
-
 
 
 def _check_markers(step_fn, markers: Markers):
