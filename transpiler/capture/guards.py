@@ -65,14 +65,16 @@ class Guard:
     holder: Any        # a dict (an object's __dict__, a function's globals) or a _Cell
     key: str
     value: Any         # snapshot() of the value when the step was traced
+    identity: bool = False   # value is an object that must stay the same one
 
     def current(self):
-        return snapshot(self.holder.get(self.key, _MISSING))
+        now = self.holder.get(self.key, _MISSING)
+        return now if self.identity else snapshot(now)
 
     def restore(self) -> None:
         if isinstance(self.holder, _Cell):
             self.holder.cell.cell_contents = _unsnap(self.value)
-        else:
+        elif isinstance(self.holder, dict):   # a class's namespace is read-only here
             self.holder[self.key] = _unsnap(self.value)
 
 
@@ -85,8 +87,11 @@ class Guards:
         that is not."""
         for g in self.guards:
             now = g.holder.get(g.key, _MISSING)
-            if now is g.value or (now is not _MISSING and snapshot(now) == g.value):
+            if now is g.value or (not g.identity and now is not _MISSING
+                                  and snapshot(now) == g.value):
                 continue
+            if g.identity:
+                return f"{g.name}: another {type(now).__name__} object"
             new = "deleted" if now is _MISSING else _show(snapshot(now))
             return f"{g.name}: {_show(g.value)} -> {new}"
         return None
@@ -122,6 +127,14 @@ def record(step_fn, modules) -> Guards:
             for name, holder in _objects_of(f"{root}.{prefix}" if prefix else root, sub):
                 for key, value in vars(holder).items():
                     add(f"{name}.{key}", vars(holder), key, value)
+                    if _is_plain_object(value):   # the object held, and its class's values
+                        guards.setdefault((id(vars(holder)), key),
+                                          Guard(f"{name}.{key}", vars(holder), key, value, True))
+                if holder is not sub and not _is_library(type(holder).__module__):
+                    for key, value in vars(type(holder)).items():
+                        if not key.startswith("__"):
+                            add(f"{name}.{key} (class {type(holder).__name__})",
+                                vars(type(holder)), key, value)
     for name, holder, key, value in _code_values(step_fn, modules):
         add(name, holder, key, value)
     return Guards(list(guards.values()))

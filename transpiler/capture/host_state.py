@@ -61,7 +61,7 @@ def host_state_unchanged(step_fn, modules, optimizers):
     after = _attributes(modules)
     for key, (name, sub, value) in after.items():
         if key not in attributes:
-            changed.append((name, "absent", _kind(value)))
+            changed.append((name, _Shown("absent"), _kind(value)))
             object.__delattr__(sub, key[1])
         elif attributes[key][2] is not value and all(name != c[0] for c in changed):
             changed.append((name, _kind(attributes[key][2]), _kind(value)))

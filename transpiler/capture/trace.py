@@ -49,6 +49,7 @@ from .optimizer_state import (
 from .outside import outside_tensors
 from .signature import named_state
 from .slots import ArraySlot, ParamSlot, Returned, StateSlot
+from .state_writes import state_writes_kept
 from .user_code import step_name, trace_error
 
 log = logging.getLogger("transpiler")
@@ -182,6 +183,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             for module in modules:
                 mapping = {n: traced[id(t)] for n, t in named_state(module)}
                 stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True))
+            stack.enter_context(state_writes_kept(step_fn, modules,
+                                                  {id(t) for t in traced.values()}))
             for opt in optimizers:
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))

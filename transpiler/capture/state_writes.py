@@ -1,0 +1,60 @@
+"""State the step writes through Python rather than through tensor ops: a
+buffer re-assigned in forward (`self.avg = 0.9 * self.avg + ...`) and a
+parameter's data replaced (`p.data = p.data.clamp(...)`). Eager changes the
+module's state; a trace would drop the write (the traced tensors are put back
+when the trace ends). While the step is traced, each such write becomes an
+in-place copy into the traced parameter or buffer, which the program then writes
+back like every state it updates. A write that changes the shape or the dtype,
+or removes the tensor, is refused, naming it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..errors import TranspileError
+from .user_code import step_name, user_line
+
+_DATA = vars(torch._C.TensorBase)["data"]
+
+
+@contextlib.contextmanager
+def state_writes_kept(step_fn, modules, traced: set[int]):
+    """`traced`: ids of the traced parameters and buffers now in the modules."""
+    installed = [(name, sub, kind, key, t) for module in modules
+                 for name, sub in module.named_modules()
+                 for kind in ("_parameters", "_buffers")
+                 for key, t in getattr(sub, kind).items() if t is not None]
+
+    def set_data(tensor, value):
+        if id(tensor) not in traced:
+            return _DATA.__set__(tensor, value)
+        _copy_into(step_fn, tensor, value, "its .data")
+
+    torch.Tensor.data = property(_DATA.__get__, set_data)
+    try:
+        yield
+    finally:
+        del torch.Tensor.data
+    for name, sub, kind, key, t in installed:
+        now = getattr(sub, kind).get(key)
+        if now is not t:
+            getattr(sub, kind)[key] = t
+            _copy_into(step_fn, t, now, f"{name + '.' if name else ''}{key}")
+
+
+def _copy_into(step_fn, target: torch.Tensor, value, what: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape \
+            or value.dtype != target.dtype or value.device != target.device:
+        new = ("None" if value is None else f"a {type(value).__name__}"
+               if not isinstance(value, torch.Tensor)
+               else f"{str(value.dtype).replace('torch.', '')}{list(value.shape)} on {value.device}")
+        raise TranspileError(
+            f"{step_name(step_fn)} replaces {what} "
+            f"({str(target.dtype).replace('torch.', '')}{list(target.shape)} on {target.device}) "
+            f"with {new}{user_line(step_fn)}: a transpiled step writes parameters and buffers in "
+            "place, so the new value must keep the shape, dtype and device; assign outside the "
+            "step, or register a buffer of the new layout")
+    with torch.no_grad():
+        target.copy_(value)
