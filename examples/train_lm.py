@@ -128,7 +128,10 @@ def main():
 
     model, optimizer, scheduler, scaler, step = build(args, seed=rank)   # rank 0's is broadcast
     train(args, model, optimizer, scaler, step, 0, half, rank, world_size)
-    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    # The optimizer's full state (mode zero holds shards: gathered, a collective
+    # on every rank; optimizer.state_dict() refuses them).
+    checkpoint = {"model": model.state_dict(),
+                  "optimizer": step.full_optimizer_state_dict(optimizer),
                   "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                   "step": step.state_dict()}
     path = os.path.join(tempfile.gettempdir(), f"train_lm.{os.getppid()}.rank{rank}.pt")

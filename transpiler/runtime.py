@@ -37,7 +37,7 @@ from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .mesh import Dim
 from .rings import build_mesh, reduce_scatter_native, world
-from .shards import ShardedState
+from .shards import ShardedState, StateGuard
 from .startup import startup_program
 
 log = logging.getLogger("transpiler")
@@ -57,6 +57,7 @@ class TranspiledStep:
         self.step_fn = step_fn
         # Mode zero: the optimizers' state is kept as shards (shards.py).
         self._sharded = ShardedState() if sharded_state else None
+        self._guard = StateGuard(sharded_state)   # shards never pass for full state
         self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
         self.check_every = check_every
@@ -225,6 +226,7 @@ class TranspiledStep:
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
+        self._guard.admit(step_args.optimizers)
         if self._sharded is not None:   # a full state loaded since: its shards, before the signature
             self._sharded.shard(step_args.optimizers)
         built = self._cache.get(step_args, self._build)

@@ -5,10 +5,20 @@ elements of the flattened, padded parameter; scalar entries (Adam's step) stay
 whole. Everything else that reads the state goes through here: the trace sees
 a full-shaped stand-in, a full entry (made for the first step, or loaded from
 a full state_dict) is cut to its shard before the signature is taken, and a
-full state_dict is gathered back for checkpoints and single-process optimizers."""
+full state_dict is gathered back for checkpoints and single-process optimizers.
+
+Shards never pass for full state (StateGuard, every mode): hooks on each
+optimizer a transpiled step sees refuse `optimizer.state_dict()` while it holds
+shards, as torch's ZeroRedundancyOptimizer does, and refuse at load a state
+that holds shards, of any world size. The hooks are module functions that read
+the state's layout, not the step: after the step is dropped the optimizer
+keeps refusing while it holds shards, and a new step in mode zero with it
+takes the shards over (its full_optimizer_state_dict gathers them)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import torch
@@ -32,6 +42,150 @@ def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return flat[rank * chunk:(rank + 1) * chunk].clone()
 
 
+def _flattened(param: torch.Tensor, value) -> bool:
+    """A state entry laid out as mode zero's shards: 1-D, not its parameter's
+    shape. (torch's optimizers keep each entry that has dimensions shaped like
+    its parameter; Adafactor's factors keep their parameter's rank.)"""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape != param.shape
+
+
+def _describe_flat(index: int, param: torch.Tensor, key, value: torch.Tensor) -> str:
+    """What a flattened entry is: one rank's shard, and of how many ranks."""
+    n, c = param.numel(), value.numel()
+    lo = max(2, -(-n // c)) if c else 0   # the fewest ranks whose shards have c elements
+    hi = (n - 1) // (c - 1) if c > 1 else None   # the most
+    if not c or shard_numel(n, lo) != c:
+        what = "not a shard of it either"
+    else:
+        ranks = f"{lo}" if hi == lo else f"{lo} to {hi}" if hi else f"{lo} or more"
+        what = f"one rank's shard of mode zero's state on {ranks} ranks"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (f"state {key!r} of parameter {index} (shape {tuple(param.shape)}, {n} elements) is a "
+            f"flat tensor of {c} elements: {what} (this run has {world} rank"
+            f"{'s' if world > 1 else ''})")
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _first_flat(entries_by_param) -> str | None:
+    """The description of the first flattened entry among (index, parameter,
+    entries), or None."""
+    for index, param, entries in entries_by_param:
+        for key, value in entries.items() if isinstance(entries, dict) else ():
+            if _flattened(param, value):
+                return _describe_flat(index, param, key, value)
+    return None
+
+
+def _held(optimizer: torch.optim.Optimizer):
+    """optimizer.state as (index, parameter, entries), indexed as state_dict() does."""
+    index_of = {id(p): i for i, p in reversed(list(enumerate(_params(optimizer))))}
+    return ((index_of[id(p)], p, entries) for p, entries in optimizer.state.items()
+            if id(p) in index_of)
+
+
+def _loaded(optimizer: torch.optim.Optimizer, state_dict) -> list:
+    """A state_dict's state as (index, parameter, entries), its indices matched
+    to the parameters as load_state_dict matches them; [] where they do not
+    match (load_state_dict says why)."""
+    try:
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        state = dict(state_dict["state"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    params = _params(optimizer)
+    if len(saved) != len(params):
+        return []
+    by_index = dict(zip(saved, params))
+    return [(i, by_index[i], entries) for i, entries in state.items() if i in by_index]
+
+
+_WHAT_LOADS = (
+    "Save full state with step.full_optimizer_state_dict(optimizer) (a collective: call it on "
+    "every rank): the state torch's optimizer holds on one process, which loads into an "
+    "optimizer of these parameters on any number of ranks, in any mode; or each rank's shards "
+    "with torch.distributed.checkpoint: dcp.save({'optim': step.sharded_optimizer_state_dict("
+    "optimizer)}, ...), resumed by dcp.load and step.load_sharded_optimizer_state_dict")
+
+_own = threading.local()   # set while the step reads or loads shards itself
+
+
+@contextlib.contextmanager
+def _own_state():
+    """The step's own state_dict()/load_state_dict() of shards: not refused."""
+    _own.active = True
+    try:
+        yield
+    finally:
+        _own.active = False
+
+
+def _refuse_shards(optimizer: torch.optim.Optimizer) -> None:
+    """state_dict pre-hook: a state held as shards is no state any optimizer loads."""
+    flat = None if getattr(_own, "active", False) else _first_flat(_held(optimizer))
+    if flat is not None:
+        raise TranspileError(
+            f"{type(optimizer).__name__}.state_dict() would return this rank's shards: a "
+            f"transpiled step in mode zero holds the optimizer's state as shards ({flat}), "
+            f"which no optimizer loads back. {_WHAT_LOADS}. (torch's ZeroRedundancyOptimizer "
+            "likewise asks for consolidate_state_dict() first.)")
+
+
+def _refuse_unfit(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """load_state_dict pre-hook: a state holding shards is refused before it is loaded."""
+    flat = None if getattr(_own, "active", False) else _first_flat(_loaded(optimizer, state_dict))
+    if flat is not None:
+        raise TranspileError(
+            f"{type(optimizer).__name__}.load_state_dict() refused, the optimizer's state is "
+            f"unchanged: {flat}; every mode, zero included, loads full state only. "
+            f"{_WHAT_LOADS}.")
+
+
+def _check_held(optimizer: torch.optim.Optimizer) -> None:
+    flat = _first_flat(_held(optimizer))
+    if flat is not None:
+        raise TranspileError(
+            f"{type(optimizer).__name__} holds state that does not fit its parameters ({flat}): "
+            "loaded before a transpiled step hooked its load_state_dict, or left by a step in "
+            "mode zero, whose shards only a step in mode zero continues from. Nothing was run. "
+            f"{_WHAT_LOADS}.")
+
+
+_hooked: weakref.WeakSet = weakref.WeakSet()   # the optimizers given the hooks
+
+
+def guard(optimizer: torch.optim.Optimizer) -> None:
+    """Give `optimizer` the hooks, once; first refuse shards it was loaded
+    with before it had them."""
+    if optimizer not in _hooked:
+        _check_held(optimizer)
+        optimizer.register_state_dict_pre_hook(_refuse_shards)
+        optimizer.register_load_state_dict_pre_hook(_refuse_unfit)
+        _hooked.add(optimizer)
+
+
+class StateGuard:
+    """A transpiled step's check of each optimizer it sees, at its first sight,
+    before anything reads the state (every mode)."""
+
+    def __init__(self, sharded: bool):
+        self._sharded = sharded
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    def admit(self, optimizers) -> None:
+        """Shards in the state are refused (loaded before the optimizer had
+        the hooks, or left by a step in mode zero), except the shards of a step
+        in mode zero to a step in mode zero, which takes them over."""
+        for opt in optimizers:
+            if opt not in self._seen:
+                if not self._sharded:
+                    _check_held(opt)
+                guard(opt)
+                self._seen.add(opt)
+
+
 class ShardedState:
     """Which optimizer state entries hold shards, and the moves between full
     and sharded entries. `rank` and `world_size` are the process group's."""
@@ -50,26 +204,37 @@ class ShardedState:
     def shard(self, optimizers) -> None:
         """Replace every full entry shaped like its parameter by this rank's
         shard: state made for the first step, state a user loaded. A shard the
-        program wrote (state it created) is recognized by its shape."""
+        program wrote (state it created, or another step in mode zero) is
+        recognized by its shape. An entry that is neither is refused before
+        any is cut."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         rank, world_size = self._world()
+        full = []
         for opt in optimizers:
             for p, entries in opt.state.items():
-                for key, value in list(entries.items()):
+                for key, value in entries.items():
                     if not isinstance(value, torch.Tensor) or self.is_shard(value) \
                             or value.dim() == 0:
                         continue
                     if value.shape == p.shape:
-                        value = entries[key] = shard_of(value, rank, world_size)
-                    elif value.shape != (shard_numel(p.numel(), world_size),):
+                        full.append((p, entries, key))
+                    elif value.shape == (shard_numel(p.numel(), world_size),):
+                        self._shards[id(value)] = weakref.ref(value)
+                    else:
                         raise TranspileError(
                             f"optimizer state '{key}' of a parameter of shape {tuple(p.shape)} "
                             f"has shape {tuple(value.shape)}: neither the parameter's (a full "
                             f"entry) nor a shard of {world_size} ranks; a state saved with "
-                            "another number of ranks loads through full_state_dict or "
+                            "another number of ranks loads through full_optimizer_state_dict or "
                             "torch.distributed.checkpoint")
-                    self._shards[id(value)] = weakref.ref(value)
+        for p, entries, key in full:
+            value = entries[key] = shard_of(entries[key], rank, world_size)
+            self._shards[id(value)] = weakref.ref(value)
+
+    def _holds_shard(self, param: torch.Tensor, value) -> bool:
+        """A shard this step placed, or one another step in mode zero left."""
+        return self.is_shard(value) or _flattened(param, value)
 
     def stand_in(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """What the trace sees of a state entry: a shard's full layout
@@ -82,8 +247,10 @@ class ShardedState:
         """optimizer.state_dict() with every shard gathered into its full entry,
         loadable by the same optimizer on one process or any number of ranks. A
         collective: every rank calls it, in the same order of optimizers."""
-        state = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        guard(optimizer)
+        with _own_state():
+            state = optimizer.state_dict()
+        params = _params(optimizer)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         full = {}
         for index, entries in state["state"].items():
@@ -91,7 +258,7 @@ class ShardedState:
             full[index] = dict(entries)
             for key in sorted(entries):
                 value = optimizer.state[p][key]
-                if self.is_shard(value):
+                if self._holds_shard(p, value):
                     parts = [torch.empty_like(value) for _ in range(world_size)]
                     dist.all_gather(parts, value.contiguous())
                     full[index][key] = torch.cat(parts)[:p.numel()].view(p.shape).clone()
@@ -105,6 +272,7 @@ class ShardedState:
         (reading the parts of any world size). An optimizer with no state yet
         (a fresh process about to resume) first gets the state its first step
         would make, from `make_state(optimizers)`, as shards to load into."""
+        guard(optimizer)
         if not optimizer.state:
             make_state([optimizer])
             self.shard([optimizer])
@@ -113,9 +281,10 @@ class ShardedState:
                 f"{type(optimizer).__name__} has no state to save or load into, and its first "
                 "state cannot be made ahead of a step: run one step before saving, or resume "
                 "through full_optimizer_state_dict")
-        state = optimizer.state_dict()
+        with _own_state():
+            state = optimizer.state_dict()
         rank, _ = self._world()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = _params(optimizer)
         mesh = DeviceMesh.from_group(dist.group.WORLD, params[0].device.type)
         sharded = {}
         for index, entries in state["state"].items():
@@ -123,7 +292,7 @@ class ShardedState:
             sharded[index] = dict(entries)
             for key in entries:
                 value = optimizer.state[p][key]
-                if self.is_shard(value):
+                if self._holds_shard(p, value):
                     start = min(rank * value.numel(), p.numel())
                     local = value[:max(0, min(value.numel(), p.numel() - start))]
                     sharded[index][key] = DTensor.from_local(
@@ -133,7 +302,8 @@ class ShardedState:
     def load_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load what dcp_state_dict gave once torch.distributed.checkpoint has
         filled it: each DTensor's local part becomes this rank's shard (padded)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        guard(optimizer)
+        params = _params(optimizer)
         plain = {}
         for index, entries in state["state"].items():
             plain[index] = dict(entries)
@@ -141,5 +311,6 @@ class ShardedState:
                 if isinstance(value, DTensor):
                     n = shard_numel(params[index].numel(), dist.get_world_size())
                     plain[index][key] = F.pad(value.to_local(), (0, n - value.to_local().numel()))
-        optimizer.load_state_dict({"state": plain, "param_groups": state["param_groups"]})
+        with _own_state():
+            optimizer.load_state_dict({"state": plain, "param_groups": state["param_groups"]})
         self.shard([optimizer])
