@@ -218,7 +218,6 @@ class Captured:
     # when the step starts (it accumulates into them, or keeps them as zeros):
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
-    averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -519,7 +518,6 @@ class _Markers:
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
-    averaged_after: int = 0   # backward() calls before the first step (0: no step)
 
 
 def _last_node() -> fx.Node:
@@ -643,7 +641,6 @@ def _optimizer_markers(markers: _Markers, optimizers, modules):
     def pre(opt, *_):
         if not markers.steps:
             markers.reduced = dict(markers.grads)
-            markers.averaged_after = len(markers.backwards)
         markers.stepping = opt
         markers.steps.append([_last_node(), None])
 
@@ -981,7 +978,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, markers.averaged_after)
+                    reads_grads)
 
 
 def _optimizer_of(targets: list, optimizers) -> list[int | None]:
