@@ -7,7 +7,6 @@ import gc
 import weakref
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
-from transpiler import TranspileError, VerificationError, transpile
+from transpiler import TranspileError, transpile
 
 STEPS = 6
 BATCH = 24     # divisible by 2 and 3 ranks times 2 micro-batches

@@ -39,6 +39,7 @@ from .mesh import Dim
 from .rings import build_mesh, reduce_scatter_native, world
 from .shards import ShardedState, StateGuard
 from .startup import startup_program
+from .verify import Reference
 
 log = logging.getLogger("transpiler")
 
@@ -60,6 +61,7 @@ class TranspiledStep:
         self._guard = StateGuard(sharded_state)   # shards never pass for full state
         self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
+        self._reference = Reference()   # the eager step under torch DDP (verify=N)
         self.check_every = check_every
         self._check_due = False
         self._settings_agreed = False
@@ -308,7 +310,7 @@ class TranspiledStep:
                     "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
-                           captured.reads_grads, captured.averaged_after, captured.guards)
+                           captured.reads_grads, captured.guards)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -404,9 +406,7 @@ class TranspiledStep:
         """Run the program functionally and compare everything it would write and
         return with the eager step under DDP's semantics (verify.py); write back
         only if every rank agrees."""
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):   # the program draws what the reference drew
-            memo, expected = verify.reference_step(self.step_fn, step_args, built.averaged_after)
+        memo, expected = self._reference.run(self.step_fn, step_args)
         outputs = self._executor.run_uncommitted(runnable, step_args.leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]

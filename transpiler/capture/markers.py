@@ -35,7 +35,6 @@ class Markers:
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
-    averaged_after: int = 0   # backward() calls before the first step (0: no step)
 
 
 def last_node() -> fx.Node:
@@ -159,7 +158,6 @@ def optimizer_markers(markers: Markers, optimizers, modules):
     def pre(opt, *_):
         if not markers.steps:
             markers.reduced = dict(markers.grads)
-            markers.averaged_after = len(markers.backwards)
         markers.stepping = opt
         markers.steps.append([last_node(), None])
 

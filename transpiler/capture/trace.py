@@ -91,7 +91,6 @@ class Captured:
     # when the step starts (it accumulates into them, or keeps them as zeros):
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
-    averaged_after: int    # backward() calls before the first optimizer.step() (0: none)
     guards: Guards         # the host values the program was traced with
     # (optimizer, parameter, key) of the state made for this trace as the first
     # step would make it: forgotten again if the build fails after the trace
@@ -260,7 +259,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, markers.averaged_after, guards[0])
+                    reads_grads, guards[0])
 
 
 
