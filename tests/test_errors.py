@@ -314,3 +314,72 @@ def test_step_raising_during_trace_names_the_line():
     _raises_and_touches_nothing(transpile(step_fn), r"tracing .*step_fn failed at .*test_errors.py:"
                                 r"\d+ \(loss = F.cross_entropy\(model\(x\[:, :5\]\), y\).*\): "
                                 r"RuntimeError: .*\[8, 5\] X \[16, 32\]", None, None, None, None)
+
+
+def modifies_its_batch(model, optimizer, x, y):
+    x.mul_(2)
+    return M.classify_step(model, optimizer, x, y)
+
+
+def test_an_in_place_op_on_the_batch_is_refused_before_anything_is_written():
+    model, opt, (x, y) = _setup()
+    x_before, grads = x.clone(), [p.grad.clone() for p in model.parameters()]
+    _raises_and_touches_nothing(transpile(modifies_its_batch),
+                                r"modifies its argument 'x' in place .* compute out of place",
+                                None, None, x, None)
+    assert torch.equal(x, x_before)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def steps_with_a_closure(model, optimizer, x, y):
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return optimizer.step(closure)
+
+
+def test_optimizer_step_with_a_closure_has_its_own_message():
+    _raises_and_touches_nothing(transpile(steps_with_a_closure),
+                                r"AdamW.step\(\) is given a closure at .*test_errors.py:\d+ "
+                                r"\(return optimizer.step\(closure\)\).*\(LBFGS", None, None,
+                                None, None)
+
+
+def test_an_uninitialized_lazy_module_says_to_run_one_forward_first():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TranspileError, match=r"0.weight of Sequential is not initialized yet "
+                                             r"\(a lazy module such as nn.LazyLinear\): run one "
+                                             r"forward pass"):
+        transpile(M.classify_step)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert not opt.state
+
+
+def numpy_inside(model, optimizer, x, y):
+    import numpy as np
+    return M.classify_step(model, optimizer, x, torch.from_numpy(np.asarray(y)[None]))
+
+
+def test_an_error_in_numpy_names_the_users_line():
+    _raises_and_touches_nothing(transpile(numpy_inside), r"at .*test_errors.py:\d+ "
+                                r"\(return M.classify_step\(model, optimizer, x, "
+                                r"torch.from_numpy", None, None, None, None)
+
+
+def test_a_pass_may_be_a_partial_or_a_callable_object():
+    import functools
+
+    from passes.insert_allreduce import insert_allreduce
+
+    class Unchanged:
+        def __call__(self, program, ctx):
+            pass
+
+    model, opt, (x, y) = _setup()
+    reference = copy.deepcopy(model), copy.deepcopy(opt)
+    step = transpile(M.classify_step, passes=["average_grads", functools.partial(insert_allreduce),
+                                              Unchanged()])
+    assert torch.equal(step(model, opt, x, y), M.classify_step(*reference, x, y))
+    assert "Unchanged" in step.program.history[-1].provenance

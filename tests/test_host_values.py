@@ -4,7 +4,9 @@ numpy batches, state written in forward) against the eager step on one process
 and torch DDP with its defaults on 2 ranks."""
 
 import copy
+import dataclasses
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -323,3 +325,38 @@ def test_programs_kept_are_bounded(caplog):
             step(model, opt, *(t[:n] for t in M.batches("mlp", 1, 8)[0]))
     assert len(step._cache) == 3
     assert "the step has been traced 4 times; 3 programs are kept" in caplog.text
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def container_step(model, opt, batch):
+    x, y = (batch.x, batch.y) if isinstance(batch, (Batch, Pair)) else (batch["x"], batch["y"])
+    return M.classify_step(model, opt, x, y)
+
+
+def _batch_encoding(x, y):
+    transformers = pytest.importorskip("transformers")
+    return transformers.BatchEncoding({"x": x, "y": y})
+
+
+@pytest.mark.parametrize("make", [Batch, Pair, _batch_encoding, lambda x, y: {"x": x, "y": y}],
+                         ids=["dataclass", "namedtuple", "BatchEncoding", "dict"])
+def test_containers_as_batches_are_inputs(make):
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    step = transpile(container_step)
+    for x, y in M.batches("mlp", 3, 8):
+        assert torch.equal(step(model, opts[0], make(x, y)),
+                           container_step(reference, opts[1], make(x, y)))
+        assert _equal(model, reference)
+    assert len(step._cache) == 1   # every batch ran the program built for the first

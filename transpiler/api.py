@@ -11,7 +11,7 @@ from .reduce_groups import check as check_groups
 from .backends import BACKENDS
 from .errors import TranspileError
 from .modes import MODES
-from .pipeline import PassContext, PassLike, check_order, resolve
+from .pipeline import PassContext, PassLike, check_order, pass_name, resolve
 from .runtime import TranspiledStep
 from .schedule import Decentralized, EveryStep, LocalSGD
 from .topology import Topology
@@ -145,15 +145,15 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     if verify and groups:
         raise TranspileError("verify compares with DDP's semantics, which average every "
                              "gradient over the world: it cannot check reduce_groups")
-    used = {resolve(p).__name__ for program_passes in schedule.programs.values()
+    used = {pass_name(resolve(p)) for program_passes in schedule.programs.values()
             for p in program_passes}
     options = {"verify": verify, "reduce_groups": groups, "hierarchical": hierarchical,
                "skip_nonfinite": skip_nonfinite, "fuse_dtype": fuse_dtype}
-    for pass_name in sorted(used & _UNSUPPORTED.keys()):
-        mode_name, refused = _UNSUPPORTED[pass_name]
+    for used_pass in sorted(used & _UNSUPPORTED.keys()):
+        mode_name, refused = _UNSUPPORTED[used_pass]
         given = [name for name in refused if options[name]]
         if given:
-            raise TranspileError(f"mode {mode_name!r} ({pass_name}) does not support "
+            raise TranspileError(f"mode {mode_name!r} ({used_pass}) does not support "
                                  f"{', '.join(given)} yet; use fuse_all_reduce for them")
     sharded = "shard_optimizer" in used
     settings = PassContext(nrings=nrings, bucket_mb=float(bucket_mb),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import logging
 from typing import Callable, Sequence, Union
@@ -99,6 +100,19 @@ def resolve(p: PassLike) -> Pass:
     return getattr(module, p)
 
 
+def _unwrapped(fn: Pass) -> Pass:
+    """The function behind a functools.partial of a pass."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def pass_name(fn: Pass) -> str:
+    """A pass's name: its function's, or a callable object's class."""
+    fn = _unwrapped(fn)
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 def known_passes() -> list[str]:
     import pkgutil
 
@@ -122,10 +136,10 @@ def record(program: Program, name: str, provenance: str) -> None:
 
 
 def _check_requirements(fn: Pass, before: list[str]) -> None:
-    for need in getattr(fn, "requires", ()):
+    for need in getattr(_unwrapped(fn), "requires", ()):
         if not any(alt in before for alt in need.split("|")):
             raise PassError(
-                f"pass {fn.__name__} requires {need.replace('|', ' or ')} to run before it; "
+                f"pass {pass_name(fn)} requires {need.replace('|', ' or ')} to run before it; "
                 f"passes run so far: {', '.join(before)}")
 
 
@@ -137,7 +151,7 @@ def check_order(passes: Sequence[PassLike]) -> None:
     fns = [resolve(p) for p in passes]
     for fn in fns:
         _check_requirements(fn, before)
-        before.append(fn.__name__)
+        before.append(pass_name(fn))
     _check_marks(fns, complete=True)
 
 
@@ -146,19 +160,20 @@ def _check_marks(fns: Sequence[Pass], complete: bool) -> None:
     no other consumer in between; `complete`: no mark may be left at the end."""
     pending: dict[Mark, str] = {}    # mark -> the pass that left it
     done: dict[Mark, str] = {}       # mark -> the pass that consumed it last
-    names = ", ".join(fn.__name__ for fn in fns)
+    names = ", ".join(pass_name(fn) for fn in fns)
     for fn in fns:
-        mark = getattr(fn, "consumes", None)
+        mark = getattr(_unwrapped(fn), "consumes", None)
         if mark is not None:
             if mark not in pending:
                 why = (f"{done[mark]} already acted on them" if mark in done
                        else "no pass before it leaves them")
-                raise PassError(f"pass {fn.__name__} acts on the {mark.value}, but {why}; "
+                raise PassError(f"pass {pass_name(fn)} acts on the {mark.value}, but {why}; "
                                 f"passes: {names}")
-            done[mark] = fn.__name__
+            done[mark] = pass_name(fn)
             del pending[mark]
-        if getattr(fn, "produces", None) is not None:
-            pending[fn.produces] = fn.__name__
+        produces = getattr(_unwrapped(fn), "produces", None)
+        if produces is not None:
+            pending[produces] = pass_name(fn)
     for mark, by in pending.items() if complete else ():
         raise PassError(f"pass {by} leaves {mark.value} but no pass after it acts on them; "
                         f"add one (for reductions: insert_allreduce or coalesce_tensors); "
@@ -185,7 +200,7 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
     passes run before it."""
     for p in passes:
         fn = resolve(p)
-        name = fn.__name__
+        name = pass_name(fn)
         before = list(program.applied)
         _check_requirements(fn, before)
         _check_marks(_applied(program) + [fn], complete=False)
@@ -199,7 +214,7 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
             raise PassError(f"pass {name} failed on program {program.name!r} "
                             f"(after {', '.join(before)}): {exc}") from exc
         n_comm = len(program.collectives())
-        if getattr(fn, "consumes", None) is Mark.TO_REDUCE and any(
+        if getattr(_unwrapped(fn), "consumes", None) is Mark.TO_REDUCE and any(
                 REDUCE in n.meta for n in program.graph.nodes):
             raise PassError(f"pass {name} left values marked to reduce on program "
                             f"{program.name!r}: a pass that reduces must lower every mark")

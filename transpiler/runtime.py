@@ -31,7 +31,7 @@ from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
-from .pipeline import PassContext, record, run_passes
+from .pipeline import PassContext, pass_name, record, run_passes
 from .program import InputKind, OutputKind, Program, format_collectives
 from .roles import COMM
 from .program_cache import Built, ProgramCache
@@ -368,7 +368,7 @@ class TranspiledStep:
         if self.settings.hierarchical or any(isinstance(g.group, Dim) for g in self.groups):
             # the nodes every rank's groups are made of
             options["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
-        programs = {name: [getattr(p, "__name__", p) for p in passes]
+        programs = {name: [p if isinstance(p, str) else pass_name(p) for p in passes]
                     for name, passes in self.schedule.programs.items()}
         return {"programs": str(programs), **{k: repr(v) for k, v in options.items()},
                 "backend": repr(self.backend), "check_every": repr(self.check_every),

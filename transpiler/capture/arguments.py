@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,7 +46,27 @@ class StepArgs:
 
 
 def is_leaf(x) -> bool:
-    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, GradScaler))
+    """Modules, optimizers and GradScalers are leaves; a container pytree does
+    not know yet (a dataclass, a Mapping such as transformers' BatchEncoding)
+    is made known to it, so that its tensors are inputs like a dict's."""
+    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer, GradScaler)):
+        return True
+    if type(x) not in pytree.SUPPORTED_NODES:
+        _register_container(type(x))
+    return False
+
+
+def _register_container(cls: type) -> None:
+    if dataclasses.is_dataclass(cls):
+        pytree.register_dataclass(cls)
+    elif issubclass(cls, Mapping):
+        pytree.register_pytree_node(cls, _flatten_mapping,
+                                    lambda values, keys: cls(dict(zip(keys, values))))
+
+
+def _flatten_mapping(mapping: Mapping) -> tuple[list, tuple]:
+    keys = tuple(mapping.keys())
+    return [mapping[k] for k in keys], keys
 
 
 def flatten_args(step_fn, args, kwargs) -> StepArgs:

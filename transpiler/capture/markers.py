@@ -155,7 +155,13 @@ def scheduler_marker(markers: Markers, optimizers, step_fn):
 def optimizer_markers(markers: Markers, optimizers, modules):
     handles = []
 
-    def pre(opt, *_):
+    def pre(opt, args, kwargs):
+        if args[1:] or kwargs.get("closure") is not None:   # args[0] is the optimizer
+            raise TranspileError(
+                f"{type(opt).__name__}.step() is given a closure{user_line(None)}: a closure "
+                "re-evaluates the loss inside the optimizer's step, which a static program "
+                "cannot capture; call backward() in the step and optimizer.step() without one "
+                "(LBFGS, which needs it, is not supported)")
         if not markers.steps:
             markers.reduced = dict(markers.grads)
         markers.stepping = opt

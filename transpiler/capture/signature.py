@@ -7,7 +7,9 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
+from ..errors import TranspileError
 from ..optimizers import formulation_of
 from ..scaler import GradScaler
 from ..scaler import signature_of as scaler_signature
@@ -69,6 +71,11 @@ def signature(step_args: StepArgs) -> tuple:
     for mi, module in enumerate(step_args.modules):
         state, submodules = _walk(module)
         for name, t in state:
+            if isinstance(t, UninitializedTensorMixin):
+                raise TranspileError(
+                    f"{name} of {type(module).__name__} is not initialized yet (a lazy module "
+                    "such as nn.LazyLinear): run one forward pass of the model on a batch "
+                    "before the first call of the step, e.g. `with torch.no_grad(): model(x)`")
             sig.append((("module", mi, name), _tensor_sig(t)))
         # train() or eval(): dropout, BatchNorm's statistics
         sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))

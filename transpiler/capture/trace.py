@@ -48,7 +48,7 @@ from .optimizer_state import (
 )
 from .outside import outside_tensors
 from .signature import named_state
-from .slots import ArraySlot, ParamSlot, Returned, StateSlot
+from .slots import ArraySlot, DataSlot, ParamSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .user_code import step_name, trace_error
 
@@ -256,6 +256,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
         fgm = _functionalize(gm, inputs.values)
     program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
+    _check_arguments_unwritten(step_fn, program, targets)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
@@ -269,6 +270,18 @@ def _group_tensors(optimizers) -> set[int]:
     signature compares them by value."""
     return {id(v) for opt in optimizers for group in opt.param_groups for v in group.values()
             if isinstance(v, torch.Tensor)}
+
+
+def _check_arguments_unwritten(step_fn, program: Program, targets: list) -> None:
+    """An in-place op on a batch tensor would change the caller's tensor in
+    eager; the program writes only state: refused before anything runs."""
+    for spec, target in zip(program.outputs, targets):
+        if isinstance(target, (DataSlot, ArraySlot)):
+            raise TranspileError(
+                f"{step_name(step_fn)} modifies its argument {spec.target!r} in place (an "
+                "in-place op such as x.mul_(2) or x[mask] = 0 on the batch): a transpiled step "
+                "does not write its batch arguments back; compute out of place (x = x * 2), or "
+                "clone the argument first (x = x.clone())")
 
 
 def _outside_hint(step_args: StepArgs) -> str:

@@ -4,6 +4,7 @@ the user's files."""
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from typing import TYPE_CHECKING
 
@@ -19,15 +20,22 @@ def step_name(step_fn) -> str:
     return getattr(step_fn, "__qualname__", None) or getattr(step_fn, "__name__", "train_step")
 
 
-# torch and this package: the frames that are not the user's.
-_LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+# torch, this package and the standard library: frames that are not the user's.
+_LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+             os.path.dirname(os.__file__), "<")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    numpy = sys.modules.get("numpy")   # numpy's frames too, where it is in use
+    return _LIB_DIRS + ((os.path.dirname(numpy.__file__),) if numpy is not None else ())
 
 
 def user_line(step_fn, tb=None) -> str:
     """' at file:line (code)' for the innermost frame in the user's code."""
     frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+    libraries = _library_dirs()
     for frame in reversed(frames):
-        if not frame.filename.startswith(_LIB_DIRS + ("<",)) and "contextlib" not in frame.filename:
+        if not frame.filename.startswith(libraries):
             return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return ""
 
