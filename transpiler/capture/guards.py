@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import os
 import sys
 import types
@@ -31,6 +32,10 @@ _CONTAINERS = (tuple, list, frozenset, set)
 # Code under these directories is not the user's: torch's own and the standard library.
 _LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.__file__))
 _MISSING = object()
+# The attributes through which torch.nn.Module keeps its parameters, buffers,
+# submodules and hooks: torch's bookkeeping, not values a forward reads (what
+# they hold is compared by the signature), and mutated in place, never rebound.
+MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 def snapshot(value) -> Any:
@@ -65,39 +70,74 @@ class Guard:
     holder: Any        # a dict (an object's __dict__, a function's globals) or a _Cell
     key: str
     value: Any         # snapshot() of the value when the step was traced
+    original: Any      # the value itself
     identity: bool = False   # value is an object that must stay the same one
 
     def current(self):
         now = self.holder.get(self.key, _MISSING)
         return now if self.identity else snapshot(now)
 
+    def unchanged(self) -> bool:
+        now = self.holder.get(self.key, _MISSING)
+        return now is self.original or (not self.identity and now is not _MISSING
+                                        and snapshot(now) == self.value)
+
+    def describe(self) -> str:
+        now = self.holder.get(self.key, _MISSING)
+        if self.identity:
+            return f"{self.name}: another {type(now).__name__} object"
+        new = "deleted" if now is _MISSING else _show(snapshot(now))
+        return f"{self.name}: {_show(self.value)} -> {new}"
+
     def restore(self) -> None:
         if isinstance(self.holder, _Cell):
-            self.holder.cell.cell_contents = _unsnap(self.value)
+            self.holder.cell.cell_contents = self.original
         elif isinstance(self.holder, dict):   # a class's namespace is read-only here
-            self.holder[self.key] = _unsnap(self.value)
+            self.holder[self.key] = self.original
 
 
-@dataclasses.dataclass
 class Guards:
-    guards: list[Guard]
+    """The guards of one program. The check reads each holder's values with one
+    itemgetter and compares them with the recorded objects as a tuple (which
+    compares each element by identity first, then by value); values that can
+    change in place (lists, sets) and objects guarded by identity are checked
+    one by one."""
+
+    def __init__(self, guards: list[Guard]):
+        self.guards = guards
+        by_holder: dict[int, list[Guard]] = {}
+        self._each = []
+        for g in guards:
+            if g.identity or isinstance(g.holder, _Cell) or _mutable(g.original):
+                self._each.append(g)
+            else:
+                by_holder.setdefault(id(g.holder), []).append(g)
+        self._grouped = [(gs[0].holder, operator.itemgetter(*[g.key for g in gs]),
+                          tuple(g.original for g in gs) if len(gs) > 1 else gs[0].original)
+                         for gs in by_holder.values()]
 
     def changed(self) -> str | None:
         """None while every value is as recorded, else one line naming the first
         that is not."""
-        for g in self.guards:
-            now = g.holder.get(g.key, _MISSING)
-            if now is g.value or (not g.identity and now is not _MISSING
-                                  and snapshot(now) == g.value):
-                continue
-            if g.identity:
-                return f"{g.name}: another {type(now).__name__} object"
-            new = "deleted" if now is _MISSING else _show(snapshot(now))
-            return f"{g.name}: {_show(g.value)} -> {new}"
+        for holder, get, expected in self._grouped:
+            try:
+                if get(holder) == expected:
+                    continue
+            except KeyError:
+                pass
+            return next(g.describe() for g in self.guards if not g.unchanged())
+        for g in self._each:
+            if not g.unchanged():
+                return g.describe()
         return None
 
     def __len__(self) -> int:
         return len(self.guards)
+
+
+def _mutable(value) -> bool:
+    return isinstance(value, (list, set)) or (
+        isinstance(value, (tuple, frozenset)) and any(_mutable(v) for v in value))
 
 
 def _show(value) -> str:
@@ -119,17 +159,20 @@ def record(step_fn, modules) -> Guards:
     def add(name, holder, key, value):
         snap = snapshot(value)
         if snap is not _MISSING:
-            guards.setdefault((id(holder), key), Guard(name, holder, key, snap))
+            guards.setdefault((id(holder), key), Guard(name, holder, key, snap, value))
 
     for mi, module in enumerate(modules):
         root = f"model{mi}" if len(modules) > 1 else "model"
         for prefix, sub in module.named_modules():
             for name, holder in _objects_of(f"{root}.{prefix}" if prefix else root, sub):
                 for key, value in vars(holder).items():
+                    if holder is sub and key in MODULE_BOOKKEEPING:
+                        continue
                     add(f"{name}.{key}", vars(holder), key, value)
                     if _is_plain_object(value):   # the object held, and its class's values
                         guards.setdefault((id(vars(holder)), key),
-                                          Guard(f"{name}.{key}", vars(holder), key, value, True))
+                                          Guard(f"{name}.{key}", vars(holder), key, value, value,
+                                                True))
                 if holder is not sub and not _is_library(type(holder).__module__):
                     for key, value in vars(type(holder)).items():
                         if not key.startswith("__"):

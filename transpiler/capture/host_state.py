@@ -15,13 +15,9 @@ from typing import Any
 import torch
 
 from ..errors import TranspileError
-from .guards import record
+from .guards import MODULE_BOOKKEEPING, record
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .user_code import step_name
-
-# The attributes through which torch.nn.Module keeps its parameters, buffers,
-# submodules and hooks: they are mutated in place, never rebound by a step.
-_MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module()))
 
 
 def _attributes(modules) -> dict[tuple[int, str], tuple[str, torch.nn.Module, Any]]:
@@ -32,7 +28,7 @@ def _attributes(modules) -> dict[tuple[int, str], tuple[str, torch.nn.Module, An
         root = f"model{mi}" if len(modules) > 1 else "model"
         for prefix, sub in module.named_modules():
             for key, value in vars(sub).items():
-                if key not in _MODULE_BOOKKEEPING or key == "training":
+                if key not in MODULE_BOOKKEEPING:
                     found[(id(sub), key)] = (f"{root}.{prefix + '.' if prefix else ''}{key}",
                                              sub, value)
     return found

@@ -156,7 +156,7 @@ def optimizer_markers(markers: Markers, optimizers, modules):
     handles = []
 
     def pre(opt, args, kwargs):
-        if args[1:] or kwargs.get("closure") is not None:   # args[0] is the optimizer
+        if kwargs.get("closure", args[1] if len(args) > 1 else None) is not None:
             raise TranspileError(
                 f"{type(opt).__name__}.step() is given a closure{user_line(None)}: a closure "
                 "re-evaluates the loss inside the optimizer's step, which a static program "
