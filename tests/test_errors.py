@@ -249,6 +249,10 @@ def test_module_captured_from_a_closure():
     ("skip_nonfinite", "yes", "skip_nonfinite must be True or False"),
     ("backend", "tpu", "unknown backend 'tpu'; available: eager, inductor"),
     ("passes", ["average_grads", "no_such_pass"], "unknown pass 'no_such_pass'"),
+    ("fuse_dtype", torch.float8_e4m3fn, r"fuse_dtype must be None or one of the floating-point "
+                                        r"dtypes gloo and nccl sum \(torch.float16, "
+                                        r"torch.bfloat16, torch.float32, torch.float64\)"),
+    ("fuse_dtype", torch.int32, "fuse_dtype must be None or one of"),
 ])
 def test_bad_options(option, value, message):
     with pytest.raises(TranspileError, match=message):

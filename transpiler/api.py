@@ -18,6 +18,8 @@ from .topology import Topology
 from .topology import check_spec as check_topology
 
 MAX_RINGS = 16
+# What values may be reduced in: gloo and nccl sum these (not float8, for one).
+REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # Passes of a mode and the options they do not combine with yet, refused up front.
@@ -120,9 +122,9 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise TranspileError(f"{name} must be a positive number of MiB, got {value!r}")
-    if fuse_dtype is not None and (not isinstance(fuse_dtype, torch.dtype)
-                                   or not fuse_dtype.is_floating_point):
-        raise TranspileError(f"fuse_dtype must be a floating-point torch.dtype or None, "
+    if fuse_dtype is not None and fuse_dtype not in REDUCIBLE_DTYPES:
+        raise TranspileError(f"fuse_dtype must be None or one of the floating-point dtypes "
+                             f"gloo and nccl sum ({', '.join(map(str, REDUCIBLE_DTYPES))}), "
                              f"got {fuse_dtype!r}")
     if backend not in BACKENDS:
         raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
