@@ -174,9 +174,10 @@ class HyperSlot:
     key: str
     dtype: torch.dtype
     device: torch.device   # the group's: a compiled device graph reads no host tensor
+    ahead: int = 0         # Hyper.ahead
 
     def read(self, leaves):
-        return torch.tensor(hyper_value(self.optimizer, self.group, self.key),
+        return torch.tensor(hyper_value(self.optimizer, self.group, self.key, self.ahead),
                             dtype=self.dtype, device=self.device)
 
 

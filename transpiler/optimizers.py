@@ -66,12 +66,14 @@ _PER_STEP: dict[str, Callable[[dict, float], float]] = {
     "neg_step_size": lambda g, step: -(g["lr"] / (1 - g["betas"][0] ** step)),
     "bias_correction2_sqrt": lambda g, step: (1 - g["betas"][1] ** step) ** 0.5,
 }
+PER_STEP = frozenset(_PER_STEP)
 
 
-def hyper_value(optimizer: torch.optim.Optimizer, group_index: int,
-                name: str) -> float | list[float]:
+def hyper_value(optimizer: torch.optim.Optimizer, group_index: int, name: str,
+                ahead: int = 0) -> float | list[float]:
     """The value of a lifted hyperparameter for this call: a number, or for a
-    per-step value a list with an entry per parameter of the group."""
+    per-step value a list with an entry per parameter of the group, for the
+    update `ahead` updates after this call's first."""
     group = optimizer.param_groups[group_index]
     if name in _DERIVE:
         return float(_DERIVE[name](group))
@@ -80,7 +82,10 @@ def hyper_value(optimizer: torch.optim.Optimizer, group_index: int,
         count = optimizer.state.get(p, {}).get("step")
         key = (count.item(), count.dtype) if isinstance(count, torch.Tensor) else (count, None)
         if key not in steps:
-            steps[key] = derive(group, _next_step(*key))
+            count = key[0]
+            for _ in range(ahead + 1):
+                count = _next_step(count, key[1])
+            steps[key] = derive(group, count)
         values.append(steps[key])
     return values
 
