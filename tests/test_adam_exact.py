@@ -138,7 +138,7 @@ def test_a_step_skipped_by_gradscaler_does_not_count(caplog):
     of the next steps are those of the steps taken."""
     def scaled(model, opt, x, y, scaler):
         opt.zero_grad()
-        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y) * 4).backward()
         scaler.step(opt)
         scaler.update()
         return scaler._scale.clone()
