@@ -11,7 +11,9 @@ Produces:
 - the gradient processing and the update (roles GRADIENT and OPTIMIZE) replayed
   N times after the last of them: replay r reads rank r's gradients, and the
   parameters and optimizer state as replay r - 1 left them (the inputs for
-  r = 0). The new parameters and state are the last replay's. What the step
+  r = 0), and for r > 0 its own inputs of the values the host derives from the
+  step count (Adam's bias corrections: Hyper.ahead = r). The new parameters
+  and state are the last replay's. What the step
   returns and the .grad it leaves come from the replay of the rank's own
   gradient (the program's only rank-dependent choice, as in DDP's local
   .grad). The original region is removed.
@@ -22,6 +24,7 @@ all-gather as soon as its gradients exist).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -30,8 +33,9 @@ import torch.fx as fx
 from transpiler.collectives import ALL_GATHER, WAIT
 from transpiler.errors import PassError
 from transpiler.mesh import Dim
+from transpiler.optimizers import PER_STEP
 from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, OutputKind, Program, new_node
+from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
 from transpiler.roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
 
 from .coalesce_tensors import MB, GradInfo, plan_buckets
@@ -104,12 +108,15 @@ def _replay(program: Program, ctx: PassContext, region: list[fx.Node],
     if any(position[u] < position[region[-1]] for u in outside):
         raise PassError(f"{outside[0].name} reads the update before it ends: mode all_gather "
                         "replays the whole update after its last node")
+    per_step = [node for node in placeholders.values()
+                if node.meta[INPUT].kind is InputKind.HYPER and node.meta[INPUT].hyper.key in PER_STEP]
     copies: list[dict[fx.Node, fx.Node]] = []
     anchor = region[-1]
     for r in range(ctx.world_size):
         env = {g: ranks[r] for g, ranks in gathered.items()}
         if copies:
             env.update({p: copies[-1][value] for p, value in threaded.items()})
+            env.update({p: _ahead(program, p, r) for p in per_step})
         for node in region:
             with graph.inserting_after(anchor):
                 anchor = env[node] = graph.node_copy(node, lambda a: env.get(a, a))
@@ -122,3 +129,11 @@ def _replay(program: Program, ctx: PassContext, region: list[fx.Node],
         u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: own.get(a, a))
     for node in reversed(region):
         graph.erase_node(node)
+
+
+def _ahead(program: Program, node: fx.Node, r: int) -> fx.Node:
+    """A new input of what hyperparameter input `node` holds, for the r-th update after it."""
+    spec = node.meta[INPUT]
+    hyper = dataclasses.replace(spec.hyper, ahead=r)
+    return program.add_input(dataclasses.replace(spec, name=f"{spec.name}+{r}", hyper=hyper),
+                             node, f"{node.name}_{r}")

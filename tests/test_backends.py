@@ -277,8 +277,8 @@ def test_cuda_backend_equals_eager(backend):
 @pytest.mark.parametrize("opt_name,foreach", [("sgd", False), ("nesterov", False), ("adam", False),
                                               ("adamw", False), ("adamw", True)])
 def test_optimizers_compile(opt_name, foreach):
-    # The trace takes every optimizer's foreach, capturable formulation whatever
-    # the user chose, so the single-tensor and foreach variants compile alike.
+    # The trace takes every optimizer's foreach formulation whatever the user
+    # chose, so the single-tensor and foreach variants compile alike.
     states = []
     for backend in ("inductor", "eager"):
         model = M.make("mlp")

@@ -3,7 +3,6 @@ parameters with its group of the topology at this step, then updates them with
 its own gradient. Against a hand-written reference in plain torch on 4 ranks,
 for every built-in topology and one of one's own."""
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -20,7 +19,6 @@ from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip
 from transpiler import TranspileError, run_passes, topology, transpile
-from transpiler.capture import compiling_flag   # lets capturable AdamW run on CPU
 from transpiler.mesh import Peers
 from transpiler.modes import MODES
 
@@ -149,14 +147,10 @@ def _mix(p, mixing, group, rank):
 
 def reference(model_name, opt_name, topo, steps=STEPS, clipped=False):
     """Each rank: forward and backward at its parameters, mix them with its group
-    of this step, then its optimizer's update with its own gradient. AdamW runs
-    torch's capturable formulation, the one the program traces."""
+    of this step, then its optimizer's update with its own gradient."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make(model_name)
     opt = M.make_optimizer(opt_name, model)
-    capturable = opt_name == "adamw"
-    for group in opt.param_groups:
-        group.update(foreach=True, capturable=capturable)
     groups = _groups(topo)
     for t, batch in enumerate(M.batches(model_name, steps, 16)):
         mixing = topo.mixings[t % len(topo.mixings)]
@@ -169,8 +163,7 @@ def reference(model_name, opt_name, topo, steps=STEPS, clipped=False):
         for p in model.parameters():
             if p.grad is not None:   # what the optimizer updates
                 _mix(p, mixing, groups[mixing.groups], rank)
-        with compiling_flag() if capturable else contextlib.nullcontext():
-            opt.step()
+        opt.step()
     return M.state_of(model, opt)
 
 
@@ -198,8 +191,7 @@ TOPOLOGIES = ["complete", "ring", "one-peer-exp", "alternating-exp-ring", CUSTOM
 
 
 # Groups of two ranks with w = 1/2 mix bit for bit as the reference writes it;
-# larger groups and other weights sum in another order (rounding). The
-# reference's AdamW is torch's capturable formulation, which the program traces.
+# larger groups and other weights sum in another order (rounding).
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: getattr(t, "name", t))
 @pytest.mark.parametrize("model_name,opt_name", [("mlp", "sgd"), ("tied", "adamw")])
 def test_decentralized_equals_the_reference(topo, model_name, opt_name, ranks4):

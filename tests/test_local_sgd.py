@@ -3,7 +3,6 @@ torch (local steps, then an explicit all-reduce average of the parameters every
 k steps), the adaptive k against its formula, and a resumed run against an
 uninterrupted one."""
 
-import contextlib
 import copy
 import math
 
@@ -15,7 +14,6 @@ import torch.nn.functional as F
 from tests import models as M
 from tests.ranks import RankPool
 from transpiler import TranspileError, transpile
-from transpiler.capture import compiling_flag
 from transpiler.schedule import LR, MEAN_LOSS, LocalSGD
 from transpiler.modes import LOCAL_SGD
 
@@ -26,18 +24,6 @@ BATCH = 12  # divisible by 2 and 3
 def _averaged(model):
     """What local SGD averages: the parameters and the floating-point buffers."""
     return [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
-
-
-def _reference_optimizer(opt_name, model):
-    """The optimizer as the transpiler traces it. Adam's default formulation
-    (bias corrections in Python floats) and the tensor formulation it traces
-    (capturable) differ by rounding that Adam amplifies to about 1e-5 in 12 steps
-    (test_single_process bounds that); to compare local SGD itself at 1e-6, the
-    reference runs torch's capturable AdamW, eagerly."""
-    if opt_name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True,
-                                 capturable=True), compiling_flag
-    return _optimizer(opt_name, model), contextlib.nullcontext
 
 
 def _optimizer(opt_name, model):
@@ -62,7 +48,7 @@ def _reference(model_name, opt_name, k, begin_step, adaptive=False, steps=STEPS)
     from the averaged loss and the learning rate."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make(model_name, seed=0)
-    opt, formulation = _reference_optimizer(opt_name, model)
+    opt = _optimizer(opt_name, model)
     scheduler = _scheduler(opt)
     k0, since, ks, first = k, 0, [], None
     for i, batch in enumerate(M.batches(model_name, steps, BATCH)):
@@ -75,8 +61,7 @@ def _reference(model_name, opt_name, k, begin_step, adaptive=False, steps=STEPS)
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad /= world_size
-        with formulation():
-            opt.step()
+        opt.step()
         if i >= begin_step:
             since += 1
             if since == k:

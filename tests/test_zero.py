@@ -147,17 +147,16 @@ def _state_error(ours: dict, theirs: dict) -> float:
                for i in theirs)
 
 
-# SGD with momentum sums in the same order as DDP on 2 ranks (a + b): exact.
-# AdamW: the program's update is torch's capturable foreach formulation, which
-# rounds as fuse_all_reduce's does, a few ulps from DDP's single-tensor AdamW.
-# Three ranks: gloo's reduce-scatter sums in another order than its all-reduce.
+# On 2 ranks the gradients sum in the same order as DDP's (a + b) and the
+# update is torch's default one (AdamW's too): exact. Three ranks: gloo's
+# reduce-scatter sums in another order than its all-reduce.
 @pytest.mark.parametrize("model_name,opt_name", [("mlp", "sgd"), ("tied", "adamw"),
                                                  ("bn", "sgd"), ("mlp", "nesterov")])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_trains_as_ddp(world_size, model_name, opt_name, ranks2, ranks3):
     pool = ranks2 if world_size == 2 else ranks3
     for result in pool.run(rank_vs_ddp, model_name, opt_name):
-        exact = world_size == 2 and opt_name != "adamw"
+        exact = world_size == 2
         tol = 0.0 if exact else 1e-5
         assert M.max_rel_error(result["params"], result["ref"]) <= tol
         assert _state_error(result["full_state"], result["ref_state"]) <= tol

@@ -13,10 +13,20 @@ Which terms exist is the program's structure: weight decay and momentum on or
 off, and the flags (nesterov, maximize, amsgrad, ...). A term that is off
 costs nothing; switching one on traces again, once, and says why.
 
-The values torch derives in Python (1 - beta1, 1 - dampening) are derived here
-on the host in double precision, so they round as eager's do, and where torch
-fuses a scalar into a kernel (`add(g, p, alpha=wd)`, one rounding) the program
-uses addcmul by the 0-d tensor, which rounds once too.
+The values torch derives in Python (1 - beta1, 1 - dampening, 1 - lr * weight
+decay) are derived here on the host in double precision, so they round as
+eager's do, and where torch fuses a scalar into a kernel (`add(g, p, alpha=wd)`,
+one rounding) the program uses addcmul by the 0-d tensor, which rounds once too.
+
+Adam's bias corrections are computed as torch's default (neither capturable
+nor fused) Adam computes them: on the host, in double precision, from each
+parameter's step count as this call's update makes it (the count is state the
+program increments; the host reads it before each call, as torch's
+_get_value(step) does), and fed as one value per parameter of the group (a
+checkpoint may hold different counts in one group). A capturable or fused
+optimizer keeps its count on the device: its update is torch's capturable
+formulation, which computes them there (reading the count on the host would
+synchronize).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import struct
 from typing import Callable
 
 import torch
@@ -43,11 +54,52 @@ _DERIVE: dict[str, Callable[[dict], float]] = {
     "one_minus_beta1": lambda g: 1 - g["betas"][0],
     "one_minus_beta2": lambda g: 1 - g["betas"][1],
     "eps": lambda g: g["eps"],
+    "one_minus_lr_weight_decay": lambda g: 1 - g["lr"] * g["weight_decay"],
 }
 
+# Values derived per parameter from the group and the step count its update
+# reaches, in torch's default Adam's expressions (_single_tensor_adam and
+# _multi_tensor_adam agree: -(lr / bc1) is (lr / bc1) * -1, and every op casts
+# the double to the tensor's dtype). The program reads them as one vector per
+# group, an entry per parameter of the group.
+_PER_STEP: dict[str, Callable[[dict, float], float]] = {
+    "neg_step_size": lambda g, step: -(g["lr"] / (1 - g["betas"][0] ** step)),
+    "bias_correction2_sqrt": lambda g, step: (1 - g["betas"][1] ** step) ** 0.5,
+}
+PER_STEP = frozenset(_PER_STEP)
 
-def hyper_value(group: dict, name: str) -> float:
-    return float(_DERIVE[name](group))
+
+def hyper_value(optimizer: torch.optim.Optimizer, group_index: int, name: str,
+                ahead: int = 0) -> float | list[float]:
+    """The value of a lifted hyperparameter for this call: a number, or for a
+    per-step value a list with an entry per parameter of the group, for the
+    update `ahead` updates after this call's first."""
+    group = optimizer.param_groups[group_index]
+    if name in _DERIVE:
+        return float(_DERIVE[name](group))
+    derive, steps, values = _PER_STEP[name], {}, []
+    for p in group["params"]:
+        count = optimizer.state.get(p, {}).get("step")
+        key = (count.item(), count.dtype) if isinstance(count, torch.Tensor) else (count, None)
+        if key not in steps:
+            count = key[0]
+            for _ in range(ahead + 1):
+                count = _next_step(count, key[1])
+            steps[key] = derive(group, count)
+        values.append(steps[key])
+    return values
+
+
+def _next_step(count: float | None, dtype: torch.dtype | None) -> float:
+    """The step count after the update's increment (`step_t += 1`, in the
+    count's dtype), as a Python float. No count yet: the first step (a
+    parameter the program does not update has no state; its entry is unused)."""
+    if count is None:
+        return 1.0
+    after = float(count) + 1
+    if dtype == torch.float32:   # the float32 sum, rounded to nearest even
+        after = struct.unpack("f", struct.pack("f", after))[0]
+    return after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,29 +185,79 @@ def _add_scaled(xs, ys, scale):
 # ------------------------------------------------------------ Adam, AdamW
 
 def _adam_terms(group):
-    return _nonzero(group, ("weight_decay",))
+    """The weight decay that is on, and where the bias corrections are computed:
+    in the program for a capturable or fused optimizer (its step count lives on
+    the device), else on the host."""
+    terms = ()
+    if group["weight_decay"] != 0:
+        terms += ("decoupled_weight_decay" if group.get("decoupled_weight_decay")
+                  else "weight_decay",)
+    if group.get("capturable") or group.get("fused"):
+        terms += ("capturable",)
+    return terms
 
 
 def _adam_lifted(terms):
-    return ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps") + terms
+    # lr is read by the capturable update, and by adaptive local SGD.
+    lifted = ("lr", "beta2", "one_minus_beta1", "one_minus_beta2", "eps")
+    lifted += ("beta1",) if "capturable" in terms else ("neg_step_size", "bias_correction2_sqrt")
+    if "weight_decay" in terms:
+        lifted += ("weight_decay",)
+    if "decoupled_weight_decay" in terms:
+        lifted += ("one_minus_lr_weight_decay",)
+    return lifted
 
 
 def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                  state_steps):
-    """torch.optim.adam._multi_tensor_adam, its capturable branch."""
+    """torch.optim.adam._multi_tensor_adam: the bias corrections of its default
+    branch, from the host (_PER_STEP), or those of its capturable branch."""
     n = len(params)
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
     torch._foreach_add_(state_steps, 1)
+    if "decoupled_weight_decay" in terms:
+        torch._foreach_mul_(params, h["one_minus_lr_weight_decay"])
     if "weight_decay" in terms:
-        if group.get("decoupled_weight_decay", False):
-            torch._foreach_mul_(params, 1 - h["lr"] * h["weight_decay"])
-        else:
-            grads = _add_scaled(grads, params, h["weight_decay"])
+        grads = _add_scaled(grads, params, h["weight_decay"])
     torch._foreach_lerp_(exp_avgs, grads, [h["one_minus_beta1"]] * n)
     torch._foreach_mul_(exp_avg_sqs, h["beta2"])
     torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, h["one_minus_beta2"]), grads)
 
+    if group["amsgrad"]:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
+    if "capturable" in terms:
+        _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps)
+    else:
+        _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt)
+
+
+def _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt):
+    """denom = sqrt / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg,
+    denom, value=-step_size), with each parameter's own values. The CPU kernel
+    of addcdiv computes param + (value * exp_avg) / denom in the tensor's
+    dtype: the multiply by the 0-d value first rounds the same."""
+    # While traced, the group lists the traced parameters; the update gets those
+    # with a gradient.
+    position = {id(p): i for i, p in enumerate(group["params"])}
+    at = [position[id(p)] for p in params]
+    neg_step_size, bias_correction2_sqrt = (torch.unbind(h[k]) for k in
+                                            ("neg_step_size", "bias_correction2_sqrt"))
+    torch._foreach_div_(exp_avg_sq_sqrt, [bias_correction2_sqrt[i] for i in at])
+    # A Python-level _foreach_add_(list, tensor) would take the tensor for a
+    # Scalar and read its value: name the Tensor overload.
+    torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
+    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, [neg_step_size[i] for i in at]),
+                            exp_avg_sq_sqrt)
+
+
+def _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps):
+    """The bias corrections of _multi_tensor_adam's capturable branch, from the
+    step counts in the program."""
+    n = len(params)
     bias_correction1 = torch._foreach_pow([h["beta1"]] * n, state_steps)
     bias_correction2 = torch._foreach_pow([h["beta2"]] * n, state_steps)
     torch._foreach_sub_(bias_correction1, 1)
@@ -165,15 +267,7 @@ def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_
     torch._foreach_reciprocal_(bias_correction1)
     torch._foreach_sqrt_(bias_correction2)
     step_size, bias_correction2_sqrt = bias_correction1, bias_correction2
-
-    if group["amsgrad"]:
-        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-        exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
-    else:
-        exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
-    # A Python-level _foreach_add_(list, tensor) would take the tensor for a
-    # Scalar and read its value: name the Tensor overload.
     torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
     torch._foreach_div_(exp_avg_sq_sqrt, step_size)
     torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt)

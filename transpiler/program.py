@@ -69,11 +69,14 @@ def held_name(what: Held, param: str | None = None) -> str:
 class Hyper:
     """A lifted hyperparameter: `key` (lr, momentum, or a value derived from the
     group's on the host, optimizers.hyper_value) of param group `group` of the
-    step's optimizer number `optimizer`."""
+    step's optimizer number `optimizer`. `ahead`: for a value derived from the
+    step count (optimizers.PER_STEP), that of the update `ahead` updates after
+    the call's first (mode all_gather updates once per rank)."""
 
     key: str
     group: int
     optimizer: int
+    ahead: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

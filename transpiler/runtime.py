@@ -393,7 +393,14 @@ class TranspiledStep:
         own = (OutputKind.STATE, OutputKind.GRAD)   # targets capture made for the step's outputs
         captured_targets = {(spec.kind, spec.target): target for spec, target
                             in zip(captured.program.outputs, captured.targets) if spec.kind in own}
+        # A pass's hyperparameter input of a later update (Hyper.ahead) reads as
+        # the captured one, that many updates ahead.
+        hypers = {spec.hyper: slot for spec, slot in zip(captured.program.inputs, captured.slots)
+                  if spec.kind is InputKind.HYPER}
         slots = [HeldSlot(self._held.tensors, spec.name) if spec.kind is InputKind.HELD
+                 else dataclasses.replace(hypers[dataclasses.replace(spec.hyper, ahead=0)],
+                                          ahead=spec.hyper.ahead)
+                 if spec.kind is InputKind.HYPER and spec.hyper.ahead
                  else by_name[spec.name] for spec in program.inputs]
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
         targets = [None if spec.kind is OutputKind.USER

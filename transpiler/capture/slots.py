@@ -98,7 +98,9 @@ def _store(mapping: dict, key, value: torch.Tensor) -> None:
 class HyperSlot:
     """A lifted hyperparameter: a value of param_groups[group], or one derived
     from it on the host such as 1 - beta1 (optimizers.hyper_value), fed as a 0-d
-    tensor of float64 if the group has a float64 parameter, else float32.
+    tensor (a vector with an entry per parameter of the group for a value
+    derived from each one's step count, such as Adam's bias corrections) of
+    float64 if the group has a float64 parameter, else float32.
     Kernels compute a float32 (or bf16/fp16) tensor op in float32 whatever the
     scalar's width, so this rounds exactly as eager's Python-float alpha, and
     saves a conversion per tensor."""
@@ -108,9 +110,10 @@ class HyperSlot:
     key: str
     dtype: torch.dtype
     device: torch.device   # the group's: a compiled device graph reads no host tensor
+    ahead: int = 0         # Hyper.ahead
 
     def read(self, leaves):
-        return torch.tensor(hyper_value(self.optimizer.param_groups[self.group], self.key),
+        return torch.tensor(hyper_value(self.optimizer, self.group, self.key, self.ahead),
                             dtype=self.dtype, device=self.device)
 
 
