@@ -114,32 +114,48 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     comm = CommInfo("all_reduce", ring=0, bucket=bucket,
                     params=tuple(g.meta[REDUCE].key for g in grads),
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
-
-    def node(target, args, role, kwargs=None, **meta):
-        return new_node(graph, target, args, role, kwargs, **{BUCKET: bucket}, **meta)
-
     last = max(grads, key=position.__getitem__)
-    pack = last.meta[ROLE]
+    pack_role = last.meta[ROLE]
     with graph.inserting_before(last.next):
-        sizes = [v.numel() for v in vals]
-        buffer = node(aten.new_empty.default, (grads[0], [sum(sizes)]), pack,
-                      {"dtype": comm_dtype})
-        offset = 0
-        for g, size in zip(grads, sizes):
-            flat = node(aten.reshape.default, (g, [-1]), pack)
-            if comm_dtype != dtype:
-                flat = node(aten._to_copy.default, (flat,), pack, {"dtype": comm_dtype})
-            buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
-                          pack)
-            offset += size
-        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack,
+        buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
+        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
                                 **{BUCKET: bucket})
         waited = lowering.complete(graph, issued, ctx, **{BUCKET: bucket})
         if comm_dtype != dtype:
-            waited = node(aten._to_copy.default, (waited,), Role.COMM, {"dtype": dtype})
-        parts = node(aten.split_with_sizes.default, (waited, sizes), Role.COMM)
-        for i, (g, v) in enumerate(zip(grads, vals)):
-            view = node(aten.view.default, (node(operator.getitem, (parts, i), Role.COMM),
-                                            list(v.shape)), Role.COMM)
-            for user in users[g]:
-                user.replace_input_with(g, view)
+            waited = new_node(graph, aten._to_copy.default, (waited,), Role.COMM,
+                              {"dtype": dtype}, **{BUCKET: bucket})
+        views = unpack(graph, waited, grads, **{BUCKET: bucket})
+    for g, view in zip(grads, views):
+        for user in users[g]:
+            user.replace_input_with(g, view)
+
+
+def pack(graph: fx.Graph, values: list[fx.Node], dtype: torch.dtype, role: Role,
+         **meta) -> fx.Node:
+    """At the insertion point: the values flattened (cast to `dtype` where they
+    differ) into one new 1-d buffer, in order. Nodes have `role` and `meta`."""
+    def node(target, args, kwargs=None):
+        return new_node(graph, target, args, role, kwargs, **meta)
+
+    sizes = [v.meta["val"].numel() for v in values]
+    buffer = node(aten.new_empty.default, (values[0], [sum(sizes)]), {"dtype": dtype})
+    offset = 0
+    for v, size in zip(values, sizes):
+        flat = node(aten.reshape.default, (v, [-1]))
+        if v.meta["val"].dtype != dtype:
+            flat = node(aten._to_copy.default, (flat,), {"dtype": dtype})
+        buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size))
+        offset += size
+    return buffer
+
+
+def unpack(graph: fx.Graph, buffer: fx.Node, like: list[fx.Node], **meta) -> list[fx.Node]:
+    """At the insertion point: views of a buffer `pack` laid out, one shaped
+    like each of `like` (no copy). Nodes have role COMM and `meta`."""
+    def node(target, args):
+        return new_node(graph, target, args, Role.COMM, **meta)
+
+    vals = [v.meta["val"] for v in like]
+    parts = node(aten.split_with_sizes.default, (buffer, [v.numel() for v in vals]))
+    return [node(aten.view.default, (node(operator.getitem, (parts, i)), list(v.shape)))
+            for i, v in enumerate(vals)]
