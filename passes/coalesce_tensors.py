@@ -7,7 +7,8 @@ Requires: a pass that marked the values to reduce over the ranks
 Produces: buckets of the marked values planned by `plan_buckets` (by dtype, op
 and group, in program order, which for gradients is the order the backward pass
 produces them, closed at ctx.bucket_mb, the first one per dtype at
-ctx.first_bucket_mb, a small tail merged into the bucket before). For each
+ctx.first_bucket_mb, a small tail merged into the bucket before; values of
+different reduction points, Reduction.point, in buckets of their own). For each
 bucket, placed right after its last value: the values flattened and
 concatenated into one buffer (optionally cast to ctx.fuse_dtype), its reduction
 lowered by transpiler/lowering.py (for a MEAN the buffer times 1 / group size,
@@ -50,13 +51,14 @@ class GradInfo:
     nbytes: int
     op: ReduceOp = ReduceOp.SUM
     over: Over = Dim.WORLD
+    point: int = 0   # Reduction.point
 
 
 def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
     """Group gradients, given in the order they are produced, into buckets.
 
-    Each dtype (with each reduce op and group) fills its own open bucket; a bucket closes once
+    Each dtype (with each reduce op, group and reduction point) fills its own open bucket; a bucket closes once
     it holds at least its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
     bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
     What is left at the end forms a last bucket, merged into the one before it
@@ -71,7 +73,7 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     closed: dict[tuple, list[tuple[int, list[str]]]] = {}
     open_: dict[tuple, tuple[list[str], int]] = {}
     for i, g in enumerate(grads):
-        kind = (g.dtype, g.op, g.over)
+        kind = (g.dtype, g.op, g.over, g.point)
         names, size = open_.get(kind, ([], 0))
         names, size = names + [g.name], size + g.nbytes
         done = closed.setdefault(kind, [])
@@ -97,7 +99,7 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
         return
     grads = program.to_reduce()
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
-                      g.meta[REDUCE].over) for name, g in grads.items()]
+                      g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):

@@ -35,10 +35,11 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, m
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import functionalize
+from .averaging import mark_backward_ends
 from .errors import TranspileError
 from .optimizers import formulation_of, hyper_value, updates_with_lifted_hyperparameters
 from .program import Hyper, InputKind, InputSpec, OutputKind, OutputSpec, Program, graph_module
-from .roles import INPUT, PARAM, ROLE, Role
+from .roles import GRAD_AT, INPUT, PARAM, ROLE, Role
 from .scaler import SKIPS, GradScaler, guard_skipped_steps, scaler_slots, traced_scalers
 from .scaler import signature_of as scaler_signature
 
@@ -514,6 +515,7 @@ class _Markers:
     backwards: list[tuple[fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
     # parameter name -> node of its .grad where the last backward() ended
     grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    ends: list[dict[str, fx.Node]] = dataclasses.field(default_factory=list)  # ... each one
     # ... as it stood when the first optimizer.step() began: the gradients to reduce
     reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
@@ -572,6 +574,7 @@ def _backward_marker(markers: _Markers, step_fn, grads_now: Callable[[], dict]):
         original(loss, seed, *args, **kwargs)
         markers.backwards.append((before, _last_node()))
         markers.grads = grads_now()
+        markers.ends.append(markers.grads)
 
     torch.autograd.backward = backward
     try:
@@ -970,6 +973,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     "accumulate across calls instead (README, Training loops)",
                     _name(step_fn), len(markers.backwards))
     _assign_roles(gm.graph, markers)
+    mark_backward_ends(markers.ends, markers.averaged_after)
     _drop_profiler_nodes(gm.graph)
     try:
         functionalize.rewrite(gm.graph)
@@ -1085,12 +1089,12 @@ class _RoleCarrier(fx.Interpreter):
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
             node = node.next
-        if PARAM in n.meta or SKIPS in n.meta or n.meta[ROLE] & Role.LOSS:
+        if PARAM in n.meta or SKIPS in n.meta or GRAD_AT in n.meta or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
             inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
             node = _node_of(inner)
-            for key in (PARAM, SKIPS):
+            for key in (PARAM, SKIPS, GRAD_AT):
                 if key in n.meta:
                     node.meta[key] = n.meta[key]
             if n.meta[ROLE] & Role.LOSS:
@@ -1119,8 +1123,9 @@ _PREFIX = {InputKind.PARAM: "p_", InputKind.BUFFER: "b_", InputKind.GRAD: "g_",
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
     """Replace `node` by `value`, which computes the same thing, keeping its marks."""
     node.replace_all_uses_with(value, propagate_meta=False)
-    if PARAM in node.meta:
-        value.meta.setdefault(PARAM, node.meta[PARAM])
+    for key in (PARAM, GRAD_AT):
+        if key in node.meta:
+            value.meta.setdefault(key, node.meta[key])
     graph.erase_node(node)
 
 

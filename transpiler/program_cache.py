@@ -24,7 +24,7 @@ class Built:
     schedulers: list   # LR schedulers stepped on the host after each call
     cleared: list      # (name, parameter) whose .grad each call leaves None
     reads_grads: bool  # whether which parameters have a .grad is part of the key
-    averaged_after: int  # backward() calls before the first optimizer.step() (verify)
+    averaged_at: tuple[int, ...]  # the backward() calls averaged where they end (verify)
 
 
 class ProgramCache:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from . import agreement, consensus, consistency, reduce_groups, verify
+from .averaging import averaged_at
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .capture import Captured, HeldSlot, describe_change, flatten_args, make_first_state, trace_step
@@ -305,7 +306,8 @@ class TranspiledStep:
                     "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
-                           captured.reads_grads, captured.averaged_after)
+                           captured.reads_grads,
+                           averaged_at(captured.program, captured.averaged_after))
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
@@ -400,7 +402,7 @@ class TranspiledStep:
         only if every rank agrees."""
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):   # the program draws what the reference drew
-            memo, expected = verify.reference_step(self.step_fn, step_args, built.averaged_after)
+            memo, expected = verify.reference_step(self.step_fn, step_args, built.averaged_at)
         outputs = self._executor.run_uncommitted(runnable, step_args.leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]

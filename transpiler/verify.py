@@ -5,7 +5,9 @@ The reference deep-copies the step's arguments (model, optimizer, scaler,
 batch) and runs the user's step on the copies eagerly, with the gradients of
 the copied parameters averaged over the ranks (each times 1 / world_size, then
 summed, as DDP's reducer does) when the backward() that precedes the first
-optimizer.step() returns. LR schedulers of the step's optimizers are not run
+optimizer.step() returns, and when each earlier one whose gradients the step
+reads returns (transpiler/averaging.py: the capture's rule, so this is not an
+independent check of it). LR schedulers of the step's optimizers are not run
 (the transpiled step runs them on the host after the call), and the random
 number generators are forked, so the program then draws what the reference
 drew. The program runs functionally (op by op, nothing written in place) and
@@ -33,11 +35,12 @@ from .errors import VerificationError
 from .rings import world
 
 
-def reference_step(step_fn, step_args: StepArgs, average_after: int) -> tuple[dict, list]:
+def reference_step(step_fn, step_args: StepArgs, average_at: tuple[int, ...]) -> tuple[dict, list]:
     """Run the step eagerly on deep copies of its arguments, averaging the
-    gradients when the average_after-th backward() returns (0: never, a step
-    without optimizer.step()). Returns the deep-copy memo (id of an original
-    object -> its copy) and the step's output tensors."""
+    gradients when each backward() numbered in average_at (from 1) returns
+    (transpiler/averaging.py; none: a step without optimizer.step()). Returns
+    the deep-copy memo (id of an original object -> its copy) and the step's
+    output tensors."""
     memo: dict = {}
     leaves = copy.deepcopy(step_args.leaves, memo)
     for original, copied in zip(step_args.leaves, leaves):
@@ -60,7 +63,7 @@ def reference_step(step_fn, step_args: StepArgs, average_after: int) -> tuple[di
         nonlocal calls
         original(*args, **kwargs)
         calls += 1
-        if calls == average_after and world_size > 1:
+        if calls in average_at and world_size > 1:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(1 / world_size)
