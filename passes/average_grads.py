@@ -3,10 +3,16 @@
 Requires: a captured program. Its gradients are the nodes marked
 meta["param"] at capture: each parameter's .grad as the backward passes leave
 it (summed over every backward() of the step), where the last backward()
-before optimizer.step() ends.
+before optimizer.step() ends; and the gradients each earlier backward() leaves
+(meta["grad_at"]).
 Produces: on each gradient, meta["reduce"] = Reduction(<param>, MEAN, over) with
 `over` the parameter's group (ctx.over: the world unless transpile(reduce_groups=...)
-names one). A reduction pass (insert_allreduce, coalesce_tensors) lowers it:
+names one). Where the step reads the gradients of an earlier backward() other
+than by accumulating into them (SAM; transpiler/averaging.py), each gradient
+it leaves is marked too, Reduction("<param>@<backward>", MEAN, over,
+point=<backward>): averaged where that backward() ends, as DDP does at every
+backward() outside no_sync; what reads it then (the next backward()'s
+accumulation included) reads the average. A reduction pass (insert_allreduce, coalesce_tensors) lowers it:
 the gradient times 1 / group size, summed over the group, which is how DDP's
 reducer averages, so the result rounds as DDP's does; everything that reads the
 gradient after the backward pass (clipping, unscaling, the optimizer) then
@@ -17,10 +23,11 @@ Order: before the passes that reduce (insert_allreduce, coalesce_tensors).
 
 from __future__ import annotations
 
+from transpiler.averaging import early_averages
 from transpiler.collectives import ReduceOp, Reduction
 from transpiler.pipeline import Mark, PassContext, produces
 from transpiler.program import Program
-from transpiler.roles import REDUCE
+from transpiler.roles import GRAD_AT, REDUCE
 
 
 @produces(Mark.TO_REDUCE)
@@ -29,3 +36,8 @@ def average_grads(program: Program, ctx: PassContext) -> None:
         return
     for param, grad in program.grads.items():
         grad.meta[REDUCE] = Reduction(param, ReduceOp.MEAN, ctx.over(param))
+    for backward, grads in early_averages(program).items():
+        for grad in grads:
+            param = grad.meta[GRAD_AT].param
+            grad.meta[REDUCE] = Reduction(f"{param}@{backward}", ReduceOp.MEAN, ctx.over(param),
+                                          point=backward)

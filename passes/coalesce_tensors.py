@@ -7,7 +7,8 @@ Requires: a pass that marked the values to reduce over the ranks
 Produces: buckets of the marked values planned by `plan_buckets` (by dtype, op
 and group, in program order, which for gradients is the order the backward pass
 produces them, closed at ctx.bucket_mb, the first one per dtype at
-ctx.first_bucket_mb, a small tail merged into the bucket before). For each
+ctx.first_bucket_mb, a small tail merged into the bucket before; values of
+different reduction points, Reduction.point, in buckets of their own). For each
 bucket, placed right after its last value: the values flattened and
 concatenated into one buffer (optionally cast to ctx.fuse_dtype), its reduction
 lowered by transpiler/lowering.py (for a MEAN the buffer times 1 / group size,
@@ -50,13 +51,14 @@ class GradInfo:
     nbytes: int
     op: ReduceOp = ReduceOp.SUM
     over: Over = Dim.WORLD
+    point: int = 0   # Reduction.point
 
 
 def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
     """Group gradients, given in the order they are produced, into buckets.
 
-    Each dtype (with each reduce op and group) fills its own open bucket; a bucket closes once
+    Each dtype (with each reduce op, group and reduction point) fills its own open bucket; a bucket closes once
     it holds at least its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
     bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
     What is left at the end forms a last bucket, merged into the one before it
@@ -71,7 +73,7 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
     closed: dict[tuple, list[tuple[int, list[str]]]] = {}
     open_: dict[tuple, tuple[list[str], int]] = {}
     for i, g in enumerate(grads):
-        kind = (g.dtype, g.op, g.over)
+        kind = (g.dtype, g.op, g.over, g.point)
         names, size = open_.get(kind, ([], 0))
         names, size = names + [g.name], size + g.nbytes
         done = closed.setdefault(kind, [])
@@ -97,7 +99,7 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
         return
     grads = program.to_reduce()
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
-                      g.meta[REDUCE].over) for name, g in grads.items()]
+                      g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     for bucket, names in enumerate(plan):
@@ -114,32 +116,48 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     comm = CommInfo("all_reduce", ring=0, bucket=bucket,
                     params=tuple(g.meta[REDUCE].key for g in grads),
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
-
-    def node(target, args, role, kwargs=None, **meta):
-        return new_node(graph, target, args, role, kwargs, **{BUCKET: bucket}, **meta)
-
     last = max(grads, key=position.__getitem__)
-    pack = last.meta[ROLE]
+    pack_role = last.meta[ROLE]
     with graph.inserting_before(last.next):
-        sizes = [v.numel() for v in vals]
-        buffer = node(aten.new_empty.default, (grads[0], [sum(sizes)]), pack,
-                      {"dtype": comm_dtype})
-        offset = 0
-        for g, size in zip(grads, sizes):
-            flat = node(aten.reshape.default, (g, [-1]), pack)
-            if comm_dtype != dtype:
-                flat = node(aten._to_copy.default, (flat,), pack, {"dtype": comm_dtype})
-            buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size),
-                          pack)
-            offset += size
-        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack,
+        buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
+        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
                                 **{BUCKET: bucket})
         waited = lowering.complete(graph, issued, ctx, **{BUCKET: bucket})
         if comm_dtype != dtype:
-            waited = node(aten._to_copy.default, (waited,), Role.COMM, {"dtype": dtype})
-        parts = node(aten.split_with_sizes.default, (waited, sizes), Role.COMM)
-        for i, (g, v) in enumerate(zip(grads, vals)):
-            view = node(aten.view.default, (node(operator.getitem, (parts, i), Role.COMM),
-                                            list(v.shape)), Role.COMM)
-            for user in users[g]:
-                user.replace_input_with(g, view)
+            waited = new_node(graph, aten._to_copy.default, (waited,), Role.COMM,
+                              {"dtype": dtype}, **{BUCKET: bucket})
+        views = unpack(graph, waited, grads, **{BUCKET: bucket})
+    for g, view in zip(grads, views):
+        for user in users[g]:
+            user.replace_input_with(g, view)
+
+
+def pack(graph: fx.Graph, values: list[fx.Node], dtype: torch.dtype, role: Role,
+         **meta) -> fx.Node:
+    """At the insertion point: the values flattened (cast to `dtype` where they
+    differ) into one new 1-d buffer, in order. Nodes have `role` and `meta`."""
+    def node(target, args, kwargs=None):
+        return new_node(graph, target, args, role, kwargs, **meta)
+
+    sizes = [v.meta["val"].numel() for v in values]
+    buffer = node(aten.new_empty.default, (values[0], [sum(sizes)]), {"dtype": dtype})
+    offset = 0
+    for v, size in zip(values, sizes):
+        flat = node(aten.reshape.default, (v, [-1]))
+        if v.meta["val"].dtype != dtype:
+            flat = node(aten._to_copy.default, (flat,), {"dtype": dtype})
+        buffer = node(aten.slice_scatter.default, (buffer, flat, 0, offset, offset + size))
+        offset += size
+    return buffer
+
+
+def unpack(graph: fx.Graph, buffer: fx.Node, like: list[fx.Node], **meta) -> list[fx.Node]:
+    """At the insertion point: views of a buffer `pack` laid out, one shaped
+    like each of `like` (no copy). Nodes have role COMM and `meta`."""
+    def node(target, args):
+        return new_node(graph, target, args, Role.COMM, **meta)
+
+    vals = [v.meta["val"] for v in like]
+    parts = node(aten.split_with_sizes.default, (buffer, [v.numel() for v in vals]))
+    return [node(aten.view.default, (node(operator.getitem, (parts, i)), list(v.shape)))
+            for i, v in enumerate(vals)]

@@ -17,7 +17,8 @@ Produces:
   returns and the .grad it leaves come from the replay of the rank's own
   gradient (the program's only rank-dependent choice, as in DDP's local
   .grad). The original region is removed.
-With one rank it does not apply.
+A step that reads the gradients of an earlier backward() (SAM;
+transpiler/averaging.py) is refused. With one rank it does not apply.
 Order: first, then ring_round_robin and schedule_comm (which issues each
 all-gather as soon as its gradients exist).
 """
@@ -30,6 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from transpiler.averaging import early_averages
 from transpiler.collectives import ALL_GATHER, WAIT
 from transpiler.errors import PassError
 from transpiler.mesh import Dim
@@ -47,6 +49,13 @@ _REGION = Role.GRADIENT | Role.OPTIMIZE
 def gather_grads(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
+    early = early_averages(program)
+    if early:
+        raise PassError(
+            f"the step reads the gradients of backward() number {min(early)} before the next "
+            "backward() (SAM, a lookahead); gather_grads gathers the gradients once per step, "
+            "where the last backward() before optimizer.step() ends: use mode "
+            "'fuse_all_reduce' or 'grad_allreduce' for this step")
     grads = program.grads
     region = [n for n in program.graph.nodes
               if n.op == "call_function" and n.meta.get(ROLE, 0) & _REGION]

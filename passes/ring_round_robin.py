@@ -1,7 +1,7 @@
 """ring_round_robin: spread the collectives round robin over the rings.
 
-Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors or
-broadcast_params); every collective was issued on ring 0 of its group.
+Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors,
+broadcast_params or broadcast_buffers); every collective was issued on ring 0 of its group.
 Produces: the i-th collective in program order over a group (meta["comm"].over:
 the world, the node, across nodes, a user's group) runs on ring
 i % (that group's rings in ctx.mesh): its group argument and meta["comm"].ring
@@ -24,7 +24,8 @@ def plan_rings(n_collectives: int, nrings: int) -> list[int]:
     return [i % nrings for i in range(n_collectives)]
 
 
-@requires("insert_allreduce|coalesce_tensors|shard_optimizer|gather_grads|broadcast_params")
+@requires("insert_allreduce|coalesce_tensors|shard_optimizer|gather_grads|broadcast_params|"
+          "broadcast_buffers")
 def ring_round_robin(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1 or ctx.nrings == 1:
         return

@@ -29,7 +29,8 @@ Produces:
   the parameters' new values (role COMM);
 - the state outputs are the new shards; the gradients are not outputs (the
   runtime leaves .grad None: a rank holds a shard of the reduced gradient only).
-Anything else that reads a sharded value (a returned gradient, a view that
+Gradients to average at an earlier backward() (SAM: Reduction.point) are
+refused. Anything else that reads a sharded value (a returned gradient, a view that
 reorders it, a reduction other than a norm) is an error that names it. Every
 mark to reduce is removed. With one rank it does not apply.
 Order: after average_grads, before ring_round_robin and schedule_comm (which
@@ -107,6 +108,13 @@ def shard_optimizer(program: Program, ctx: PassContext) -> None:
     marked = program.to_reduce()
     for name, g in marked.items():
         reduction = g.meta[REDUCE]
+        if reduction.point:
+            raise PassError(
+                f"the step reads the gradients of backward() number {reduction.point} before "
+                "the next backward() (SAM, a lookahead), which DDP averages where that "
+                "backward() ends; shard_optimizer averages the gradients once per step, where "
+                "the last backward() before optimizer.step() ends: use mode 'fuse_all_reduce' "
+                "or 'grad_allreduce' for this step")
         if reduction.over is not Dim.WORLD or reduction.op is not ReduceOp.MEAN:
             raise PassError(f"the gradient of {name} is reduced {reduction}: shard_optimizer "
                             "shards gradients averaged over the world only")

@@ -266,7 +266,8 @@ def test_passes_in_an_order_that_breaks_a_requirement():
         transpile(M.classify_step, passes=["coalesce_tensors", "average_grads"])
     with pytest.raises(TranspileError, match="ring_round_robin requires insert_allreduce or "
                                              "coalesce_tensors or shard_optimizer or "
-                                             "gather_grads or broadcast_params to run "
+                                             "gather_grads or broadcast_params or "
+                                             "broadcast_buffers to run "
                                              "before it; passes run so far: capture"):
         transpile(M.classify_step, passes=["ring_round_robin"])
 

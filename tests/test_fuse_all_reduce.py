@@ -77,7 +77,7 @@ SMALL = dataclasses.replace(CTX, bucket_mb=200 / 2**20,
                     first_bucket_mb=40 / 2**20)
 
 
-@pytest.mark.parametrize("upto", range(2, len(FUSE) + 1))
+@pytest.mark.parametrize("upto", range(3, len(FUSE) + 1))   # from coalesce_tensors
 def test_golden_fuse(upto):
     program = _captured().program
     run_passes(program, FUSE[:upto], SMALL)
@@ -155,6 +155,8 @@ def rank_compare(model_name, opt_name, fuse_kwargs):
         if mode == "fuse_all_reduce":
             out["buckets"] = len(step.program.collectives())
             out["footer"] = step.explain().splitlines()[-1]
+            out["sent"] = [(n.meta["comm"].op, n.meta["comm"].nbytes)
+                           for n in step.program.collectives()]
     return out
 
 
@@ -175,10 +177,14 @@ def test_fuse_equals_grad_allreduce(world_size, model_name, opt_name, ranks2, ra
         tol = 2 ** -6 if (model_name == "mixed" and world_size == 3) else 1e-6
         assert M.max_rel_error(result["fuse_all_reduce"], result["grad_allreduce"]) <= tol
         assert result["buckets"] >= 2
-        # A ring all-reduce sends 2 (N - 1) / N of its buffer.
+        # A ring all-reduce sends 2 (N - 1) / N of its buffer; a broadcast (of
+        # BatchNorm's statistics) the buffer.
         total = int(re.match(r"\d+ collectives of (\d+) bytes in all", result["footer"])[1])
-        assert result["footer"].endswith(
-            f"; this rank sends {2 * (world_size - 1) / world_size * total:.0f} bytes per step")
+        assert total == sum(nbytes for _, nbytes in result["sent"])
+        sent = sum(nbytes * (1 if op == "broadcast" else 2 * (world_size - 1) / world_size)
+                   for op, nbytes in result["sent"])
+        assert [op for op, _ in result["sent"]].count("broadcast") == (2 if model_name == "bn" else 0)
+        assert result["footer"].endswith(f"; this rank sends {sent:.0f} bytes per step")
 
 
 def test_bf16_on_the_wire_stays_within_bf16_rounding(ranks2):

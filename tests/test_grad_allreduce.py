@@ -1,6 +1,6 @@
 """grad_allreduce on 2 and 3 gloo ranks, each on its shard of the batch, equals
 single-process training on the whole batch; BatchNorm equals torch DDP with
-broadcast_buffers=False. Parameters and optimizer state after 5 steps."""
+its defaults. Parameters and optimizer state after 5 steps."""
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ def rank_bn_vs_ddp(opt_name):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     state, _ = _train("bn", opt_name, True, rank, world_size)
     model = M.make("bn", seed=0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = M.make_optimizer(opt_name, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
     for batch in M.batches("bn", STEPS, BATCH):
@@ -70,6 +70,6 @@ def test_one_allreduce_per_distinct_gradient(ranks2):
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_batchnorm_equals_ddp_without_buffer_broadcast(opt_name, ranks2):
+def test_batchnorm_equals_ddp(opt_name, ranks2):
     for ours, ddp in ranks2.run(rank_bn_vs_ddp, opt_name):
         assert M.max_rel_error(ours, ddp) == 0.0

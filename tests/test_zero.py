@@ -88,7 +88,7 @@ def _ddp_and_zero(model_name, opt_name, step_fn, steps=STEPS):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, ref = M.make(model_name), M.make(model_name)
     opt, ref_opt = M.make_optimizer(opt_name, model), M.make_optimizer(opt_name, ref)
-    ddp = DDP(ref, broadcast_buffers=False, find_unused_parameters=model_name == "tied")
+    ddp = DDP(ref, find_unused_parameters=model_name == "tied")
     step = transpile(step_fn, mode="zero", **TINY_BUCKETS)
     returned = []
     for batch in M.batches(model_name, steps, 12):

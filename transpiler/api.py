@@ -10,7 +10,7 @@ from . import hpu
 from .reduce_groups import check as check_groups
 from .backends import BACKENDS
 from .errors import TranspileError
-from .modes import MODES
+from .modes import BROADCAST_BUFFERS, MODES
 from .pipeline import PassContext, PassLike, check_order, pass_name, resolve
 from .runtime import TranspiledStep
 from .schedule import Decentralized, EveryStep, LocalSGD
@@ -41,7 +41,8 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
               backend: str = "eager", check_every: int | None = None,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
-              reduce_groups: Sequence[tuple] = ()) -> TranspiledStep:
+              reduce_groups: Sequence[tuple] = (),
+              broadcast_buffers: bool = True) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -83,6 +84,11 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
     experts of a mixture of experts; a group is a process group (each rank
     gives the one it belongs to, in the same position on every rank) or a
     dimension of the mesh, Dim.NODE or Dim.ACROSS (transpiler/reduce_groups.py).
+    broadcast_buffers: start every step from rank 0's buffers (BatchNorm's
+    statistics), as DDP does by default (its broadcast_buffers=True); False keeps
+    each rank's own, as DDP(broadcast_buffers=False). Applies to the modes whose
+    ranks hold one model (not decentralized, nor local_sgd's local steps);
+    passes/broadcast_buffers.py says which buffers.
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
@@ -113,6 +119,12 @@ def transpile(step_fn: Callable, mode: str | None = None, *,
         schedule = EveryStep(MODES[mode] if passes is None else passes)
     if not isinstance(skip_nonfinite, bool):
         raise TranspileError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    if not isinstance(broadcast_buffers, bool):
+        raise TranspileError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+    if not broadcast_buffers:
+        dropped = resolve(BROADCAST_BUFFERS)
+        schedule.programs = {name: tuple(q for q in p if q != BROADCAST_BUFFERS and q is not dropped)
+                             for name, p in schedule.programs.items()}
     if skip_nonfinite:
         schedule.programs = {name: p + ("skip_nonfinite",) for name, p in schedule.programs.items()}
     for program_passes in schedule.programs.values():

@@ -47,18 +47,23 @@ class Placement(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Reduction:
-    """A value to reduce: `key` names it (the parameter, for a gradient), `op`
-    says how, `over` which group of ranks (transpiler/mesh.py), `placement`
-    where the result lives. A reduction pass lowers it and removes it from the
-    node, so no value is reduced twice."""
+    """A value to reduce: `key` names it, uniquely in the program (the
+    parameter, for a gradient), `op` says how, `over` which group of ranks
+    (transpiler/mesh.py), `placement` where the result lives. `point`: values
+    of different points never share a collective; 0 for the values reduced
+    once per step, else the backward() (from 1) whose gradients are averaged
+    where it ends (transpiler/averaging.py). A reduction pass lowers it and
+    removes it from the node, so no value is reduced twice."""
 
     key: str
     op: ReduceOp = ReduceOp.SUM
     over: Over = Dim.WORLD
     placement: Placement = Placement.REPLICATE
+    point: int = 0
 
     def __str__(self) -> str:
         op = "" if self.op is ReduceOp.SUM else f"({self.op.value})"
         over = "" if self.over is Dim.WORLD else f" over={self.over}"
         placed = "" if self.placement is Placement.REPLICATE else f" {self.placement.value}"
-        return f"{op}{over}{placed}"
+        point = f" at backward {self.point}" if self.point else ""
+        return f"{op}{over}{placed}{point}"

@@ -1,17 +1,26 @@
-"""Modes: named presets of pass lists, and the programs each mode runs."""
+"""Modes: named presets of pass lists, and the programs each mode runs.
 
+The modes whose ranks hold one model (as under DDP) start every step from rank
+0's buffers (broadcast_buffers, DDP's broadcast_buffers=True); those whose ranks
+train replicas of their own between averages (local SGD's local and sync steps,
+decentralized) keep each rank's buffers, as they keep its parameters."""
+
+# The first pass of the modes that broadcast the buffers; transpile(broadcast_buffers=False)
+# drops it.
+BROADCAST_BUFFERS = "broadcast_buffers"
 # Paddle's GradAllReduce: each gradient averaged by its own all-reduce.
-GRAD_ALLREDUCE = ("average_grads", "insert_allreduce", "ring_round_robin")
+GRAD_ALLREDUCE = (BROADCAST_BUFFERS, "average_grads", "insert_allreduce", "ring_round_robin")
 # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
-FUSE_ALL_REDUCE = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
+_FUSED = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
+FUSE_ALL_REDUCE = (BROADCAST_BUFFERS,) + _FUSED
 # ZeRO-2: gradients reduce-scattered in buckets, each rank updates its shard of
 # the parameters and the optimizer state, the parameters all-gathered; each
 # bucket's update and all-gather as soon as its reduce-scatter is done.
-ZERO = ("average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm",
+ZERO = (BROADCAST_BUFFERS, "average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm",
         "schedule_updates")
 # Paddle's all_gather mode: every rank gathers every rank's gradients and applies
 # the update once per rank's gradient, in rank order.
-ALL_GATHER = ("gather_grads", "ring_round_robin", "schedule_comm")
+ALL_GATHER = (BROADCAST_BUFFERS, "gather_grads", "ring_round_robin", "schedule_comm")
 # Decentralized (Decent-DP's gossip): each rank averages its parameters with its
 # group of the topology at this step (a program per step of its period), then
 # updates them with its own gradient; the parameter sums are issued as the step
@@ -23,7 +32,7 @@ DECENTRALIZED = ("mix_params", "coalesce_tensors", "ring_round_robin", "schedule
 LOCAL_SGD = {
     "warmup": FUSE_ALL_REDUCE,
     "local": ("snapshot_params",),
-    "sync": ("snapshot_params", "local_sgd") + FUSE_ALL_REDUCE[1:],
+    "sync": ("snapshot_params", "local_sgd") + _FUSED[1:],
 }
 
 MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {

@@ -28,6 +28,9 @@ class Role(enum.IntFlag):
 # Keys used on node.meta. One place, so that passes and printers agree.
 ROLE = "role"          # Role of every call_function node
 PARAM = "param"        # qualified parameter name on the node holding its gradient
+# averaging.GradAt on the node holding a parameter's .grad where a backward()
+# before the last one ends (capture); averaging.py decides which are averaged
+GRAD_AT = "grad_at"
 COMM = "comm"          # CommInfo on collective nodes and their waits
 BUCKET = "bucket"      # bucket index on the nodes that pack and unpack a fused buffer
 INPUT = "input"        # InputSpec on placeholders

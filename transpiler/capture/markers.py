@@ -30,6 +30,7 @@ class Markers:
     backwards: list[tuple[fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
     # parameter name -> node of its .grad where the last backward() ended
     grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    ends: list[dict[str, fx.Node]] = dataclasses.field(default_factory=list)  # ... each one
     # ... as it stood when the first optimizer.step() began: the gradients to reduce
     reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
@@ -87,6 +88,7 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
         original(loss, seed, *args, **kwargs)
         markers.backwards.append((before, last_node()))
         markers.grads = grads_now()
+        markers.ends.append(markers.grads)
 
     torch.autograd.backward = backward
     try:

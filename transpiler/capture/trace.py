@@ -18,10 +18,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import functionalize
+from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, Program
-from ..roles import PARAM, ROLE, Role
+from ..roles import GRAD_AT, PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import to_program
@@ -248,6 +249,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     "accumulate across calls instead (README, Training loops)",
                     step_name(step_fn), len(markers.backwards))
     assign_roles(gm.graph, markers)
+    # Every backward() comes before the first optimizer.step() (markers refuse
+    # one after it): all but the last may be averaged where they end.
+    mark_backward_ends(markers.ends[:-1] if markers.steps else [])
     _drop_profiler_nodes(gm.graph)
     try:
         functionalize.rewrite(gm.graph)
@@ -336,12 +340,12 @@ class _RoleCarrier(fx.Interpreter):
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
             node = node.next
-        if PARAM in n.meta or SKIPS in n.meta or n.meta[ROLE] & Role.LOSS:
+        if PARAM in n.meta or SKIPS in n.meta or GRAD_AT in n.meta or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
             inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
             node = node_of(inner)
-            for key in (PARAM, SKIPS):
+            for key in (PARAM, SKIPS, GRAD_AT):
                 if key in n.meta:
                     node.meta[key] = n.meta[key]
             if n.meta[ROLE] & Role.LOSS:

@@ -1,0 +1,70 @@
+"""Where the gradients are averaged: at which backward() calls of a step.
+
+DDP's reducer averages the gradients at the end of every backward() run
+outside no_sync(); a training loop that accumulates micro-batches wraps all but
+the last in no_sync(), so that only the sum is averaged. A transpiled step
+needs no no_sync(): it reads from the program what each backward()'s gradients
+are used for.
+
+- Pure accumulation: the gradients a backward() leaves are read only by the
+  next backward(), which adds its own to them. They are averaged once, where
+  the last backward() before optimizer.step() ends (as under no_sync).
+- Anything else reads them (SAM's ascent on the first gradient, a lookahead, a
+  norm logged between micro-batches): that backward() is averaged where it
+  ends, every parameter's gradient, as DDP does; later reads, and the next
+  backward()'s accumulation, read the averages.
+
+Capture marks the node holding each parameter's .grad where each backward()
+before the last one ends (mark_backward_ends: meta["grad_at"], a GradAt); the
+plan (early_averages) decides from the program alone which of those backward()
+calls are averaged; average_grads marks their gradients to reduce, each
+backward()'s as a reduction point of its own (Reduction.point), so that no
+collective mixes two points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .program import Program
+from .roles import GRAD_AT, PARAM, ROLE, Role
+
+
+@dataclasses.dataclass(frozen=True)
+class GradAt:
+    """The .grad of parameter `param` where backward() number `backward` (from
+    1) of the step ended."""
+
+    param: str
+    backward: int
+
+
+def mark_backward_ends(ends: list[dict[str, fx.Node]]) -> None:
+    """Mark the gradients each backward() of `ends` leaves (per backward(),
+    from the first, parameter -> node of its .grad; the last one before
+    optimizer.step() is not among them: its gradients are the step's). A node
+    that several backward() calls leave (a parameter the later ones give no
+    gradient) keeps the first mark."""
+    for backward, grads in enumerate(ends, 1):
+        for param, node in grads.items():
+            node.meta.setdefault(GRAD_AT, GradAt(param, backward))
+
+
+def early_averages(program: Program) -> dict[int, list[fx.Node]]:
+    """backward() number -> the gradient nodes it leaves, for each backward()
+    before the last one whose gradients something reads other than a later
+    backward()'s accumulation (any node that is not BACKWARD: SAM's
+    perturbation, a norm, a returned value). In program order. A node that is
+    also the gradient the step reduces at its end (meta["param"]) is left to
+    that reduction."""
+    ends: dict[int, list[fx.Node]] = {}
+    for node in program.graph.nodes:
+        if GRAD_AT in node.meta and PARAM not in node.meta:
+            ends.setdefault(node.meta[GRAD_AT].backward, []).append(node)
+    return {b: nodes for b, nodes in ends.items() if any(_read(n) for n in nodes)}
+
+
+def _read(node: fx.Node) -> bool:
+    return any(not (u.meta.get(ROLE, Role.FORWARD) & Role.BACKWARD) for u in node.users)
