@@ -54,10 +54,9 @@ def rank_one_rank_cannot_build():
     return _outcome(lambda: transpile(_fails_on_rank_1)(model, opt, x[:6], y[:6]))
 
 
-def test_different_batch_shapes_raise_on_every_rank(ranks2):
-    for message in ranks2.run(rank_different_batch_shapes, timeout=60):
-        assert "rank 1 built a different program than rank 0" in message
-        assert "every rank must run the same model, batch shapes" in message
+def test_different_batch_shapes_run_as_under_ddp(ranks2):
+    # as DDP: the collectives are the same (test_lone_rebuild compares the result)
+    assert ranks2.run(rank_different_batch_shapes, timeout=60) == ["ran", "ran"]
 
 
 def test_different_models_raise_on_every_rank(ranks2):

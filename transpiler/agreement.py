@@ -21,8 +21,10 @@ from .roles import COMM
 
 def collective_summary(program: Program) -> list[str]:
     """The program's collectives in order (op, group, ring, dtype, numel), then the
-    shapes of its parameters, buffers and batch: what must be equal on every
-    rank (unequal shards would also make the averaged gradient wrong)."""
+    shapes of its parameters and buffers: what must be equal on every rank. Not
+    the batch's shapes: as under DDP, ranks may hold batches of different sizes
+    (a short last batch), and whatever a batch's shape changes in the
+    collectives shows in them."""
     lines = []
     for node in program.collectives():
         val = node.meta["val"]
@@ -31,22 +33,36 @@ def collective_summary(program: Program) -> list[str]:
                      f"{val.dtype} numel={val.numel()}")
     for node in program.placeholders:
         spec = node.meta["input"]
-        if spec.kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.DATA):
+        if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
             lines.append(f"{program.name}: {spec.kind.value} {spec.name} "
                          f"{tuple(node.meta['val'].shape)}")
     return lines
 
 
+def summarize(programs: list[Program]) -> tuple[str, list[str]]:
+    """The digest of the programs' collective summaries, and the summary."""
+    summary = [line for p in programs for line in collective_summary(p)]
+    return hashlib.sha256("\n".join(summary).encode()).hexdigest(), summary
+
+
+def outcome(programs: list[Program], error: BaseException | None) -> tuple:
+    """What a rank shows the others of its build: ("ok", digest, summary) or
+    ("error", message, None)."""
+    if error is not None:
+        return "error", f"{type(error).__name__}: {error}", None
+    return ("ok", *summarize(programs))
+
+
 def agree(programs: list[Program], error: BaseException | None) -> None:
     """Exchange each rank's programs (or its error) and raise the same error on
     every rank if one failed or if they differ."""
-    if error is not None:
-        mine = ("error", f"{type(error).__name__}: {error}", None)
-    else:
-        summary = [line for p in programs for line in collective_summary(p)]
-        digest = hashlib.sha256("\n".join(summary).encode()).hexdigest()
-        mine = ("ok", digest, summary)
-    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))]
+    mine = outcome(programs, error)
+    compare([pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))], error)
+
+
+def compare(everyone: list[tuple], error: BaseException | None) -> None:
+    """everyone[r]: rank r's outcome(). Raise this rank's own error, or name
+    the first rank that failed or built programs unlike rank 0's."""
     _raise_first_failure([msg if status == "error" else None for status, msg, _ in everyone],
                          error, "build the step")
     reference = everyone[0]
@@ -54,8 +70,8 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
         if theirs[1] != reference[1]:
             raise TranspileError(
                 f"rank {rank} built a different program than rank 0 "
-                f"({_first_difference(reference[2], theirs[2])}); every rank must run the "
-                "same model, batch shapes, mode and options")
+                f"({first_difference(reference[2], theirs[2])}); every rank must run the "
+                "same model (the same parameters requiring grad), mode and options")
 
 
 def compiled_on_every_rank(compile: Callable[[], None], program: str) -> None:
@@ -99,11 +115,11 @@ def agree_on_settings(settings: dict[str, str]) -> None:
                     f"has {everyone[0][key]}; every rank must use the same mode and options")
 
 
-def _first_difference(a: list[str], b: list[str]) -> str:
+def first_difference(a: list[str], b: list[str], first: str = "rank 0") -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            return f"rank 0 has {x!r} where it has {y!r}"
-    return f"rank 0 has {len(a)} collective and parameter entries, it has {len(b)}"
+            return f"{first} has {x!r} where it has {y!r}"
+    return f"{first} has {len(a)} collective and parameter entries, it has {len(b)}"
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:

@@ -10,9 +10,11 @@ import time
 
 import torch
 
+from . import rebuild
 from .agreement import compiled_on_every_rank
 from .backends import Executable, compile_program
 from .program import InputKind, OutputKind, Program
+from .rings import world
 
 log = logging.getLogger("transpiler")
 
@@ -28,6 +30,9 @@ class Runnable:
     backend: str
     executable: Executable | None = None
     sent_bytes: float = 0.0   # what this rank sends per run (collectives.sent_bytes)
+    # built on this rank alone, its collectives agreed before (rebuild.py): the
+    # others may be waiting in theirs, so its compile is not exchanged
+    compile_alone: bool = False
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 
@@ -57,11 +62,16 @@ class Executor:
                     # Compiled on every rank before any issues the program's
                     # collectives; kept only then (a failed compile is tried,
                     # and agreed on, again at the next call).
-                    compiled_on_every_rank(lambda: executable.prepare(inputs),
-                                           runnable.program.name)
+                    prepare = (_compiled_alone if runnable.compile_alone
+                               else compiled_on_every_rank)
+                    prepare(lambda: executable.prepare(inputs), runnable.program.name)
                 runnable.executable = executable
             executable = runnable.executable
-            outputs = executable.run(inputs)
+            try:
+                outputs = executable.run(inputs)
+            except Exception as exc:
+                rebuild.raise_if_abandoned(exc)   # a rank gave up: its reason
+                raise
             for target, value, written in zip(runnable.targets, outputs, executable.written):
                 if target is not None and not written:
                     target.write(value)
@@ -84,3 +94,16 @@ class Executor:
             for target, value in zip(runnable.targets, outputs):
                 if target is not None:
                     target.write(value)
+
+
+def _compiled_alone(compile, program: str) -> None:
+    """Compile a program built on this rank alone. The others may be waiting
+    in its collectives: a failure abandons the job (rebuild.abandon)."""
+    try:
+        compile()
+    except Exception as exc:  # noqa: BLE001 - posted for the others, then raised
+        rebuild.abandon(f"rank {world()[1]} traced the step again but could not compile program "
+                        f"{program!r} ({type(exc).__name__}: {exc}) while the others ran on "
+                        "with the previous one; the communicators were shut down so that no "
+                        "rank waits for the process group's timeout: this job cannot go on; "
+                        "restart it.", exc)

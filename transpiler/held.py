@@ -60,6 +60,11 @@ class HeldTensors:
             return None
         return Prelude.REFRESH
 
+    def needs_startup(self, state_key: tuple) -> bool:
+        """Whether a program on `state_key` (with a startup program) would run
+        the startup program first: a broadcast from rank 0."""
+        return state_key not in self._synced and not self._trust_next
+
     def initializing(self, state_key: tuple) -> None:
         """Before a startup or refresh on `state_key`: drop what belongs to another
         state set (or was loaded), since the program initializes only its own."""

@@ -130,3 +130,15 @@ def _created(key: tuple, partition: list[list[int]]) -> str:
         _names[key] = group.group_name
         log.debug("created communicator %s (group %s)", key, group.group_name)
     return _names[key]
+
+
+def shut_down() -> None:
+    """Destroy every communicator created for this world: a rank waiting in one
+    of their collectives fails at once (gloo: "Connection closed by peer")
+    rather than at the timeout. Their names stay taken, so this world's
+    programs cannot run again (a new default group gets new communicators)."""
+    if _world[0] is not dist.group.WORLD:
+        return
+    for name in _names.values():
+        dist.destroy_process_group(dist.distributed_c10d._resolve_process_group(name))
+        log.debug("destroyed communicator group %s", name)

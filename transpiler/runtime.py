@@ -35,6 +35,7 @@ from .pipeline import PassContext, pass_name, record, run_passes
 from .program import InputKind, OutputKind, Program, format_collectives
 from .roles import COMM
 from .program_cache import Built, ProgramCache
+from .rebuild import AgreedPrograms
 from .mesh import Dim
 from .rings import build_mesh, reduce_scatter_native, world
 from .shards import ShardedState, StateGuard
@@ -69,6 +70,7 @@ class TranspiledStep:
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
         self._cache = ProgramCache()
+        self._agreed = AgreedPrograms()   # what every rank agreed on (rebuild.py)
         self._held = HeldTensors()
         self._executor = Executor()
         # One-time costs by phase (setup_split): every trace, pass and rank agreement.
@@ -286,7 +288,7 @@ class TranspiledStep:
             raise unbound
         mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
                           [g.group for g in self.groups], self.schedule.partitions)
-        error, built, to_agree, captured = None, None, [], None
+        error, built, to_agree, captured, new_state = None, None, [], None, False
         try:
             captured = self._trace(step_args, why)
             start = time.perf_counter()
@@ -312,15 +314,20 @@ class TranspiledStep:
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
+            new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
                      ", ".join(f"{n} {len(r.program.collectives())}" for n, r in programs.items()))
-        except TranspileError as exc:
+        except Exception as exc:  # noqa: BLE001 - the other ranks must learn of any failure
             error = exc
         try:
             if world_size > 1:
+                # A rebuild on some ranks only runs on when its collectives were
+                # agreed before (rebuild.py): the others wait in their collectives.
                 with self._timed("agreement"):
-                    agreement.agree(to_agree, error)
+                    alone = self._agreed.settle(to_agree, error, why, new_state)
+                for runnable in built.programs.values():
+                    runnable.compile_alone = alone
             elif error is not None:
                 raise error
         except BaseException:
