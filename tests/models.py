@@ -59,6 +59,29 @@ def classify_step(model, optimizer, x, y):
     return loss
 
 
+def sam_step(rho: float):
+    """Sharpness-aware minimization with radius rho: ascend along the first
+    gradient, take the gradient there, descend from where it started."""
+    def sam(model, opt, x, y):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            norm = torch.stack([p.grad.norm() for p in params]).norm()
+            eps = [p.grad * (rho / (norm + 1e-12)) for p in params]
+            for p, e in zip(params, eps):
+                p.add_(e)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+        opt.step()
+        return loss
+    return sam
+
+
 def make(model_name: str, seed: int = 0):
     torch.manual_seed(seed)
     return {"mlp": lambda: MLP([16, 32, 32, 4]), "tied": TiedLM, "bn": BNNet,

@@ -161,25 +161,7 @@ def test_broadcast_buffers_false_drops_the_pass():
 RHO = 0.05
 
 
-def sam(model, opt, x, y):
-    """Sharpness-aware minimization: ascend along the first gradient, take the
-    gradient there, come back and step with it."""
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    with torch.no_grad():
-        norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
-        eps = [p.grad * (RHO / (norm + 1e-12)) for p in params]
-        for p, e in zip(params, eps):
-            p.add_(e)
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for p, e in zip(params, eps):
-            p.sub_(e)
-    opt.step()
-    return loss
+sam = M.sam_step(RHO)
 
 
 def norm_between_micro_batches(model, opt, x, y):

@@ -48,25 +48,7 @@ def textbook(model, opt, x, y):
     return M.classify_step(model, opt, x, y)
 
 
-def sam(model, opt, x, y):
-    """Sharpness-aware minimization: ascend along the first gradient, take the
-    gradient there, descend from where it started."""
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    with torch.no_grad():
-        norm = torch.stack([p.grad.norm() for p in params]).norm()
-        eps = [p.grad * (RHO / (norm + 1e-12)) for p in params]
-        for p, e in zip(params, eps):
-            p.add_(e)
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for p, e in zip(params, eps):
-            p.sub_(e)
-    opt.step()
-    return loss
+sam = M.sam_step(RHO)
 
 
 def micro_batches(model, opt, x, y):
