@@ -360,3 +360,41 @@ def test_containers_as_batches_are_inputs(make):
                            container_step(reference, opts[1], make(x, y)))
         assert _equal(model, reference)
     assert len(step._cache) == 1   # every batch ran the program built for the first
+
+
+FACTORS = [1.0]   # a global list a script changes in place
+
+
+def list_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * FACTORS[0]
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_global_list_changed_in_place_is_guarded():
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    step = transpile(list_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 3, 8)):
+        FACTORS[0] = 3.0 if i == 2 else 1.0
+        assert torch.equal(step(model, opts[0], x, y), list_step(reference, opts[1], x, y))
+        assert _equal(model, reference)
+    FACTORS[0] = 1.0
+
+
+def appends_to_a_global_list(model, opt, x, y):
+    FACTORS.append(2.0)
+    return list_step(model, opt, x, y)
+
+
+def test_a_global_list_the_step_changes_is_refused_and_restored():
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = FACTORS
+    with pytest.raises(TranspileError, match=r"changes host-side state: global 'FACTORS' of "
+                                             r"tests.test_host_values \[1.0\] -> \[1.0, 2.0\]"):
+        transpile(appends_to_a_global_list)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert FACTORS is before and FACTORS == [1.0]

@@ -79,17 +79,20 @@ class Guard:
 
     def unchanged(self) -> bool:
         now = self.holder.get(self.key, _MISSING)
-        return now is self.original or (not self.identity and now is not _MISSING
-                                        and snapshot(now) == self.value)
+        if self.identity or (now is self.original and not _mutable(now)):
+            return now is self.original
+        return now is not _MISSING and snapshot(now) == self.value
 
     def describe(self) -> str:
         now = self.holder.get(self.key, _MISSING)
         if self.identity:
             return f"{self.name}: another {type(now).__name__} object"
-        new = "deleted" if now is _MISSING else _show(snapshot(now))
-        return f"{self.name}: {_show(self.value)} -> {new}"
+        new = "deleted" if now is _MISSING else show(snapshot(now))
+        return f"{self.name}: {show(self.value)} -> {new}"
 
     def restore(self) -> None:
+        if _mutable(self.original) and not self.identity:   # changed in place: put back
+            _refill(self.original, _unsnap(self.value))
         if isinstance(self.holder, _Cell):
             self.holder.cell.cell_contents = self.original
         elif isinstance(self.holder, dict):   # a class's namespace is read-only here
@@ -135,12 +138,24 @@ class Guards:
         return len(self.guards)
 
 
+def _refill(container, items) -> None:
+    """Give a list or set (or those inside a tuple) the recorded items again."""
+    if isinstance(container, list):
+        container[:] = items
+    elif isinstance(container, set):
+        container.clear()
+        container.update(items)
+    elif isinstance(container, (tuple, frozenset)):
+        for inner, item in zip(container, items):
+            _refill(inner, item)
+
+
 def _mutable(value) -> bool:
     return isinstance(value, (list, set)) or (
         isinstance(value, (tuple, frozenset)) and any(_mutable(v) for v in value))
 
 
-def _show(value) -> str:
+def show(value) -> str:
     if isinstance(value, tuple) and len(value) == 2 and value[0] in _CONTAINERS:
         return repr(value[0](_unsnap(v) for v in value[1]))
     return repr(value)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import TranspileError
-from .guards import MODULE_BOOKKEEPING, record
+from .guards import MODULE_BOOKKEEPING, record, show
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .user_code import step_name
 
@@ -51,8 +51,8 @@ def host_state_unchanged(step_fn, modules, optimizers):
     yield guards
     changed = []
     for g in guards.guards:
-        if g.current() != g.value:
-            changed.append((g.name, g.value, g.current()))
+        if not g.unchanged():
+            changed.append((g.name, _Shown(show(g.value)), _Shown(show(g.current()))))
             g.restore()
     after = _attributes(modules)
     for key, (name, sub, value) in after.items():
