@@ -388,3 +388,11 @@ def test_a_pass_may_be_a_partial_or_a_callable_object():
                                               Unchanged()])
     assert torch.equal(step(model, opt, x, y), M.classify_step(*reference, x, y))
     assert "Unchanged" in step.program.history[-1].provenance
+
+
+def test_a_batch_of_another_dtype_than_the_model_names_both():
+    model, opt, (x, y) = _setup()
+    _raises_and_touches_nothing(transpile(M.classify_step),
+                                r"multiplies tensors of float32 and float64 \(addmm.default; the "
+                                r"batch's floating-point tensors are torch.float64\): the batch's "
+                                r"dtype must match the model's", None, None, x.double(), None)

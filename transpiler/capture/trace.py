@@ -243,6 +243,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         raise trace_error(step_fn, exc, markers) from exc
 
     check_outside(gm)
+    _check_matmul_dtypes(step_fn, gm, step_args)
     if len(markers.backwards) > MANY_BACKWARDS:
         log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
                     "micro-batch, so it grows and traces in proportion; for many micro-batches "
@@ -274,6 +275,32 @@ def _group_tensors(optimizers) -> set[int]:
     signature compares them by value."""
     return {id(v) for opt in optimizers for group in opt.param_groups for v in group.values()
             if isinstance(v, torch.Tensor)}
+
+
+# Kernels that refuse operands of two dtypes at run time, where fake tensors
+# (their meta functions) let the trace through.
+_SAME_DTYPE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+               torch.ops.aten.convolution.default}
+
+
+def _check_matmul_dtypes(step_fn, gm: fx.GraphModule, step_args: StepArgs) -> None:
+    """A batch of another dtype than the model's (float64 from numpy, say)
+    is refused at the first call with both dtypes, not at the program's run."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SAME_DTYPE:
+            dtypes = [a.meta["val"].dtype for a in node.all_input_nodes
+                      if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(set(dtypes)) > 1:
+                batch = {str(leaf.dtype) for leaf in step_args.leaves
+                         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+                raise TranspileError(
+                    f"{step_name(step_fn)} multiplies tensors of "
+                    f"{' and '.join(str(d).replace('torch.', '') for d in dict.fromkeys(dtypes))} "
+                    f"({node.target.__name__}; the batch's floating-point tensors are "
+                    f"{', '.join(sorted(batch)) or 'none'}): the batch's dtype must match the "
+                    "model's: convert it (x.to(torch.float32)) or the model, or run the forward "
+                    "under torch.autocast")
 
 
 def _check_arguments_unwritten(step_fn, program: Program, targets: list) -> None:
