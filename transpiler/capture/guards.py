@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 import os
 import sys
@@ -188,7 +189,7 @@ def record(step_fn, modules) -> Guards:
                         guards.setdefault((id(vars(holder)), key),
                                           Guard(f"{name}.{key}", vars(holder), key, value, value,
                                                 True))
-                if holder is not sub and not _is_library(type(holder).__module__):
+                if holder is not sub and not _is_library_module(type(holder).__module__):
                     for key, value in vars(type(holder)).items():
                         if not key.startswith("__"):
                             add(f"{name}.{key} (class {type(holder).__name__})",
@@ -228,8 +229,9 @@ def _code_values(step_fn, modules) -> Iterator[tuple[str, Any, str, Any]]:
         names = _names(fn.__code__)
         if fn.__closure__:
             for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
-                value = _Cell(cell).get(var, _MISSING)
-                yield f"closure variable {var!r} of {fn.__qualname__}", _Cell(cell), var, value
+                holder = _Cell(cell)
+                value = holder.get(var, _MISSING)
+                yield f"closure variable {var!r} of {fn.__qualname__}", holder, var, value
                 todo.append(_function_of(value))
         for name in names:
             value = fn.__globals__.get(name, _MISSING)
@@ -243,7 +245,7 @@ def _code_values(step_fn, modules) -> Iterator[tuple[str, Any, str, Any]]:
                 continue
             yield where, fn.__globals__, name, value
             todo.append(_function_of(value))
-            if _is_plain_object(value) and not _is_library(getattr(type(value), "__module__", "")):
+            if _is_plain_object(value) and not _is_library_module(type(value).__module__):
                 for attr, v in vars(value).items():
                     if attr in names:
                         yield f"{name}.{attr} ({where})", vars(value), attr, v
@@ -254,8 +256,8 @@ def _function_of(value):
     while True:
         if isinstance(value, types.MethodType):
             value = value.__func__
-        elif hasattr(value, "func") and hasattr(value, "args") and callable(value.func):
-            value = value.func   # functools.partial
+        elif isinstance(value, functools.partial):
+            value = value.func
         else:
             return value
 
@@ -269,7 +271,10 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def _is_library_module(name: str) -> bool:
+    module = sys.modules.get(name)
+    return module is not None and _is_library(getattr(module, "__file__", None) or "")
+
+
 def _is_library(filename: str) -> bool:
-    if filename in sys.modules:   # a module name, for types
-        filename = getattr(sys.modules[filename], "__file__", "") or ""
     return not filename or filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")

@@ -52,19 +52,19 @@ def host_state_unchanged(step_fn, modules, optimizers):
     changed = []
     for g in guards.guards:
         if not g.unchanged():
-            changed.append((g.name, _Shown(show(g.value)), _Shown(show(g.current()))))
+            changed.append((g.name, show(g.value), show(g.current())))
             g.restore()
     after = _attributes(modules)
     for key, (name, sub, value) in after.items():
         if key not in attributes:
-            changed.append((name, _Shown("absent"), _kind(value)))
+            changed.append((name, "absent", _text(value)))
             object.__delattr__(sub, key[1])
         elif attributes[key][2] is not value and all(name != c[0] for c in changed):
-            changed.append((name, _kind(attributes[key][2]), _kind(value)))
+            changed.append((name, _text(attributes[key][2]), _text(value)))
             object.__setattr__(sub, key[1], attributes[key][2])
     new_groups = _group_values(optimizers)
-    changed += [(name, value, new_groups.get(name, "deleted")) for name, value in groups.items()
-                if repr(new_groups.get(name)) != repr(value)]
+    changed += [(name, repr(value), repr(new_groups.get(name, "deleted")))
+                for name, value in groups.items() if repr(new_groups.get(name)) != repr(value)]
     if not changed:
         return
     first, old, new = changed[0]
@@ -77,23 +77,14 @@ def host_state_unchanged(step_fn, modules, optimizers):
                   "a counter or a value forward computes in a tensor buffer "
                   "(register_buffer) that the step updates, or return it from the step")
     raise TranspileError(
-        f"{step_name(step_fn)} changes host-side state: {first} {_show(old)} -> {_show(new)}"
+        f"{step_name(step_fn)} changes host-side state: {first} {old} -> {new}"
         + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
         + ". The program runs without the step's Python, so this change would happen once, "
         f"while the step is traced, and never again: {advice}")
 
 
-def _kind(value) -> Any:
+def _text(value) -> str:
     """How a rebound attribute's value is shown: a tensor by its layout."""
     if isinstance(value, torch.Tensor):
-        return _Shown(f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}")
-    return value
-
-
-class _Shown(str):
-    def __repr__(self):
-        return str(self)
-
-
-def _show(value) -> str:
-    return value if isinstance(value, _Shown) else repr(value)
+        return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    return repr(value)
