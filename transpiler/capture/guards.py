@@ -15,6 +15,7 @@ change), and so are tensors, which are inputs or refused (trace.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -73,6 +74,13 @@ class Guard:
     value: Any         # snapshot() of the value when the step was traced
     original: Any      # the value itself
     identity: bool = False   # value is an object that must stay the same one
+    # a list or set (or a tuple holding one): compared with a copy taken now,
+    # since the same object may have been changed in place
+    copied: Any = dataclasses.field(init=False, default=_MISSING)
+
+    def __post_init__(self):
+        if not self.identity and _mutable(self.original):
+            object.__setattr__(self, "copied", copy.deepcopy(self.original))
 
     def current(self):
         now = self.holder.get(self.key, _MISSING)
@@ -80,7 +88,9 @@ class Guard:
 
     def unchanged(self) -> bool:
         now = self.holder.get(self.key, _MISSING)
-        if self.identity or (now is self.original and not _mutable(now)):
+        if self.copied is not _MISSING:
+            return type(now) is type(self.copied) and now == self.copied
+        if self.identity or now is self.original:
             return now is self.original
         return now is not _MISSING and snapshot(now) == self.value
 
@@ -92,7 +102,7 @@ class Guard:
         return f"{self.name}: {show(self.value)} -> {new}"
 
     def restore(self) -> None:
-        if _mutable(self.original) and not self.identity:   # changed in place: put back
+        if self.copied is not _MISSING:   # changed in place: put back
             _refill(self.original, _unsnap(self.value))
         if isinstance(self.holder, _Cell):
             self.holder.cell.cell_contents = self.original
