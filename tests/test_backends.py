@@ -247,8 +247,9 @@ def test_hpu_backend_says_which_outputs_are_returned(monkeypatch):
 @pytest.mark.parametrize("device,group,message", [
     ("cpu", "nccl", "on cpu but the default process group uses 'nccl': initialize it "
                     "with backend='gloo'"),
-    ("cuda", "gloo", "on cuda but the default process group uses 'gloo'"),
-    ("cuda", "cpu:gloo,cuda:gloo", "uses 'gloo'"),
+    ("cuda", "mpi", "on cuda but the default process group uses 'mpi': initialize it "
+                    "with backend='nccl'"),
+    ("cuda", "cpu:gloo,cuda:mpi", "uses 'mpi'"),
 ])
 def test_process_group_must_match_the_device(device, group, message, monkeypatch):
     monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
@@ -257,7 +258,8 @@ def test_process_group_must_match_the_device(device, group, message, monkeypatch
 
 
 def test_process_group_matching_the_device_passes(monkeypatch):
-    for device, group in [("cpu", "gloo"), ("cuda", "nccl"), ("cpu", "cpu:gloo,cuda:nccl")]:
+    for device, group in [("cpu", "gloo"), ("cuda", "nccl"), ("cuda", "gloo"),
+                          ("cpu", "cpu:gloo,cuda:nccl")]:
         monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
         backends.check_process_group(torch.device(device))
 

@@ -33,6 +33,7 @@ def test_bench_cli_writes_json(tmp_path):
     for config, fields in results.items():
         split = fields.pop("setup_split", None)
         assert set(fields) == set(bench.FIELDS), config
+        assert fields.pop("peak_device_mb") is None, config   # measured on CUDA only
         for name, value in fields.items():
             # allreduce_only runs no optimizer: it holds no state; local sends nothing.
             positive = value > 0 or (name, config) in (("opt_state_mb", "allreduce_only"),

@@ -56,7 +56,7 @@ class NcclLike(dist.ProcessGroup):
 def _rank(rank, store_path, out_dir):
     torch.set_num_threads(1)
     dist.Backend.register_backend(NCCL_LIKE, NcclLike, devices=["cpu"])
-    backends.PROCESS_GROUP["cpu"] = NCCL_LIKE   # on a GPU, the program's device asks for nccl
+    backends.PROCESS_GROUP["cpu"] = (NCCL_LIKE,)  # on a GPU, the program's device asks for nccl
     dist.init_process_group(NCCL_LIKE, init_method=f"file://{store_path}", rank=rank,
                             world_size=2, timeout=PG_TIMEOUT)
     try:

@@ -3,7 +3,8 @@
     eager       the program's graph run op by op, with in-place updates
                 (transpiler/reinplace.py): the reference
     inductor    the program compiled by inductor, collectives included (CPU and CUDA)
-    cudagraphs  inductor, and the whole step captured as one CUDA graph (CUDA only)
+    cudagraphs  inductor, and each program captured as one CUDA graph of the
+                whole step (CUDA only; transpiler/cuda_graphs.py)
     hpu         Intel Gaudi: hpu_backend in eager mode, an HPU graph in lazy mode
     auto        hpu on a Gaudi device, else inductor
 
@@ -16,23 +17,28 @@ them, so they run after those collectives as in the eager backend.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import logging
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
 from .program import InputKind, OutputKind, Program, graph_module
 from .reinplace import reinplace
+from .rings import backend_for
 from .roles import INPUT
 
+log = logging.getLogger("transpiler")
+
 BACKENDS = ("eager", "inductor", "cudagraphs", "hpu", "auto")
-# The process-group backend each device needs.
-PROCESS_GROUP = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
+# The process-group backends that reduce each device's tensors, the fastest first
+# (gloo reduces CUDA tensors through the host: several ranks on one GPU).
+PROCESS_GROUP = {"cpu": ("gloo",), "cuda": ("nccl", "gloo"), "hpu": ("hccl",)}
 
 
 @dataclasses.dataclass
@@ -46,6 +52,8 @@ class Executable:
     run: Callable[[list], list]
     written: list[bool]
     prepare: Callable[[list], None] | None = None
+    graph: WholeStepGraph | None = None   # cudagraphs: the program's CUDA graph
+    why_not: str | None = None            # cudagraphs: why the program is not captured
 
 
 def device_of(program: Program) -> torch.device:
@@ -77,24 +85,22 @@ def resolve(backend: str, device: torch.device) -> str:
 def check_process_group(device: torch.device) -> None:
     """The default process group must be able to reduce tensors of `device`."""
     need = PROCESS_GROUP.get(device.type)
-    have = dist.get_backend()
-    # A group may name a backend per device: "cpu:gloo,cuda:nccl".
-    per_device = dict(part.split(":", 1) for part in have.split(",") if ":" in part)
-    got = per_device.get(device.type, have)
-    if need is not None and got != need:
+    got = backend_for(device.type)
+    if need is not None and got not in need:
         raise TranspileError(
             f"the model's parameters are on {device.type} but the default process group "
-            f"uses {got!r}: initialize it with backend={need!r} for {device.type} tensors "
-            f"(torch.distributed.init_process_group({need!r}))")
+            f"uses {got!r}: initialize it with backend={need[0]!r} for {device.type} tensors "
+            f"(torch.distributed.init_process_group({need[0]!r}))")
 
 
 def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
         gm, written = reinplace(program)
         return Executable(lambda inputs: gm(*inputs), written)
-    if backend in ("inductor", "cudagraphs"):
-        return _with_outputs(*_updating_inputs(program), _Inductor,
-                             cudagraphs=backend == "cudagraphs")
+    if backend == "inductor":
+        return _with_outputs(*_updating_inputs(program), lambda gm, static: _Inductor(gm))
+    if backend == "cudagraphs":
+        return _whole_step_graph(program)
     if backend == "hpu":
         from . import hpu   # imports the Gaudi stack, only when asked for
         gm, written = _updating_inputs(program)
@@ -120,6 +126,11 @@ def compile_program(program: Program, backend: str) -> Executable:
 # same, and deep compiles in 15 % less time.
 _INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False,
                      "fallback_random": True, "max_fusion_buffer_group_pairwise_attempts": 8}
+# On CUDA, inductor's loop reordering for fusion (loop_ordering_after_fusion)
+# fails on the bench's GPT models in torch 2.11
+# (AssertionError in Scheduler.reorder_loops_by_dep_pair, a fused node where it
+# expects a single one); CPU code does not reorder loops that way.
+_CUDA_INDUCTOR_OPTIONS = dict(_INDUCTOR_OPTIONS, loop_ordering_after_fusion=False)
 
 
 class _Inductor:
@@ -127,23 +138,18 @@ class _Inductor:
     and ATen-level, so it goes to the compiler directly (no Dynamo re-trace, no
     guards), compiled from the real inputs (prepare, or the first call)."""
 
-    def __init__(self, gm: fx.GraphModule, static: list[bool], cudagraphs: bool = False):
-        self.gm, self.static, self.cudagraphs = gm, static, cudagraphs
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
         self.compiled = None
 
     def prepare(self, inputs: list) -> None:
         if self.compiled is not None:
             return
-        if self.cudagraphs:
-            # Read and updated where they are; the other inputs (the batch,
-            # the hyperparameters) are copied into the graph's own buffers.
-            for tensor, is_static in zip(inputs, self.static):
-                if is_static:
-                    torch._dynamo.mark_static_address(tensor)
         from torch._inductor.compile_fx import compile_fx   # heavy: only when used
-        patches = dict(_INDUCTOR_OPTIONS, **({"triton.cudagraphs": True} if self.cudagraphs else {}))
-        with contextlib.nullcontext() if self.cudagraphs else _cacheable():
-            self.compiled = compile_fx(self.gm, list(inputs), config_patches=patches)
+        on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+        with _cacheable():
+            self.compiled = compile_fx(self.gm, list(inputs), config_patches=(
+                _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS))
 
     def __call__(self, *inputs):
         if self.compiled is None:
@@ -155,9 +161,7 @@ def _cacheable():
     """What lets inductor's FX graph cache hold the program: it keys an entry's
     guards on a shape environment, which it reads from the tracing context that
     Dynamo would have set (without one it bypasses the cache). The shapes stay
-    static: no input is given a source, so none becomes a symbol. Not for
-    cudagraphs: there a tracing context also decides which inputs the graph
-    may use in place (get_static_input_idxs), which was not tested on a GPU."""
+    static: no input is given a source, so none becomes a symbol."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -167,16 +171,54 @@ def _cacheable():
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:
     # Parameters, buffers, optimizer state and held tensors keep their addresses
     # from call to call: a captured graph may use them in place.
-    static = [n.meta[INPUT].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.STATE,
-                                     InputKind.HELD)
-              for n in gm.graph.nodes if n.op == "placeholder"]
     gm.real_recompile()   # compilers trace the generated forward
-    compiled = compile_graph(gm, static, **options)
+    compiled = compile_graph(gm, _static(gm), **options)
 
     def run(inputs):
         returned = iter(compiled(*inputs))
         return [None if w else next(returned) for w in written]
     return Executable(run, written, compiled.prepare if isinstance(compiled, _Inductor) else None)
+
+
+def _static(gm: fx.GraphModule) -> list[bool]:
+    """Per input: whether it keeps its address from call to call (parameters,
+    buffers, optimizer state, held tensors), so that a captured graph may use it
+    in place."""
+    return [n.meta[INPUT].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.STATE,
+                                   InputKind.HELD)
+            for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _whole_step_graph(program: Program) -> Executable:
+    """The program's device part compiled by inductor and captured as one CUDA
+    graph; the CPU work that depends on its inputs run op by op before it."""
+    gm, written = _updating_inputs(program)
+    split = split_host(gm)
+    split.device.real_recompile()   # compilers trace the generated forward
+    placeholders = [n for n in split.device.graph.nodes if n.op == "placeholder"]
+    static = _static(split.device)
+    inductor = _Inductor(split.device)
+    why_not = split.crossing or collectives_not_capturable(split.device)
+    graph = None
+    if why_not is None:
+        writes = {n.args[0] for n in split.device.graph.nodes
+                  if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
+        kinds = [spec.kind for spec, w in zip(program.outputs, written) if not w]
+        fresh = [kinds[k] is OutputKind.USER
+                 for k, (on_host, _) in enumerate(split.outputs) if not on_host]
+        graph = WholeStepGraph(inductor, static, [p in writes for p in placeholders], fresh,
+                               program.name)
+    else:
+        log.warning("transpiler: program %r is not captured as a CUDA graph: %s; it runs "
+                    "compiled by inductor", program.name, why_not)
+    device = graph or inductor
+
+    def run(inputs):
+        host = split.host(*inputs) if split.host is not None else ()
+        device_outputs = device(*inputs)
+        returned = iter([(host if on_host else device_outputs)[i] for on_host, i in split.outputs])
+        return [None if w else next(returned) for w in written]
+    return Executable(run, written, inductor.prepare, graph, why_not)
 
 
 def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:

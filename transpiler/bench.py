@@ -115,8 +115,10 @@ CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
-FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "sent_mb", "peak_rss_mb", "setup_s")
-OPTIMIZERS = ("sgd", "adam")
+FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "sent_mb", "peak_rss_mb",
+          "peak_device_mb", "setup_s")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("cpu", "cuda")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
 
 
@@ -218,19 +220,41 @@ MODELS: dict[str, ModelSpec] = {
     # GPT-2's shape at 12 layers, d_model 128: a large graph (setup time), 2.5M
     # parameters in 148 tensors.
     "gpt2_12l": ModelSpec(GPT, _tokens(1000, 64), 4),
+    # For --device cuda. GPT-2 124M's shape (GPT-2's vocabulary padded to a
+    # multiple of 64, as nanoGPT does), 1024-token sequences.
+    "gpt2_124m": ModelSpec(lambda: GPT(vocab=50304, d_model=768, nhead=12, layers=12,
+                                       context=1024), _tokens(50304, 1024), 8),
+    # 6 layers, d_model 256, 128-token sequences: small kernels, launch-bound on a GPU.
+    "gpt_6l": ModelSpec(lambda: GPT(vocab=8192, d_model=256, nhead=4, layers=6, context=128),
+                        _tokens(8192, 128), 16),
 }
 # Run when --models is not given: gpt2_12l is for setup time, and slow to set up.
 DEFAULT_MODELS = ("wide", "deep", "transformer")
 
 
 def train_step(model, optimizer, inputs, targets):
-    """The one user step every configuration runs."""
+    """The one user step every configuration runs (on CPU)."""
     optimizer.zero_grad()
     logits = model(inputs)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
     optimizer.step()
     return loss
+
+
+def train_step_bf16(model, optimizer, inputs, targets):
+    """The one user step every configuration runs on CUDA: the forward pass
+    and the loss under bf16 autocast, as nanoGPT trains."""
+    optimizer.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+STEPS = {"cpu": train_step, "cuda": train_step_bf16}
 
 
 def rank_batches(spec: ModelSpec, n: int, rank: int, world_size: int) -> list[tuple]:
@@ -241,35 +265,36 @@ def rank_batches(spec: ModelSpec, n: int, rank: int, world_size: int) -> list[tu
 
 
 # ------------------------------------------------------------ configurations
-# A builder takes the model and its optimizer and returns the step: a callable
-# of (inputs, targets).
+# A builder takes the user's step function, the model and its optimizer and
+# returns the step: a callable of (inputs, targets).
 
-Builder = Callable[[nn.Module, torch.optim.Optimizer], Callable]
-
-
-def _local(model, optimizer):
-    return functools.partial(train_step, model, optimizer)
+Builder = Callable[[Callable, nn.Module, torch.optim.Optimizer], Callable]
 
 
-def _allreduce_only(model, optimizer):
-    buffer = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+def _local(step_fn, model, optimizer):
+    return functools.partial(step_fn, model, optimizer)
+
+
+def _allreduce_only(step_fn, model, optimizer):
+    buffer = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad),
+                         device=next(model.parameters()).device)
     return lambda inputs, targets: dist.all_reduce(buffer)
 
 
-def _ddp(model, optimizer):
-    return functools.partial(train_step, DDP(model), optimizer)
+def _ddp(step_fn, model, optimizer):
+    return functools.partial(step_fn, DDP(model), optimizer)
 
 
-def _ddp_compiled(model, optimizer):
-    return functools.partial(train_step, torch.compile(DDP(model)), optimizer)
+def _ddp_compiled(step_fn, model, optimizer):
+    return functools.partial(step_fn, torch.compile(DDP(model)), optimizer)
 
 
-def _ddp_zero_redundancy(model, optimizer):
+def _ddp_zero_redundancy(step_fn, model, optimizer):
     """torch's sharded optimizer under DDP: each rank keeps and updates the
     state of its share of the parameters, then broadcasts them."""
     sharded = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer),
                                       **optimizer.defaults)
-    return functools.partial(train_step, DDP(model), sharded)
+    return functools.partial(step_fn, DDP(model), sharded)
 
 
 def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | None:
@@ -279,8 +304,8 @@ def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | N
         return None
     chosen = {"passes": MODES[mode] + then} if then else {"mode": mode}
 
-    def build(model, optimizer):
-        return functools.partial(transpile(train_step, **chosen, **options), model, optimizer)
+    def build(step_fn, model, optimizer):
+        return functools.partial(transpile(step_fn, **chosen, **options), model, optimizer)
     return build
 
 
@@ -295,6 +320,9 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
+    "fuse_all_reduce+cudagraphs": _transpiled("fuse_all_reduce", backend="cudagraphs"),
+    "zero+cudagraphs": _transpiled("zero", backend="cudagraphs"),
+    "local_sgd+cudagraphs": _transpiled("local_sgd", k_steps=LOCAL_SGD_K, backend="cudagraphs"),
     "fuse_all_reduce+schedule_updates": _transpiled("fuse_all_reduce", ("schedule_updates",)),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
@@ -304,7 +332,9 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
 # sample is a whole period and step_ms its time divided by k.
-PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K}
+PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCAL_SGD_K}
+# Configurations that run only with --device cuda.
+CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
 
 
 # ------------------------------------------------------------ one configuration, in a rank
@@ -316,6 +346,7 @@ class Job:
     warmup: int
     steps: int
     optimizer: str = "sgd"
+    device: str = "cpu"
 
 
 def _rss_mb() -> float:
@@ -336,15 +367,16 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     """Run one configuration on this rank; its own times, not yet combined."""
     spec = MODELS[job.model]
     torch.manual_seed(SEED_WEIGHTS)
-    model = spec.build()
-    optimizer = (torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-                 if job.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=LR))
-    batches = rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)
+    model = spec.build().to(job.device)
+    optimizer = _optimizer(job.optimizer, model)
+    batches = [tuple(t.to(job.device) for t in batch)
+               for batch in rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)]
     base_rss = _rss_mb()
 
     def build_and_first_call():
-        step = CONFIGS[job.config](model, optimizer)
+        step = CONFIGS[job.config](STEPS[job.device], model, optimizer)
         step(*batches[0])
+        _synchronize(job.device)
         return step
 
     step, setup_s = _between_barriers(build_and_first_call)
@@ -355,6 +387,7 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     def sample(i):
         for j in range(i * period, (i + 1) * period):
             step(*batches[1 + j % (len(batches) - 1)])
+        _synchronize(job.device)
 
     times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
     if job.config in SENT:
@@ -366,8 +399,23 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     split = getattr(_transpiled_step(step), "setup_split", None)
     return {"setup_s": setup_s, "step_s": times[job.warmup:], "peak_rss_mb": _rss_mb(),
             "base_rss_mb": base_rss, "setup_split": split,
+            "peak_device_mb": (torch.cuda.max_memory_allocated() / 2**20
+                               if job.device == "cuda" else None),
             "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20,
             "sent_mb": None if sent is None else sent / 2**20}
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=LR)
+
+
+def _synchronize(device: str) -> None:
+    """Wait for the device's queued work (a CUDA step returns before it ends)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _state_bytes(optimizer) -> int:
@@ -407,8 +455,13 @@ def _build_seconds(step) -> float:
 
 def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> None:
     torch.set_num_threads(1)
+    backend = "gloo"
+    if job.device == "cuda":
+        # nccl needs a GPU per rank; ranks sharing a GPU reduce through gloo
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl" if world_size <= torch.cuda.device_count() else "gloo"
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size)
         try:
             results.put((rank, None, measure(job, rank, world_size)))
@@ -493,6 +546,7 @@ class Measurement:
     setup_split: dict[str, float] | None = None   # the transpiler's setup by phase
     opt_state_mb: float = 0.0
     sent_mb: float | None = None   # what a rank sends per step (None: not counted)
+    peak_device_mb: float | None = None   # torch.cuda.max_memory_allocated (None: CPU)
 
 
 def combine(per_rank: list[dict]) -> Measurement:
@@ -506,7 +560,8 @@ def combine(per_rank: list[dict]) -> Measurement:
                        base_rss_mb=max(r["base_rss_mb"] for r in per_rank),
                        setup_split=slowest_setup.get("setup_split"),
                        opt_state_mb=max(r["opt_state_mb"] for r in per_rank),
-                       sent_mb=_max_or_none(r["sent_mb"] for r in per_rank))
+                       sent_mb=_max_or_none(r["sent_mb"] for r in per_rank),
+                       peak_device_mb=_max_or_none(r["peak_device_mb"] for r in per_rank))
 
 
 def _max_or_none(values) -> float | None:
@@ -515,15 +570,15 @@ def _max_or_none(values) -> float | None:
 
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
-              warmup: int, repeat: int = 1, nodes: int = 1,
-              optimizer: str = "sgd") -> dict[str, dict[str, Measurement | str]]:
+              warmup: int, repeat: int = 1, nodes: int = 1, optimizer: str = "sgd",
+              device: str = "cpu") -> dict[str, dict[str, Measurement | str]]:
     """Every config on every model, each in fresh ranks, `repeat` rounds of the
     whole list (so that a machine whose speed drifts affects every config
     alike): a Measurement whose step_ms is the median over the rounds and whose
     setup_s is the first round's (cold compile caches), or the error text of a
     failed configuration. With `nodes` > 1 the ranks are told that they run on
     that many nodes (LOCAL_WORLD_SIZE), which only hierarchical reductions read."""
-    jobs = [Job(m, c, warmup, steps, optimizer) for m in models for c in configs]
+    jobs = [Job(m, c, warmup, steps, optimizer, device) for m in models for c in configs]
     rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
     local = str(world_size // nodes) if nodes > 1 else None
@@ -552,7 +607,8 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
                 peak_rss_mb=max(m.peak_rss_mb for m in ms),
                 base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split,
-                opt_state_mb=max(m.opt_state_mb for m in ms), sent_mb=ms[0].sent_mb)
+                opt_state_mb=max(m.opt_state_mb for m in ms), sent_mb=ms[0].sent_mb,
+                peak_device_mb=_max_or_none(m.peak_device_mb for m in ms))
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
@@ -571,7 +627,8 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
         summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
                               "vs_limit": _ratio(m.step_ms, limit),
                               "opt_state_mb": m.opt_state_mb, "sent_mb": m.sent_mb,
-                              "peak_rss_mb": m.peak_rss_mb, "setup_s": m.setup_s,
+                              "peak_rss_mb": m.peak_rss_mb,
+                              "peak_device_mb": m.peak_device_mb, "setup_s": m.setup_s,
                               **({"setup_split": m.setup_split} if m.setup_split else {})}
                           for c, m in ok.items()}
     return summary
@@ -580,7 +637,7 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
 # ------------------------------------------------------------ output
 
 def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
-                 load: float, repeat: int = 1, nodes: int = 1) -> list[str]:
+                 load: float, repeat: int = 1, nodes: int = 1, device: str = "cpu") -> list[str]:
     base = [m.base_rss_mb for r in raw.values() for m in r.values() if isinstance(m, Measurement)]
     base_text = f"{min(base):.0f}-{max(base):.0f} MB" if base else "n/a"
     return [
@@ -590,7 +647,8 @@ def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
         + f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {load:.2f} at start)",
         f"# step_ms: median over {steps} timed steps (after {warmup} warm-up) of the slowest "
-        "rank's time for the step, each step between dist.barrier()s; gloo, CPU, 1 thread/rank"
+        "rank's time for the step, each step between dist.barrier()s; "
+        + (_cuda_line(world_size) if device == "cuda" else "gloo, CPU, 1 thread/rank")
         + (f"; median of {repeat} interleaved rounds" if repeat > 1 else ""),
         "# vs_ddp = step_ms / ddp;  vs_limit = step_ms / max(local, allreduce_only)",
         "# peak_rss_mb: ru_maxrss of fresh rank processes that ran only this config, max over "
@@ -600,6 +658,13 @@ def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
     ]
 
 
+def _cuda_line(world_size: int) -> str:
+    gpus = torch.cuda.device_count()
+    return (f"{'nccl' if world_size <= gpus else 'gloo'}, {torch.cuda.get_device_name()} "
+            f"x {min(gpus, world_size)}, CUDA {torch.version.cuda}, forward and loss under bf16 "
+            "autocast; peak_device_mb: torch.cuda.max_memory_allocated, max over ranks")
+
+
 def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -607,7 +672,7 @@ def _cell(value: float | None, fmt: str) -> str:
 def format_table(raw: dict, summary: dict) -> str:
     columns = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
                ("opt_state_mb", ".2f"), ("sent_mb", ".2f"), ("peak_rss_mb", ".1f"),
-               ("setup_s", ".2f"))
+               ("peak_device_mb", ".1f"), ("setup_s", ".2f"))
     width = max([len(c) for r in raw.values() for c in r] + [len("config")])
     lines = [f"{'model':<12} {'config':<{width}}" + "".join(f" {n:>11}" for n, _ in columns)]
     for model, results in raw.items():
@@ -723,13 +788,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps after the first call (default 5)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated, of {', '.join(CONFIGS)} (default all)")
+    p.add_argument("--configs",
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default all that run "
+                        "on the device)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole list of configs; step_ms is the median over "
                         "them (default 1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                   help="SGD with momentum (default) or Adam, whose state is twice the model")
+                   help="SGD with momentum (default), Adam or AdamW, whose state is twice "
+                        "the model")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where the models run (default cpu); cuda: a GPU per rank on nccl, "
+                        "or ranks sharing GPUs on gloo, the forward pass under bf16 autocast, "
+                        f"and the configs {', '.join(CUDA_ONLY)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     return p.parse_args(argv)
@@ -740,7 +811,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         models = _names(args.models, MODELS, "model")
-        configs = _with_references(_names(args.configs, CONFIGS, "config"))
+        configs = _with_references(_names(args.configs, CONFIGS, "config") if args.configs
+                                   else [c for c in CONFIGS if args.device == "cuda"
+                                         or c not in CUDA_ONLY])
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise BenchError("--device cuda: no CUDA device is available")
+        on_gpu = [c for c in configs if c in CUDA_ONLY and args.device != "cuda"]
+        if on_gpu:
+            raise BenchError(f"{', '.join(on_gpu)} run only with --device cuda")
         if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1:
             raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0 and "
                              "--repeat >= 1")
@@ -754,10 +832,10 @@ def main(argv=None) -> int:
     start, load = time.perf_counter(), os.getloadavg()[0]
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
                     warmup=args.warmup, repeat=args.repeat, nodes=args.nodes,
-                    optimizer=args.optimizer)
+                    optimizer=args.optimizer, device=args.device)
     summary = summarize(raw)
     header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat,
-                          args.nodes)
+                          args.nodes, args.device)
     setup = format_setup_table(raw)
     print("\n".join(header + [format_table(raw, summary)]
                     + (["", "# setup_s of the transpiler by phase (runtime.setup_split)", setup]

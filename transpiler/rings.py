@@ -34,6 +34,14 @@ def world() -> tuple[int, int]:
     return dist.get_world_size(), dist.get_rank()
 
 
+def backend_for(device_type: str) -> str:
+    """The default process group's backend for tensors of `device_type`
+    (a group may name one per device: "cpu:gloo,cuda:nccl")."""
+    have = dist.get_backend()
+    per_device = dict(part.split(":", 1) for part in have.split(",") if ":" in part)
+    return per_device.get(device_type, have)
+
+
 def local_world_size() -> int:
     """Ranks per node, as torchrun tells each process (LOCAL_WORLD_SIZE); the
     whole world when it is unset (one node)."""

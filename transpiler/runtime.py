@@ -117,6 +117,14 @@ class TranspiledStep:
         """The backend the programs of the last call run with ("auto" resolved)."""
         return self._last_built().backend
 
+    @property
+    def cuda_graphs(self) -> dict[str, str]:
+        """backend="cudagraphs": per program of the last call that has run,
+        "captured" or why it is not (transpiler/cuda_graphs.py)."""
+        return {name: r.executable.graph.status if r.executable.graph is not None
+                else "not captured: " + (r.executable.why_not or "not a CUDA graph backend")
+                for name, r in self._last_built().programs.items() if r.executable is not None}
+
     def _last_built(self) -> Built:
         if self._last is None:
             raise TranspileError("the step has not been called yet: the programs are built "
