@@ -290,3 +290,46 @@ def test_optimizers_compile(opt_name, foreach):
             step(model, opt, *batch)
         states.append(M.state_of(model, opt))
     assert M.max_rel_error(*states) <= 1e-5
+
+
+def _update_graph(device_reads_count: bool):
+    """p (CUDA) -= lr * p, and the step count (CPU) += 1, each written in place;
+    optionally the CUDA update also reads the new count."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    mode = FakeTensorMode()
+
+    def fake(device):
+        return FakeTensor(mode, torch.empty((), device="meta"), torch.device(device))
+
+    graph, aten = torch.fx.Graph(), torch.ops.aten
+    p, count, lr = (graph.placeholder(n) for n in ("p", "count", "lr"))
+    for node, device in ((p, "cuda"), (count, "cpu"), (lr, "cuda")):
+        node.meta["val"] = fake(device)
+    new_count = graph.call_function(aten.add.Tensor, (count, 1))
+    new_count.meta["val"] = fake("cpu")
+    graph.call_function(aten.copy_.default, (count, new_count)).meta["val"] = fake("cpu")
+    scale = new_count if device_reads_count else lr
+    step = graph.call_function(aten.mul.Tensor, (p, scale))
+    step.meta["val"] = fake("cuda")
+    graph.call_function(aten.copy_.default, (p, step)).meta["val"] = fake("cuda")
+    graph.output((step, new_count))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_host_work_is_split_off_the_cuda_graph():
+    # torch's default Adam counts its steps in a CPU tensor: a CUDA graph would
+    # replay without incrementing it, so that work runs on the host each call.
+    from transpiler.cuda_graphs import split_host
+    split = split_host(_update_graph(device_reads_count=False))
+    assert split.crossing is None
+    host_ops = [n.target for n in split.host.graph.nodes if n.op == "call_function"]
+    device_ops = [n.target for n in split.device.graph.nodes if n.op == "call_function"]
+    assert host_ops == [torch.ops.aten.add.Tensor, torch.ops.aten.copy_.default]
+    assert device_ops == [torch.ops.aten.mul.Tensor, torch.ops.aten.copy_.default]
+    assert split.outputs == [(False, 0), (True, 0)]
+
+
+def test_device_code_reading_a_changing_host_value_is_not_captured():
+    from transpiler.cuda_graphs import split_host
+    split = split_host(_update_graph(device_reads_count=True))
+    assert split.host is None and "reads add_tensor, a CPU tensor that changes" in split.crossing
