@@ -802,7 +802,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed steps after the first call (default 5)")
     p.add_argument("--configs",
                    help=f"comma-separated, of {', '.join(CONFIGS)}; or 'all' (every config "
-                        f"that runs on the device); default {','.join(DEFAULT_CONFIGS)} "
+                        f"that runs on the device); default {', '.join(DEFAULT_CONFIGS)} "
                         "(and with --device cuda, the cudagraphs ones)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole list of configs; step_ms is the median over "
