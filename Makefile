@@ -22,8 +22,11 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# The default models and configs (transpiler.bench.DEFAULT_MODELS, DEFAULT_CONFIGS);
+# the report is generated from this run, never edited by hand. The plot needs
+# the optional extra (pip install -e .[bench]); without it the report says so.
 bench: install
-	$(PY) -m transpiler.bench --json bench.json
+	$(PY) -m transpiler.bench --repeat 2 --report docs/performance.md --json docs/performance.json --plot docs/performance.png
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -2,7 +2,7 @@
 
     python -m transpiler.bench [--world-size 2] [--nodes 1] [--models wide,deep,transformer]
                                [--steps 20] [--warmup 5] [--configs a,b,...]
-                               [--json PATH] [--plot PATH]
+                               [--json PATH] [--plot PATH] [--report PATH]
 
 The bench launches its own ranks (spawned processes, CPU, gloo over a FileStore
 in a temporary directory, torch.set_num_threads(1) in each rank so that the
@@ -74,6 +74,8 @@ What is measured, and how:
 
 The bench reports; it asserts nothing about speed. Failures of a
 configuration are logged, shown in the table and make the exit status 1.
+Without --configs it runs DEFAULT_CONFIGS, the set of `make bench`, whose
+--report writes docs/performance.md from the run (transpiler/bench_report.py).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ import os
 import platform
 import queue
 import resource
+import shlex
 import statistics
 import sys
 import tempfile
@@ -107,6 +110,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from transpiler import MODES, transpile
 from transpiler.backends import BACKENDS
+from transpiler.bench_report import Row, RunInfo, Table, text, write_report
 from transpiler.collectives import sent_bytes
 
 log = logging.getLogger("transpiler.bench")
@@ -115,8 +119,11 @@ CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
-FIELDS = ("step_ms", "vs_ddp", "vs_limit", "opt_state_mb", "sent_mb", "peak_rss_mb",
-          "peak_device_mb", "setup_s")
+# The fields of a config's result, in the table's order, and how the table formats them.
+STEP_COLUMNS = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
+                ("opt_state_mb", ".2f"), ("sent_mb", ".2f"), ("peak_rss_mb", ".1f"),
+                ("peak_device_mb", ".1f"), ("setup_s", ".2f"))
+FIELDS = tuple(name for name, _ in STEP_COLUMNS)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
@@ -335,6 +342,13 @@ CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not
 PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCAL_SGD_K}
 # Configurations that run only with --device cuda.
 CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
+# Run when --configs is not given (the set of `make bench`'s report): the limits,
+# torch's DDP, compiled and with ZeroRedundancyOptimizer, every transpiler mode,
+# fuse_all_reduce under inductor; and with --device cuda, CUDA_ONLY.
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c in {
+    "local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "grad_allreduce",
+    "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "zero", "all_gather",
+    "decentralized"})
 
 
 # ------------------------------------------------------------ one configuration, in a rank
@@ -636,19 +650,40 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
 
 # ------------------------------------------------------------ output
 
-def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
-                 load: float, repeat: int = 1, nodes: int = 1, device: str = "cpu") -> list[str]:
+def run_info(argv: list[str], world_size: int, nodes: int, optimizer: str,
+             device: str) -> RunInfo:
+    """The machine, torch and the command line, taken at the start of the run."""
+    return RunInfo(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   command=shlex.join(["python", "-m", "transpiler.bench", *argv]),
+                   platform=platform.platform(), machine=platform.machine(),
+                   cpus=os.cpu_count() or 0, load=os.getloadavg()[0], torch=torch.__version__,
+                   device=device, ranks=_cuda_text(world_size) if device == "cuda"
+                   else "gloo, CPU, 1 thread/rank",
+                   world_size=world_size, nodes=nodes, optimizer=optimizer)
+
+
+def _cuda_text(world_size: int) -> str:
+    gpus = torch.cuda.device_count()
+    return (f"{'nccl' if world_size <= gpus else 'gloo'}, {torch.cuda.get_device_name()} "
+            f"x {min(gpus, world_size)}, CUDA {torch.version.cuda}, forward and loss under bf16 "
+            "autocast")
+
+
+def header_lines(info: RunInfo, steps: int, warmup: int, raw: dict,
+                 repeat: int = 1) -> list[str]:
+    """The lines printed above the table: the run, then what each field is
+    (the report lists those as its definitions)."""
     base = [m.base_rss_mb for r in raw.values() for m in r.values() if isinstance(m, Measurement)]
     base_text = f"{min(base):.0f}-{max(base):.0f} MB" if base else "n/a"
+    nodes = info.nodes
     return [
-        f"# transpiler.bench  {datetime.datetime.now().isoformat(timespec='seconds')}  "
-        f"torch {torch.__version__}  world_size {world_size}  "
-        + (f"simulated nodes {nodes} x {world_size // nodes}  " if nodes > 1 else "")
-        + f"{platform.platform()} ({platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load average {load:.2f} at start)",
+        f"# transpiler.bench  {info.date}  torch {info.torch}  world_size {info.world_size}  "
+        + (f"simulated nodes {nodes} x {info.world_size // nodes}  " if nodes > 1 else "")
+        + f"optimizer {info.optimizer}  {info.machine_text()}",
         f"# step_ms: median over {steps} timed steps (after {warmup} warm-up) of the slowest "
-        "rank's time for the step, each step between dist.barrier()s; "
-        + (_cuda_line(world_size) if device == "cuda" else "gloo, CPU, 1 thread/rank")
+        f"rank's time for the step, each step between dist.barrier()s; {info.ranks}"
+        + ("; peak_device_mb: torch.cuda.max_memory_allocated, max over ranks"
+           if info.device == "cuda" else "")
         + (f"; median of {repeat} interleaved rounds" if repeat > 1 else ""),
         "# vs_ddp = step_ms / ddp;  vs_limit = step_ms / max(local, allreduce_only)",
         "# peak_rss_mb: ru_maxrss of fresh rank processes that ran only this config, max over "
@@ -658,64 +693,41 @@ def header_lines(world_size: int, steps: int, warmup: int, raw: dict,
     ]
 
 
-def _cuda_line(world_size: int) -> str:
-    gpus = torch.cuda.device_count()
-    return (f"{'nccl' if world_size <= gpus else 'gloo'}, {torch.cuda.get_device_name()} "
-            f"x {min(gpus, world_size)}, CUDA {torch.version.cuda}, forward and loss under bf16 "
-            "autocast; peak_device_mb: torch.cuda.max_memory_allocated, max over ranks")
-
-
 def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def format_table(raw: dict, summary: dict) -> str:
-    columns = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
-               ("opt_state_mb", ".2f"), ("sent_mb", ".2f"), ("peak_rss_mb", ".1f"),
-               ("peak_device_mb", ".1f"), ("setup_s", ".2f"))
-    width = max([len(c) for r in raw.values() for c in r] + [len("config")])
-    lines = [f"{'model':<12} {'config':<{width}}" + "".join(f" {n:>11}" for n, _ in columns)]
-    for model, results in raw.items():
-        for config, m in results.items():
-            row = f"{model:<12} {config:<{width}}"
-            if isinstance(m, Measurement):
-                fields = summary[model][config]
-                row += "".join(f" {_cell(fields[n], f):>11}" for n, f in columns)
-            else:
-                row += f" FAILED: {m}"
-            lines.append(row)
-        lines.append("")
-    return "\n".join(lines).rstrip("\n")
+def step_table(raw: dict, summary: dict) -> Table:
+    """A row per model and config: the fields of STEP_COLUMNS, or the failure."""
+    rows = tuple(Row((model, config) + tuple(_cell(summary[model][config][n], f)
+                                             for n, f in STEP_COLUMNS))
+                 if isinstance(m, Measurement) else Row((model, config), m)
+                 for model, results in raw.items() for config, m in results.items())
+    return Table(("model", "config") + FIELDS, 2, rows)
 
 
 SETUP_PHASES = ("trace", "passes", "agreement", "compile", "other")
 
 
-def format_setup_table(raw: dict) -> str:
-    """setup_s of the transpiler's configurations by phase (first round); empty
+def setup_table(raw: dict) -> Table | None:
+    """setup_s of the transpiler's configurations by phase (first round); None
     when none ran."""
-    rows = [(model, config, m.setup_s, m.setup_split) for model, results in raw.items()
-            for config, m in results.items()
-            if isinstance(m, Measurement) and m.setup_split]
-    if not rows:
-        return ""
-    width = max(len(c) for _, c, _, _ in rows + [("", "config", 0, None)])
-    lines = [f"{'model':<12} {'config':<{width}} {'setup_s':>9}"
-             + "".join(f" {p + '_s':>12}" for p in SETUP_PHASES)]
-    for model, config, total, split in rows:
-        lines.append(f"{model:<12} {config:<{width}} {total:>9.2f}"
-                     + "".join(f" {split[p]:>12.2f}" for p in SETUP_PHASES))
-    return "\n".join(lines)
+    rows = tuple(Row((model, config, f"{m.setup_s:.2f}")
+                     + tuple(f"{m.setup_split[p]:.2f}" for p in SETUP_PHASES))
+                 for model, results in raw.items() for config, m in results.items()
+                 if isinstance(m, Measurement) and m.setup_split)
+    return Table(("model", "config", "setup_s") + tuple(p + "_s" for p in SETUP_PHASES),
+                 2, rows) if rows else None
 
 
 def _json_value(x):
     return None if x is None or not math.isfinite(x) else x
 
 
-def write_json(path: str, world_size: int, summary: dict) -> None:
+def write_json(path: str, info: RunInfo, summary: dict) -> None:
     def value(x):
         return {k: _json_value(v) for k, v in x.items()} if isinstance(x, dict) else _json_value(x)
-    doc = {"world_size": world_size, "torch": torch.__version__,
+    doc = {"world_size": info.world_size, "torch": info.torch, "run": dataclasses.asdict(info),
            "models": {m: {c: {k: value(v) for k, v in f.items()} for c, f in cs.items()}
                       for m, cs in summary.items()}}
     with open(path, "w") as f:
@@ -789,8 +801,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps after the first call (default 5)")
     p.add_argument("--configs",
-                   help=f"comma-separated, of {', '.join(CONFIGS)} (default all that run "
-                        "on the device)")
+                   help=f"comma-separated, of {', '.join(CONFIGS)}; or 'all' (every config "
+                        f"that runs on the device); default {', '.join(DEFAULT_CONFIGS)} "
+                        "(and with --device cuda, the cudagraphs ones)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole list of configs; step_ms is the median over "
                         "them (default 1)")
@@ -802,18 +815,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "or ranks sharing GPUs on gloo, the forward pass under bf16 autocast, "
                         f"and the configs {', '.join(CUDA_ONLY)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG bar chart (needs matplotlib; with --report and no "
+                        "matplotlib, the report says there is no plot)")
+    p.add_argument("--report", metavar="PATH",
+                   help="write the run (machine, torch, device, command line), its tables "
+                        "and the fields' definitions as Markdown (docs/performance.md)")
     return p.parse_args(argv)
+
+
+def _configs(args: argparse.Namespace) -> list[str]:
+    on_device = [c for c in CONFIGS if args.device == "cuda" or c not in CUDA_ONLY]
+    if args.configs == "all":
+        return on_device
+    if args.configs:
+        return _names(args.configs, CONFIGS, "config")
+    return [c for c in on_device if c in DEFAULT_CONFIGS or c in CUDA_ONLY]
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:
         models = _names(args.models, MODELS, "model")
-        configs = _with_references(_names(args.configs, CONFIGS, "config") if args.configs
-                                   else [c for c in CONFIGS if args.device == "cuda"
-                                         or c not in CUDA_ONLY])
+        configs = _with_references(_configs(args))
         if args.device == "cuda" and not torch.cuda.is_available():
             raise BenchError("--device cuda: no CUDA device is available")
         on_gpu = [c for c in configs if c in CUDA_ONLY and args.device != "cuda"]
@@ -824,27 +850,48 @@ def main(argv=None) -> int:
                              "--repeat >= 1")
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
-        if args.plot:
-            pyplot()      # fail now, not after minutes of benchmarking
+        for path in (args.json, args.plot, args.report):
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise BenchError(f"cannot write {path}: its directory does not exist")
+        plot_path = args.plot
+        if plot_path:
+            try:
+                pyplot()      # fail now, not after minutes of benchmarking
+            except BenchError as exc:
+                if not args.report:
+                    raise
+                log.warning("no plot: %s; the report will say so", exc)
+                plot_path = None
     except BenchError as exc:
         log.error("error: %s", exc)
         return 2
-    start, load = time.perf_counter(), os.getloadavg()[0]
+    start = time.perf_counter()
+    info = run_info(argv, args.world_size, args.nodes, args.optimizer, args.device)
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
                     warmup=args.warmup, repeat=args.repeat, nodes=args.nodes,
                     optimizer=args.optimizer, device=args.device)
+    elapsed_s = time.perf_counter() - start
     summary = summarize(raw)
-    header = header_lines(args.world_size, args.steps, args.warmup, raw, load, args.repeat,
-                          args.nodes, args.device)
-    setup = format_setup_table(raw)
-    print("\n".join(header + [format_table(raw, summary)]
-                    + (["", "# setup_s of the transpiler by phase (runtime.setup_split)", setup]
-                       if setup else [])), flush=True)
-    log.info("bench finished in %.1fs", time.perf_counter() - start)
+    header = header_lines(info, args.steps, args.warmup, raw, args.repeat)
+    tables = [("Step time", step_table(raw, summary))]
+    setup = setup_table(raw)
+    if setup:
+        tables.append(("setup_s of the transpiler by phase (runtime.setup_split)", setup))
+    printed = header + [text(tables[0][1])]
+    for title, table in tables[1:]:
+        printed += ["", f"# {title}", text(table)]
+    print("\n".join(printed), flush=True)
+    log.info("bench finished in %.1fs", elapsed_s)
     if args.json:
-        write_json(args.json, args.world_size, summary)
-    if args.plot:
-        plot(args.plot, summary, header[0].lstrip("# "))
+        write_json(args.json, info, summary)
+    if plot_path:
+        plot(plot_path, summary, header[0].lstrip("# "))
+    if args.report:
+        write_report(args.report, info, [h.removeprefix("# ") for h in header[1:]], tables,
+                     plot_path, "No plot: " + ("matplotlib is not installed "
+                                               "(pip install -e .[bench])" if args.plot
+                                               else "the run was given no --plot") + ".",
+                     elapsed_s)
     failed = any(not isinstance(m, Measurement) for r in raw.values() for m in r.values())
     return 1 if failed else 0
 
