@@ -13,8 +13,10 @@ import transpiler
 from tests import models as M
 from transpiler import (MODES, AllGather, Decentralized, FuseAllReduce, GradAllReduce, LocalSGD,
                         ModeSpec, Pipeline, TranspileError, Zero, transpile)
+from passes.average_grads import average_grads
+from transpiler.capture import flatten_args, trace_step
 from transpiler.mode_specs import SPECS
-from transpiler.pipeline import resolve
+from transpiler.pipeline import Mark, PassContext, PassError, produces, record, resolve, run_passes
 
 TINY = dict(bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)
 STEPS = 5
@@ -137,6 +139,39 @@ def test_passes_are_known_by_their_functions_not_their_names():
         step = transpile(M.classify_step, passes=passes, broadcast_buffers=False)
         assert resolve("broadcast_buffers") not in map(resolve, step.schedule.programs["main"])
         assert len(step.schedule.programs["main"]) == len(zero_passes) - 1
+
+
+def _program():
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    args = (model, opt, *M.batches("mlp", 1, 4)[0])
+    program = trace_step(M.classify_step, flatten_args(M.classify_step, args, {})).program
+    record(program, "capture", "capture")
+    return program
+
+
+@produces(Mark.TO_REDUCE)
+def my_average(program, ctx):
+    """A pass of one's own that marks the gradients to reduce."""
+    average_grads(program, ctx)
+
+
+def test_run_passes_knows_earlier_passes_by_their_functions():
+    ctx = PassContext()
+    program = _program()
+    run_passes(program, [my_average], ctx)
+    run_passes(program, ["insert_allreduce"], ctx)   # acts on the marks my_average left
+    assert program.applied == ["capture", "my_average", "insert_allreduce"]
+    assert [h.fn for h in program.history] == [None, my_average, resolve("insert_allreduce")]
+
+    def average_grads(program, ctx):
+        """A pass of one's own, named as the pass that marks gradients; marks nothing."""
+
+    impostor = _program()
+    run_passes(impostor, [average_grads], ctx)
+    with pytest.raises(PassError, match="pass insert_allreduce acts on the values marked to "
+                                        "reduce .*, but no pass before it leaves them"):
+        run_passes(impostor, ["insert_allreduce"], ctx)
 
 
 # ---------------------------------------------------------------- on two ranks
