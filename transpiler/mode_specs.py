@@ -16,7 +16,8 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
-from . import modes, schedule
+from . import modes
+from . import schedule as schedules
 from .errors import TranspileError
 from .pipeline import Pass, PassLike, pass_name, resolve
 from .topology import Topology
@@ -81,8 +82,8 @@ class ModeSpec:
     def label(cls) -> str:
         return f"mode={cls.name!r}"
 
-    def schedule(self) -> schedule.Schedule:
-        return schedule.EveryStep(self.passes)
+    def schedule(self) -> schedules.Schedule:
+        return schedules.EveryStep(self.passes)
 
     def settings(self) -> dict:
         """The PassContext fields this mode sets."""
@@ -144,8 +145,8 @@ class LocalSGD(_Fused):
     begin_step: int = _option(0, _int_from(0))
     adaptive: bool = _option(False, _flag)
 
-    def schedule(self) -> schedule.Schedule:
-        return schedule.LocalSGD(self.passes, self.k_steps, self.begin_step, self.adaptive)
+    def schedule(self) -> schedules.Schedule:
+        return schedules.LocalSGD(self.passes, self.k_steps, self.begin_step, self.adaptive)
 
     def settings(self) -> dict:
         return {**super().settings(), "adaptive_k": self.adaptive}
@@ -187,8 +188,8 @@ class Decentralized(_Buckets):
                                   "skip_nonfinite", "fuse_dtype"))
     topology: str | Topology = _option("ring", lambda _, value: check_topology(value))
 
-    def schedule(self) -> schedule.Schedule:
-        return schedule.Decentralized(self.passes, self.topology)
+    def schedule(self) -> schedules.Schedule:
+        return schedules.Decentralized(self.passes, self.topology)
 
     def refuse(self, common) -> None:
         if common.check_every is not None:
