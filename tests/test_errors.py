@@ -255,8 +255,10 @@ def test_module_captured_from_a_closure():
     ("fuse_dtype", torch.int32, "fuse_dtype must be None or one of"),
 ])
 def test_bad_options(option, value, message):
+    # the options of the fused modes only (the default mode takes bucket_mb alone)
+    mode = "fuse_all_reduce" if option in ("first_bucket_mb", "fuse_dtype") else None
     with pytest.raises(TranspileError, match=message):
-        transpile(M.classify_step, **{option: value})
+        transpile(M.classify_step, mode=mode, **{option: value})
 
 
 def test_passes_in_an_order_that_breaks_a_requirement():

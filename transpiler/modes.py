@@ -13,10 +13,12 @@ GRAD_ALLREDUCE = (BROADCAST_BUFFERS, "average_grads", "insert_allreduce", "ring_
 # Paddle's fuse_all_reduce: gradients in fused buckets, overlapped with backward.
 _FUSED = ("average_grads", "coalesce_tensors", "ring_round_robin", "schedule_comm")
 FUSE_ALL_REDUCE = (BROADCAST_BUFFERS,) + _FUSED
+# The pass of mode zero that keeps the optimizers' state as shards.
+SHARD_OPTIMIZER = "shard_optimizer"
 # ZeRO-2: gradients reduce-scattered in buckets, each rank updates its shard of
 # the parameters and the optimizer state, the parameters all-gathered; each
 # bucket's update and all-gather as soon as its reduce-scatter is done.
-ZERO = (BROADCAST_BUFFERS, "average_grads", "shard_optimizer", "ring_round_robin", "schedule_comm",
+ZERO = (BROADCAST_BUFFERS, "average_grads", SHARD_OPTIMIZER, "ring_round_robin", "schedule_comm",
         "schedule_updates")
 # Paddle's all_gather mode: every rank gathers every rank's gradients and applies
 # the update once per rank's gradient, in rank order.

@@ -127,12 +127,12 @@ def check_roles(program: Program) -> None:
         raise PassError(f"nodes without a role: {', '.join(missing[:5])}")
 
 
-def record(program: Program, name: str, provenance: str) -> None:
-    """Add a history entry; with its listing when the "transpiler" logger is at
-    DEBUG (listing a large program after every pass takes a good part of its
-    passes' time)."""
+def record(program: Program, name: str, provenance: str, fn: Pass | None = None) -> None:
+    """Add a history entry, of the pass `fn` (None: capture); with its listing
+    when the "transpiler" logger is at DEBUG (listing a large program after
+    every pass takes a good part of its passes' time)."""
     listing = program.listing() if log.isEnabledFor(logging.DEBUG) else None
-    program.history.append(HistoryEntry(name, provenance, listing))
+    program.history.append(HistoryEntry(name, provenance, listing, fn))
 
 
 def _check_requirements(fn: Pass, before: list[str]) -> None:
@@ -181,15 +181,9 @@ def _check_marks(fns: Sequence[Pass], complete: bool) -> None:
 
 
 def _applied(program: Program) -> list[Pass]:
-    """The passes the program went through that resolve by name (capture and
-    passes given as functions do not)."""
-    fns = []
-    for name in program.applied:
-        try:
-            fns.append(resolve(name))
-        except PassError:
-            pass
-    return fns
+    """The passes the program went through, as they were given (by the
+    function, not by its name: a pass of one's own may share a name)."""
+    return [h.fn for h in program.history if h.fn is not None]
 
 
 def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -> Program:
@@ -219,6 +213,6 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
             raise PassError(f"pass {name} left values marked to reduce on program "
                             f"{program.name!r}: a pass that reduces must lower every mark")
         record(program, name, f"{name}: {n_before} -> {len(program.graph.nodes)} nodes, "
-                              f"{n_comm} collectives")
+                              f"{n_comm} collectives", fn)
     return program
 

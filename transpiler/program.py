@@ -143,6 +143,7 @@ class HistoryEntry:
     pass_name: str
     provenance: str
     listing: str | None   # kept while the "transpiler" logger is at DEBUG (pipeline.record)
+    fn: Callable | None = None   # the pass itself (None for capture)
 
 
 class Program:

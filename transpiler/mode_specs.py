@@ -1,0 +1,290 @@
+"""Typed modes: each mode of transpile() as a dataclass that carries its own
+options, checked where they are declared, and the passes it runs.
+
+    transpile(step, mode=LocalSGD(k_steps=4, begin_step=100))
+    transpile(step, mode="local_sgd", k_steps=4)    # the same spec, built from keywords
+
+An option a mode does not take cannot be written in its spec; in the string
+form it is refused with the modes that take it. transpile()'s own keywords
+are the options of every mode (backend, verify, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar, Mapping, Sequence
+
+import torch
+
+from . import modes
+from . import schedule as schedules
+from .errors import TranspileError
+from .pipeline import Pass, PassLike, pass_name, resolve
+from .topology import Topology
+from .topology import check_spec as check_topology
+
+# What values may be reduced in: gloo and nccl sum these (not float8, for one).
+REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _mib(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise TranspileError(f"{name} must be a positive number of MiB, got {value!r}")
+
+
+def _wire_dtype(name: str, value) -> None:
+    if value is not None and value not in REDUCIBLE_DTYPES:
+        raise TranspileError(f"{name} must be None or one of the floating-point dtypes "
+                             f"gloo and nccl sum ({', '.join(map(str, REDUCIBLE_DTYPES))}), "
+                             f"got {value!r}")
+
+
+def _int_from(low: int):
+    def check(name: str, value) -> None:
+        if not is_int(value) or value < low:
+            raise TranspileError(f"{name} must be an integer >= {low}, got {value!r}")
+    return check
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TranspileError(f"{name} must be True or False, got {value!r}")
+
+
+def _option(default, check):
+    """A mode option: its default and the check __post_init__ runs on it."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModeSpec:
+    """A mode: its options (the dataclass fields) and the passes it runs
+    (`passes`: a tuple, or a mapping of program name to tuple)."""
+
+    name: ClassVar[str]
+    # The pass of this mode that does not combine with some of transpile()'s
+    # options yet, and those options; refused wherever the pass runs.
+    unsupported: ClassVar[tuple[str, tuple[str, ...]] | None] = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            f.metadata["check"](f.name, getattr(self, f.name))
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def label(cls) -> str:
+        return f"mode={cls.name!r}"
+
+    def schedule(self) -> schedules.Schedule:
+        return schedules.EveryStep(self.passes)
+
+    def settings(self) -> dict:
+        """The PassContext fields this mode sets."""
+        return {}
+
+    def refuse(self, common) -> None:
+        """Raise if one of transpile()'s options (`common`) makes no sense in this mode."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _BucketCap(ModeSpec):
+    bucket_mb: float = _option(25.0, _mib)      # cap of a fused bucket, MiB
+
+    def settings(self) -> dict:
+        return {**super().settings(), "bucket_mb": float(self.bucket_mb)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Buckets(_BucketCap):
+    first_bucket_mb: float = _option(1.0, _mib)   # cap of the first bucket per dtype, MiB
+
+    def settings(self) -> dict:
+        return {**super().settings(), "first_bucket_mb": float(self.first_bucket_mb)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Fused(_Buckets):
+    fuse_dtype: torch.dtype | None = _option(None, _wire_dtype)   # dtype on the wire
+
+    def settings(self) -> dict:
+        return {**super().settings(), "fuse_dtype": self.fuse_dtype}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradAllReduce(_BucketCap):
+    """Each gradient averaged by its own all-reduce; bucket_mb caps the buckets
+    the buffers are broadcast in."""
+
+    name = "grad_allreduce"
+    passes = modes.GRAD_ALLREDUCE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FuseAllReduce(_Fused):
+    """Gradients all-reduced in fused buckets, overlapped with the backward pass."""
+
+    name = "fuse_all_reduce"
+    passes = modes.FUSE_ALL_REDUCE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalSGD(_Fused):
+    """Parameters averaged every k_steps steps, after begin_step steps of
+    gradient averaging; adaptive: k recomputed after each average."""
+
+    name = "local_sgd"
+    passes = modes.LOCAL_SGD
+    k_steps: int = _option(4, _int_from(1))
+    begin_step: int = _option(0, _int_from(0))
+    adaptive: bool = _option(False, _flag)
+
+    def schedule(self) -> schedules.Schedule:
+        return schedules.LocalSGD(self.passes, self.k_steps, self.begin_step, self.adaptive)
+
+    def settings(self) -> dict:
+        return {**super().settings(), "adaptive_k": self.adaptive}
+
+    def refuse(self, common) -> None:
+        if common.verify:
+            raise TranspileError("verify compares with the eager step under DDP's semantics, "
+                                 "which local SGD does not follow by design: use verify with "
+                                 "grad_allreduce or fuse_all_reduce")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Zero(_Fused):
+    """ZeRO-2: gradients reduce-scattered, optimizer state sharded, parameters all-gathered."""
+
+    name = "zero"
+    passes = modes.ZERO
+    unsupported = (modes.SHARD_OPTIMIZER, ("verify", "reduce_groups", "hierarchical"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllGather(_Buckets):
+    """Every rank gathers every rank's gradients and applies them in rank order."""
+
+    name = "all_gather"
+    passes = modes.ALL_GATHER
+    unsupported = ("gather_grads", ("verify", "reduce_groups", "hierarchical",
+                                    "skip_nonfinite", "fuse_dtype"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decentralized(_Buckets):
+    """Each rank averages its parameters with its group of the topology at each
+    step: "ring", "complete", "one-peer-exp", "alternating-exp-ring" or a Topology."""
+
+    name = "decentralized"
+    passes = modes.DECENTRALIZED
+    unsupported = ("mix_params", ("verify", "reduce_groups", "hierarchical",
+                                  "skip_nonfinite", "fuse_dtype"))
+    topology: str | Topology = _option("ring", lambda _, value: check_topology(value))
+
+    def schedule(self) -> schedules.Schedule:
+        return schedules.Decentralized(self.passes, self.topology)
+
+    def refuse(self, common) -> None:
+        if common.check_every is not None:
+            raise TranspileError("check_every compares the ranks' parameters, which differ by "
+                                 "design in mode 'decentralized'; watch "
+                                 "step.consensus_distance() instead")
+
+
+def _pass_list(name: str, value) -> None:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TranspileError(f"{name} must be a list of passes (names or functions), "
+                             f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipeline(_Fused):
+    """A pipeline of one's own: passes (names or functions (program, ctx) -> None)
+    run in order on the program of every step; transpile(passes=[...])."""
+
+    name = "passes"
+    passes: Sequence[PassLike] = _option((), _pass_list)
+
+    @classmethod
+    def label(cls) -> str:
+        return "passes=[...]"
+
+
+SPECS: dict[str, type[ModeSpec]] = {cls.name: cls for cls in (
+    GradAllReduce, FuseAllReduce, LocalSGD, Zero, AllGather, Decentralized)}
+
+
+def build(mode: str | ModeSpec | None, passes: Sequence[PassLike] | None,
+          options: Mapping[str, object]) -> ModeSpec:
+    """The spec transpile(mode=..., passes=..., **options) asks for. In the
+    string form an option given as None counts as not given (as it did when
+    each was a keyword of transpile())."""
+    if passes is not None and mode is not None:
+        raise TranspileError("give either mode or passes, not both")
+    if isinstance(mode, ModeSpec):
+        if options:
+            _refuse_keywords(mode, list(options))
+        return mode
+    if passes is not None:
+        cls = Pipeline
+    elif mode is None:
+        cls = GradAllReduce
+    elif isinstance(mode, str) and mode in SPECS:
+        cls = SPECS[mode]
+    else:
+        raise TranspileError(f"unknown mode {mode!r}; choose one of {', '.join(SPECS)} "
+                             f"(or its spec: {', '.join(c.__name__ for c in SPECS.values())}) "
+                             f"or give passes=[...]")
+    given = {k: v for k, v in options.items() if v is not None}
+    not_taken = [k for k in given if k not in cls.options()]
+    if not_taken:
+        raise TranspileError(_not_taken(cls, not_taken))
+    return cls(**given, **({"passes": passes} if cls is Pipeline else {}))
+
+
+def _not_taken(cls: type[ModeSpec], names: list[str]) -> str:
+    """Which modes take the options `cls` does not, and what it takes."""
+    by_takers: dict[tuple[str, ...], list[str]] = {}
+    for name in names:
+        takers = tuple(c.label() for c in (*SPECS.values(), Pipeline) if name in c.options())
+        if not takers:   # no mode's option: what Python says of an unknown keyword
+            raise TypeError(f"transpile() got an unexpected keyword argument {name!r}")
+        by_takers.setdefault(takers, []).append(name)
+    clauses = [f"{', '.join(group)} appl{'y' if len(group) > 1 else 'ies'} only to "
+               f"{', '.join(takers)}" for takers, group in by_takers.items()]
+    takes = [o for o in cls.options() if o != "passes"]
+    return f"{'; '.join(clauses)}; {cls.label()} takes {', '.join(takes) or 'no options'}"
+
+
+def _refuse_keywords(spec: ModeSpec, names: list[str]) -> None:
+    cls = type(spec)
+    not_taken = [n for n in names if n not in cls.options()]
+    if not_taken:
+        raise TranspileError(_not_taken(cls, not_taken))
+    raise TranspileError(f"{', '.join(names)} given both in mode={cls.__name__}(...) and as "
+                         f"keywords of transpile(); give the mode's options in the spec only")
+
+
+@functools.cache
+def _refusing_passes() -> dict[Pass, type[ModeSpec]]:
+    """The passes that do not combine with some options yet, by function."""
+    return {resolve(cls.unsupported[0]): cls for cls in SPECS.values() if cls.unsupported}
+
+
+def check_supported(used: set[Pass], given: Mapping[str, object]) -> None:
+    """Raise if a pass the programs run does not combine with an option given
+    (`given`: option name -> value, falsy when not given) yet."""
+    refusing = _refusing_passes()
+    for fn in sorted(used & refusing.keys(), key=pass_name):
+        cls = refusing[fn]
+        refused = [name for name in cls.unsupported[1] if given[name]]
+        if refused:
+            raise TranspileError(f"mode {cls.name!r} ({pass_name(fn)}) does not support "
+                                 f"{', '.join(refused)} yet; use fuse_all_reduce for them")
