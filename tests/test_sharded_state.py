@@ -110,7 +110,9 @@ def rank_load_refused(mode: str, saved_on: int, first_call: bool):
     shards = _zero_shards(saved_on)
     model = M.make("mlp")
     opt = M.make_optimizer("adamw", model)
-    step = transpile(M.classify_step, mode=mode, **TINY_BUCKETS)
+    # grad_allreduce has no buckets of gradients: it takes only bucket_mb
+    buckets = {"bucket_mb": TINY_BUCKETS["bucket_mb"]} if mode == "grad_allreduce" else TINY_BUCKETS
+    step = transpile(M.classify_step, mode=mode, **buckets)
     batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", 2, 12)]
     if first_call:
         step(model, opt, *batches[0])
