@@ -49,15 +49,20 @@ def _equal_states(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _assert_equal_to_ddp(ours: list, ddp: list, steps: int) -> None:
+    """Each rank's losses and final model equal DDP's bit for bit, and the
+    ranks trained on batches of their own (their losses differ)."""
+    for rank in range(2):
+        assert len(ours[rank]["losses"]) == steps
+        assert torch.equal(ours[rank]["losses"], ddp[rank]["losses"])
+        assert _equal_states(ours[rank]["model"], ddp[rank]["model"])
+    assert not torch.equal(ours[0]["losses"], ours[1]["losses"])
+
+
 def test_nanogpt_equals_ddp(tmp_path, ranks2):
     args = TINY_GPT + ["--out-dir", str(tmp_path), "--max-iters", "4"]
     ours = ranks2.run(rank_nanogpt, args)
-    ddp = ranks2.run(rank_nanogpt, args + ["--ddp"])
-    for rank in range(2):
-        assert len(ours[rank]["losses"]) == 4
-        assert torch.equal(ours[rank]["losses"], ddp[rank]["losses"])
-        assert _equal_states(ours[rank]["model"], ddp[rank]["model"])
-    assert not torch.equal(ours[0]["losses"], ours[1]["losses"])   # each rank its own batches
+    _assert_equal_to_ddp(ours, ranks2.run(rank_nanogpt, args + ["--ddp"]), steps=4)
     tokens = np.memmap(tmp_path / "data" / "train.bin", dtype=np.uint16, mode="r")
     assert tokens.max() < 64 and len(tokens) == 45_000
 
@@ -93,12 +98,7 @@ def test_finetune_hf_equals_ddp(ranks2):
     args = ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--max-length", "16",
             "--vocab-size", "64"]
     ours = ranks2.run(rank_finetune, args)
-    ddp = ranks2.run(rank_finetune, args + ["--ddp"])
-    for rank in range(2):
-        assert len(ours[rank]["losses"]) == 6
-        assert torch.equal(ours[rank]["losses"], ddp[rank]["losses"])
-        assert _equal_states(ours[rank]["model"], ddp[rank]["model"])
-    assert not torch.equal(ours[0]["losses"], ours[1]["losses"])   # the sampler's shares differ
+    _assert_equal_to_ddp(ours, ranks2.run(rank_finetune, args + ["--ddp"]), steps=6)
 
 
 def test_nanogpt_by_torchrun_prints_the_ddp_losses(tmp_path, ranks2):
