@@ -332,4 +332,26 @@ def test_host_work_is_split_off_the_cuda_graph():
 def test_device_code_reading_a_changing_host_value_is_not_captured():
     from transpiler.cuda_graphs import split_host
     split = split_host(_update_graph(device_reads_count=True))
-    assert split.host is None and "reads add_tensor, a CPU tensor that changes" in split.crossing
+    assert split.host is None and "reads add_tensor, a CPU value that changes" in split.crossing
+
+
+def test_device_code_reading_a_lifted_number_is_not_captured():
+    # A lifted number (capture/numbers.py) is read from a CPU tensor each call:
+    # a CUDA graph would keep the kernel argument of its capture.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from transpiler.cuda_graphs import split_host
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    graph, aten = torch.fx.Graph(), torch.ops.aten
+    p, w = graph.placeholder("p"), graph.placeholder("w")
+    p.meta["val"] = FakeTensor(mode, torch.empty(3, device="meta"), torch.device("cuda"))
+    w.meta["val"] = FakeTensor(mode, torch.empty((), dtype=torch.float64, device="meta"),
+                               torch.device("cpu"))
+    number = graph.call_function(aten._local_scalar_dense.default, (w,))
+    number.meta["val"] = mode.shape_env.create_unbacked_symfloat()
+    scaled = graph.call_function(aten.mul.Tensor, (p, number))
+    scaled.meta["val"] = p.meta["val"]
+    graph.output((scaled,))
+    split = split_host(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert split.host is None and "reads _local_scalar_dense" in split.crossing

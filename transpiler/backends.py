@@ -147,7 +147,7 @@ class _Inductor:
             return
         from torch._inductor.compile_fx import compile_fx   # heavy: only when used
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
-        with _cacheable():
+        with _cacheable(self.gm):
             self.compiled = compile_fx(self.gm, list(inputs), config_patches=(
                 _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS))
 
@@ -157,15 +157,21 @@ class _Inductor:
         return self.compiled(*inputs)
 
 
-def _cacheable():
+def _cacheable(gm: fx.GraphModule):
     """What lets inductor's FX graph cache hold the program: it keys an entry's
     guards on a shape environment, which it reads from the tracing context that
     Dynamo would have set (without one it bypasses the cache). The shapes stay
-    static: no input is given a source, so none becomes a symbol."""
+    static: no input is given a source, so none becomes a symbol. A program
+    holding a lifted number (capture/numbers.py) keeps the shape environment of
+    its trace, where the number's symbol lives: inductor's retrace binds its own
+    symbol for it to that one."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
+    traced = next((node.meta["val"].node.shape_env for node in gm.graph.nodes
+                   if isinstance(node.meta.get("val"), (torch.SymFloat, torch.SymInt))), None)
+    fake_mode = FakeTensorMode(shape_env=traced or ShapeEnv())
+    return tracing(TracingContext(fake_mode))
 
 
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:

@@ -79,7 +79,7 @@ def split_host(gm: fx.GraphModule) -> HostSplit:
         read = [a for a in node.all_input_nodes if a in varying]
         if node.op == "call_function" and node not in varying and read:
             unsplit.crossing = (f"device code ({node.target}) reads {read[0].name}, a CPU "
-                                "tensor that changes from call to call; a CUDA graph would "
+                                "value that changes from call to call; a CUDA graph would "
                                 "keep its value at capture")
             return unsplit
     host_nodes = [n for n in graph.nodes if n in varying and n.op == "call_function"]

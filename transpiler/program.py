@@ -37,6 +37,7 @@ class InputKind(enum.Enum):
     HYPER = "hyper"     # a lifted optimizer hyperparameter
     SCALER = "scaler"   # a GradScaler's scale or growth tracker
     DATA = "data"       # a tensor among the step's arguments (the batch)
+    NUMBER = "number"   # a Python float or int argument, lifted after its value changed
     HELD = "held"       # a tensor the transpiled step itself keeps between calls
 
 
@@ -396,6 +397,8 @@ def _type_str(val) -> str:
         return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{shape}]"
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(_type_str(v) for v in val) + ")"
+    if isinstance(val, (torch.SymFloat, torch.SymInt)):   # a lifted number (capture/numbers.py)
+        return "float" if isinstance(val, torch.SymFloat) else "int"
     return ""
 
 

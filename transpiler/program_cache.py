@@ -14,6 +14,7 @@ from typing import Callable
 
 from .capture import Returned, StepArgs, describe_change, grad_signature, signature
 from .capture.guards import Guards
+from .capture.numbers import is_number
 from .executor import Runnable
 
 log = logging.getLogger("transpiler")
@@ -52,6 +53,10 @@ class ProgramCache:
         self.build_seconds = 0.0
         self.builds = 0
         self.last_built: tuple | None = None   # the full signature last built for
+        # Names of number arguments fed as inputs, and of those that cannot be
+        # (their value decides control flow or a shape): capture/numbers.py.
+        self.lifted: set[str] = set()
+        self.per_value: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -59,6 +64,9 @@ class ProgramCache:
     def get(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built]) -> Built:
         """What was built for these arguments; build(step_args, why) builds it
         when there is none, `why` saying in one line what is new."""
+        step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
+                                                                            step_args.leaves))
+                                     if name in self.lifted and is_number(leaf))
         sig = signature(step_args)
         key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
         entries = self._built.get(key, [])
@@ -73,9 +81,14 @@ class ProgramCache:
         elif self.last_built is None:
             why = "first call"
         else:
-            why = describe_change(self.last_built, sig + grad_signature(step_args))
+            why = describe_change(self.last_built, sig + grad_signature(step_args)) \
+                + self._lift_changed_numbers(step_args)
         start = time.perf_counter()
+        requested = step_args.lifted
         built = build(step_args, why)
+        dropped = {step_args.names[i] for i in requested - step_args.lifted}
+        self.lifted -= dropped
+        self.per_value |= dropped
         # Building made the optimizers' state the first step would make
         # (capture.trace_step): the key is the signature later calls have.
         sig = signature(step_args)
@@ -91,9 +104,24 @@ class ProgramCache:
             self._built[old_key].remove(old)
             log.warning("transpiler: the step has been traced %d times; %d programs are kept, "
                         "the least recently used was dropped. The last trace was for: %s. A "
-                        "value that changes every call and only enters arithmetic belongs in "
-                        "a tensor (an argument, or a buffer of the model); one that decides "
-                        "shapes or control flow traces once per value", self.builds,
-                        self.limit, why)
+                        "number argument used only in arithmetic is fed as an input after its "
+                        "first change; one that decides shapes or control flow (%s) traces "
+                        "once per value: keep it fixed, or compute with it in tensor ops; a "
+                        "module attribute or a global that changes every call belongs in a "
+                        "tensor (an argument, or a buffer of the model)", self.builds,
+                        self.limit, why, ", ".join(sorted(self.per_value)) or "none here")
         self.build_seconds += time.perf_counter() - start
         return built
+
+    def _lift_changed_numbers(self, step_args: StepArgs) -> str:
+        """Lift the number arguments whose value is new since the last build
+        (capture/numbers.py): the build traces them as inputs. Says so, for the log."""
+        before = dict(self.last_built)
+        lifting = frozenset(
+            i for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves))
+            if is_number(leaf) and i not in step_args.lifted and name not in self.per_value
+            and is_number(before.get(("input", name))) and before[("input", name)] != leaf)
+        if lifting:
+            step_args.lifted |= lifting
+            self.lifted |= {step_args.names[i] for i in lifting}
+        return "".join(f"; lifting {step_args.names[i]} to a program input" for i in sorted(lifting))

@@ -22,6 +22,9 @@ class StepArgs:
     leaves: list[Any]
     spec: pytree.TreeSpec
     bound: inspect.BoundArguments | None
+    # Leaves that are Python numbers fed as program inputs (numbers.py); the
+    # trace drops those it cannot lift.
+    lifted: frozenset[int] = frozenset()
 
     @property
     def modules(self) -> list[torch.nn.Module]:

@@ -14,6 +14,7 @@ from ..scaler import scaler_slots
 from .arguments import StepArgs
 from .optimizer_state import opt_params
 from .outside import is_ndarray
+from .numbers import NumberSlot
 from .slots import ArraySlot, DataSlot, GradSlot, HyperSlot, ParamSlot, StateSlot
 
 
@@ -87,6 +88,9 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
         elif is_ndarray(leaf):
             inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), ArraySlot(i),
                        torch.from_numpy(leaf))
+        elif i in step_args.lifted:
+            inputs.add(InputSpec(InputKind.NUMBER, step_args.names[i]), NumberSlot(i),
+                       NumberSlot(i).read(step_args.leaves))
     return inputs
 
 

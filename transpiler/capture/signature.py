@@ -57,9 +57,11 @@ def signature(step_args: StepArgs) -> tuple:
     ((what, ...), value) pairs: calls with equal signatures can run the same
     program. Cheap enough for every call."""
     sig: list = [(("arguments",), step_args.spec)]
-    for name, leaf in zip(step_args.names, step_args.leaves):
+    for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
         if isinstance(leaf, torch.Tensor):
             sig.append((("input", name), _tensor_sig(leaf)))
+        elif i in step_args.lifted:
+            sig.append((("input", name), ("number", type(leaf).__name__)))
         elif is_ndarray(leaf):
             sig.append((("input", name), ("ndarray", leaf.shape, leaf.dtype.str)))
         elif isinstance(leaf, GradScaler):

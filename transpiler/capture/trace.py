@@ -47,6 +47,7 @@ from .optimizer_state import (
     redirect_optimizer,
     state_set_by_step,
 )
+from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import outside_tensors
 from .signature import named_state
 from .slots import ArraySlot, DataSlot, ParamSlot, Returned, StateSlot
@@ -123,7 +124,14 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
     made = make_first_state(step_args.optimizers)
     try:
-        captured = _trace(step_fn, step_args, state_stand_in)
+        while True:
+            try:
+                captured = _trace(step_fn, step_args, state_stand_in)
+                break
+            except Exception as exc:  # noqa: BLE001 - retraced with fewer numbers lifted
+                if not step_args.lifted:
+                    raise
+                _drop_lifted(step_args, exc)
     except BaseException:
         forget_state(made)
         raise
@@ -136,6 +144,22 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     return captured
 
 
+
+
+def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
+    """After a failed trace with numbers lifted (numbers.py): trace the ones
+    that decide control flow or a shape per value; after any other failure,
+    all of them, which tells whether lifting was the cause."""
+    lifted = {step_args.names[i]: i for i in step_args.lifted}
+    if isinstance(exc, NotLiftable) and exc.names & lifted.keys():
+        dropped = sorted(exc.names & lifted.keys())
+        log.info("transpiler: %s decides control flow or a shape, so the step is traced once "
+                 "per value of it: %s", " and ".join(dropped), exc)
+    else:
+        dropped = sorted(lifted)
+        log.info("transpiler: tracing with %s lifted to inputs failed, tracing per value: %s",
+                 " and ".join(dropped), exc)
+    step_args.lifted -= {lifted[name] for name in dropped}
 
 
 def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None) -> Captured:
@@ -170,6 +194,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 scaled[(id(slot.scaler), slot.attr)] = value
             elif isinstance(slot, ArraySlot):   # the step converts it (outside.py)
                 arrays[id(leaves[slot.leaf])] = value
+            elif isinstance(slot, NumberSlot):
+                leaves[slot.leaf] = read_number(value, spec.name, symbols)
             else:
                 leaves[slot.leaf] = value
         formulated = formulated_groups(optimizers, traced, hypers)
@@ -229,6 +255,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             return tuple(out_leaves) + tuple(new_state) + tuple(grads)
 
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
+    symbols: dict = {}   # the symbol of each lifted number -> its name
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -237,12 +264,20 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                 _outside_hint(step_args)) as check_outside:
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*inputs.values)
-    except TranspileError:
-        raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
-        raise trace_error(step_fn, exc, markers) from exc
+        error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers)
+        guarded = guarded_numbers(exc, symbols)
+        if guarded:
+            raise NotLiftable(guarded, str(error)) from exc
+        if error is exc:
+            raise
+        raise error from exc
 
     check_outside(gm)
+    if step_args.lifted:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
+                          if spec.kind is InputKind.NUMBER})
     _check_matmul_dtypes(step_fn, gm, step_args)
     if len(markers.backwards) > MANY_BACKWARDS:
         log.warning("transpiler: %s calls backward() %d times: the program unrolls every "

@@ -1,0 +1,140 @@
+"""Python numbers among the step's arguments whose value changes between calls:
+lifted to program inputs after their first change when they only enter
+arithmetic, traced once per value when they decide control flow or a shape."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import models as M
+from transpiler import transpile
+from transpiler.program import InputKind
+
+
+def weighted_step(model, opt, x, y, weight, k):
+    """A loss weight (float) and a divisor (int) the training loop changes
+    every call, mixed with the loss and in Python arithmetic between them."""
+    opt.zero_grad()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y) * (1 - weight) + weight * logits.pow(2).mean() / k
+    loss = loss + 3 / (k + weight)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def branching_step(model, opt, x, y, weight, k):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if weight > 0.25:   # the value decides control flow
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def slicing_step(model, opt, x, y, weight, k):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x[:k]), y[:k])   # the value decides a shape
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _values(i: int) -> tuple[float, int]:
+    return 0.1 * i + 0.013, 5 + i
+
+
+def _run_against_eager(fn, calls: int, backend: str = "eager", optimizer: str = "adamw"):
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer(optimizer, m) for m in (model, reference)]
+    step = transpile(fn, backend=backend)
+    worst = 0.0
+    for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
+        ours = step(model, opts[0], x, y, *_values(i))
+        theirs = fn(reference, opts[1], x, y, *_values(i))
+        worst = max(worst, (ours - theirs).abs().item(), M.max_rel_error(
+            M.state_of(model, opts[0]), M.state_of(reference, opts[1])))
+    return step, worst
+
+
+def test_numbers_in_arithmetic_are_lifted_after_their_first_change(caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_against_eager(weighted_step, 6)
+    assert worst == 0.0   # Python's arithmetic and promotion, bit for bit
+    assert step._cache.builds == 2 and len(step._cache) == 2
+    assert "lifting weight to a program input" in caplog.text
+    assert "lifting k to a program input" in caplog.text
+    lifted = {s.name: s for s in step.program.inputs if s.kind is InputKind.NUMBER}
+    assert set(lifted) == {"weight", "k"}
+    listing = str(step.program)
+    assert "weight: f64[] = input(number 'weight')" in listing
+    assert "k: i64[] = input(number 'k')" in listing
+
+
+@pytest.mark.parametrize("fn", [branching_step, slicing_step])
+def test_numbers_deciding_control_flow_or_shapes_trace_per_value(fn, caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_against_eager(fn, 4)
+    assert worst == 0.0
+    # One program per value of the deciding number; the other one stays lifted.
+    assert step._cache.builds == 4
+    decided, other = ("k", "weight") if fn is slicing_step else ("weight", "k")
+    assert f"transpiler: {decided} decides control flow or a shape" in caplog.text
+    assert step._cache.per_value == {decided} and step._cache.lifted == {other}
+
+
+def test_a_bool_is_never_lifted():
+    def flagged_step(model, opt, x, y, flag):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * (2.0 if flag else 1.0)
+        loss.backward()
+        opt.step()
+        return loss
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(flagged_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 4, 8)):
+        step(model, opt, x, y, i % 2 == 0)
+    assert step._cache.builds == 2 and not step._cache.lifted
+
+
+@pytest.mark.slow
+def test_lifted_numbers_under_inductor():
+    step, worst = _run_against_eager(weighted_step, 4, backend="inductor")
+    assert worst < 1e-5
+    assert step._cache.builds == 2
+
+
+def numbers_vs_ddp(mode: str):
+    """The loss weight and divisor changed every call, transpiled and under DDP
+    with its defaults, same processes, each rank its own batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step, ddp = transpile(weighted_step, mode=mode), DDP(reference)
+    for i, batch in enumerate(M.batches("mlp", 5, 16)):
+        x, y = M.shard(batch, rank, world)
+        step(model, opts[0], x, y, *_values(i))
+        weighted_step(ddp, opts[1], x, y, *_values(i))
+    # Mode zero keeps each rank's shard of the optimizer state: the parameters,
+    # updated from it for five steps, stand for it.
+    ours, theirs = (M.state_of(m, o) for m, o in zip((model, reference), opts))
+    if mode == "zero":
+        ours, theirs = ({k: v for k, v in d.items() if k.startswith("model.")}
+                        for d in (ours, theirs))
+    return step._cache.builds, M.max_rel_error(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
+def test_lifted_numbers_equal_ddp(mode, ranks2):
+    assert ranks2.run(numbers_vs_ddp, mode) == [(2, 0.0), (2, 0.0)]
