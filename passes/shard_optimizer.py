@@ -56,7 +56,17 @@ from transpiler.mesh import Dim
 from transpiler.pipeline import Mark, PassContext, consumes
 from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
 from transpiler.shards import shard_numel
-from transpiler.roles import BUCKET, COMM, INPUT, REDUCE, REDUCED, ROLE, Role
+from transpiler.roles import (
+    BUCKET,
+    COMM,
+    GATHERED,
+    INPUT,
+    PARAM_SHARD,
+    REDUCE,
+    REDUCED,
+    ROLE,
+    Role,
+)
 
 aten = torch.ops.aten
 
@@ -205,8 +215,9 @@ class _Rewrite:
             chunk = shard_numel(placeholder.meta["val"].numel(), self.n)
             with self.graph.inserting_before(before):
                 rows = self._rows(placeholder, chunk, Role.OPTIMIZE, None)
-                self.shard[placeholder] = self._node(aten.select.int, (rows, 0, self.ctx.rank),
-                                                     Role.OPTIMIZE, None)
+                self.shard[placeholder] = self._node(
+                    aten.select.int, (rows, 0, self.ctx.rank), Role.OPTIMIZE, None,
+                    **{PARAM_SHARD: placeholder.meta[INPUT].name})
         return self.shard[placeholder]
 
     def _shard_state(self) -> None:
@@ -413,7 +424,8 @@ class _Rewrite:
                               Role.COMM, b)
             if flat.meta["val"].numel() != val.numel():
                 flat = self._node(aten.slice.Tensor, (flat, 0, 0, val.numel()), Role.COMM, b)
-            full[p] = self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b)
+            full[p] = self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b,
+                                 **{GATHERED: p})
         return full
 
     def _node(self, target, args, role: Role, bucket: int | None, kwargs=None,

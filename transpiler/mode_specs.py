@@ -168,6 +168,16 @@ class Zero(_Fused):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Fsdp(_Fused):
+    """ZeRO-3 (FSDP): parameters, gradients and optimizer state sharded; each
+    bucket of parameters gathered just before its first use in the step."""
+
+    name = "fsdp"
+    passes = modes.FSDP
+    unsupported = ("shard_params", ("verify", "reduce_groups", "hierarchical", "check_every"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AllGather(_Buckets):
     """Every rank gathers every rank's gradients and applies them in rank order."""
 
@@ -218,7 +228,7 @@ class Pipeline(_Fused):
 
 
 SPECS: dict[str, type[ModeSpec]] = {cls.name: cls for cls in (
-    GradAllReduce, FuseAllReduce, LocalSGD, Zero, AllGather, Decentralized)}
+    GradAllReduce, FuseAllReduce, LocalSGD, Zero, Fsdp, AllGather, Decentralized)}
 
 
 def build(mode: str | ModeSpec | None, passes: Sequence[PassLike] | None,

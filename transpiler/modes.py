@@ -20,6 +20,9 @@ SHARD_OPTIMIZER = "shard_optimizer"
 # bucket's update and all-gather as soon as its reduce-scatter is done.
 ZERO = (BROADCAST_BUFFERS, "average_grads", SHARD_OPTIMIZER, "ring_round_robin", "schedule_comm",
         "schedule_updates")
+# ZeRO-3 (FSDP): mode zero whose parameters stay sharded between steps too,
+# each bucket gathered just before its first use in the step.
+FSDP = ZERO + ("shard_params",)
 # Paddle's all_gather mode: every rank gathers every rank's gradients and applies
 # the update once per rank's gradient, in rank order.
 ALL_GATHER = (BROADCAST_BUFFERS, "gather_grads", "ring_round_robin", "schedule_comm")
@@ -42,6 +45,7 @@ MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "fuse_all_reduce": FUSE_ALL_REDUCE,
     "local_sgd": LOCAL_SGD,
     "zero": ZERO,
+    "fsdp": FSDP,
     "all_gather": ALL_GATHER,
     "decentralized": DECENTRALIZED,
 }

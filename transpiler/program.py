@@ -56,6 +56,7 @@ class Held(enum.Enum):
     ":<param>" appended for a per-parameter one (held_name)."""
 
     SNAPSHOT = "snapshot"                  # a parameter at the last local SGD sync
+    PARAM_SHARD = "param_shard"            # this rank's shard of a parameter (mode fsdp)
     MEAN_LOSS = "local_sgd.mean_loss"      # the loss averaged over the ranks at a sync
     LR = "local_sgd.lr"                    # the learning rate at a sync
     SKIPPED = "skip_nonfinite.skipped"     # whether skip_nonfinite skipped the update
@@ -202,7 +203,8 @@ class Program:
             node = self.graph.placeholder(name)
         val = like.meta["val"]
         with val.fake_mode:
-            node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
+            node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                   device=val.device)
         node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
         node.meta[INPUT] = spec
         self.inputs.append(spec)

@@ -37,6 +37,8 @@ class Built:
     cleared: list      # (name, parameter) whose .grad each call leaves None
     reads_grads: bool  # whether which parameters have a .grad is part of the key
     guards: Guards     # host values its programs were traced with
+    # (name, parameter) of those kept as shards between steps (mode fsdp)
+    sharded_params: list = dataclasses.field(default_factory=list)
 
 
 class ProgramCache:

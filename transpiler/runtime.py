@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import agreement, consensus, consistency, reduce_groups, verify
+from . import agreement, consensus, consistency, reduce_groups, sharded_params, verify
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .capture import Captured, HeldSlot, flatten_args, make_first_state, trace_step
@@ -32,7 +32,7 @@ from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, pass_name, record, run_passes
-from .program import InputKind, OutputKind, Program, format_collectives
+from .program import Held, InputKind, OutputKind, Program, format_collectives
 from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .rebuild import AgreedPrograms
@@ -245,6 +245,7 @@ class TranspiledStep:
         name = self.schedule.next_program()
         runnable = built.programs[name]
         self._run_prelude(built, runnable)
+        sharded_params.free(built.sharded_params)   # after the startup cut their shards
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args)
         else:
@@ -263,6 +264,16 @@ class TranspiledStep:
             self._check_due = False
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
+
+    @contextlib.contextmanager
+    def unsharded(self, writeback: bool = False):
+        """Mode fsdp: the model's full parameters inside the block (for
+        evaluation, export, model.state_dict()), released again on exit; with
+        writeback=True what the block wrote into them becomes the shards the
+        next step starts from. Every rank must enter it (it gathers)."""
+        params = self._last.sharded_params if self._last else []
+        with sharded_params.unsharded(params, self._held.tensors, writeback):
+            yield
 
     def _run_prelude(self, built: Built, runnable: Runnable) -> None:
         """Run the startup program, or the refresh of the held tensors alone,
@@ -320,7 +331,7 @@ class TranspiledStep:
                     "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
-                           captured.reads_grads, captured.guards)
+                           captured.reads_grads, captured.guards, _sharded_params(captured, programs))
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -361,11 +372,12 @@ class TranspiledStep:
                      if spec.kind is InputKind.HELD}.values())
         startup = refresh = None
         if world_size > 1:
-            program = startup_program(captured, held)
+            program = startup_program(captured, held, rank=ctx.rank, world_size=world_size)
             run_passes(program, STARTUP_PASSES, ctx)
             startup = Runnable(program, *self._bind(program, captured), "eager")
         if held:
-            program = startup_program(captured, held, name="refresh")
+            program = startup_program(captured, held, name="refresh", rank=ctx.rank,
+                                      world_size=world_size)
             refresh = Runnable(program, *self._bind(program, captured), "eager")
         return programs, startup, refresh
 
@@ -447,6 +459,14 @@ class TranspiledStep:
         verify.agree_on_verdict(verdict, self.schedule.step)
         self._executor.commit(runnable, outputs)
         return outputs
+
+
+def _sharded_params(captured: Captured, programs: dict) -> list:
+    """(name, parameter) of each parameter a program keeps as held shards."""
+    slots = dict(zip((spec.name for spec in captured.program.inputs), captured.slots))
+    names = dict.fromkeys(spec.param for r in programs.values() for spec in r.program.inputs
+                          if spec.held is Held.PARAM_SHARD)
+    return [(name, slots[name].tensor) for name in names]
 
 
 def _dropped_grads(captured: Captured, programs: dict[str, Runnable]) -> list:

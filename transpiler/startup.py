@@ -14,27 +14,34 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture import Captured, identifier
 from .pipeline import record
-from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
+from .program import Held, InputKind, InputSpec, OutputKind, OutputSpec, Program
+from .shards import shard_of
 from .roles import INPUT, ROLE, Role
 
 
 def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
-                    name: str = "startup") -> Program:
-    """Outputs: the parameters and buffers (updates), then the held tensors."""
+                    name: str = "startup", rank: int = 0, world_size: int = 1) -> Program:
+    """Outputs: the parameters and buffers (updates), then the held tensors:
+    a copy of its parameter, or this rank's shard of it (Held.PARAM_SHARD)."""
     chosen = [(spec, slot) for spec, slot in zip(captured.program.inputs, captured.slots)
               if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
     index = {spec.name: i for i, (spec, _) in enumerate(chosen)}
     sources = [index[spec.param] for spec in held]
     values = [slot.read(None) for _, slot in chosen]
-    gm = make_fx(lambda *ts: list(ts) + [torch.clone(ts[i]) for i in sources],
+    def initial(spec: InputSpec, value: torch.Tensor) -> torch.Tensor:
+        if spec.held is Held.PARAM_SHARD:
+            return shard_of(value, rank, world_size)
+        return torch.clone(value)
+    gm = make_fx(lambda *ts: list(ts) + [initial(spec, ts[i]) for spec, i in zip(held, sources)],
                  tracing_mode="fake")(*values)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, (spec, _) in zip(placeholders, chosen):
         node.meta[INPUT] = spec
         node._rename(captured.program.input_node(spec.name).name)
-    copies = [n for n in gm.graph.nodes if n.op == "call_function"]
-    for node, spec in zip(copies, held):
-        node.meta[ROLE] = Role.OPTIMIZE
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[ROLE] = Role.OPTIMIZE
+    for node, spec in zip(gm.graph.output_node().args[0][len(chosen):], held):
         node._rename(identifier("", spec.name))
     gm.recompile()
     program = Program(name, gm, [spec for spec, _ in chosen],
