@@ -336,14 +336,18 @@ def fsdp2_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _fsdp2(step_fn, model, optimizer):
     """torch's FSDP2 on a one-dimensional mesh of every rank, per block, then
-    the root (default reshard_after_forward). The parameters become DTensors,
-    so the optimizer is built again over them, of the same class and settings."""
+    the root (default reshard_after_forward). fully_shard replaces each
+    parameter by a DTensor of the same name; the optimizer (no state yet) is
+    pointed at those, so that nothing keeps the full parameters alive."""
+    names = {id(p): name for name, p in model.named_parameters()}
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in fsdp2_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return functools.partial(step_fn, model, type(optimizer)(model.parameters(),
-                                                            **optimizer.defaults))
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return functools.partial(step_fn, model, optimizer)
 
 
 def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | None:
