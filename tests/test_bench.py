@@ -20,12 +20,13 @@ def test_bench_cli_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "transpiler.bench", "--world-size", "2", "--models", "deep",
-         "--steps", "2", "--warmup", "1", "--configs", "local,ddp,grad_allreduce,local_sgd",
+         "--steps", "2", "--warmup", "1", "--configs",
+         "local,ddp,fsdp2,grad_allreduce,local_sgd",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "grad_allreduce" in proc.stdout and "step_ms" in proc.stdout
-    assert "[1/5] deep local" in proc.stderr
+    assert "[1/6] deep local" in proc.stderr
 
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2
@@ -33,13 +34,18 @@ def test_bench_cli_writes_json(tmp_path):
     assert list(doc["models"]) == ["deep"]
     # The references of vs_ddp and vs_limit are always run.
     results = doc["models"]["deep"]
-    assert set(results) == {"local", "allreduce_only", "ddp", "grad_allreduce", "local_sgd"}
+    assert set(results) == {"local", "allreduce_only", "ddp", "fsdp2", "grad_allreduce",
+                            "local_sgd"}
     for config, fields in results.items():
         split = fields.pop("setup_split", None)
         assert set(fields) == set(bench.FIELDS), config
         assert fields.pop("peak_device_mb") is None, config   # measured on CUDA only
         for name, value in fields.items():
-            # allreduce_only runs no optimizer: it holds no state; local sends nothing.
+            # allreduce_only runs no optimizer: it holds no state; local sends nothing;
+            # fsdp2's sent bytes are not counted.
+            if (name, config) == ("sent_mb", "fsdp2"):
+                assert value is None
+                continue
             positive = value > 0 or (name, config) in (("opt_state_mb", "allreduce_only"),
                                                        ("sent_mb", "local"))
             assert isinstance(value, float) and math.isfinite(value) and positive, \
@@ -56,6 +62,13 @@ def test_bench_cli_writes_json(tmp_path):
     sent = results["ddp"]["sent_mb"]
     assert math.isclose(results["grad_allreduce"]["sent_mb"], sent, rel_tol=1e-9)
     assert math.isclose(results["local_sgd"]["sent_mb"], sent / bench.LOCAL_SGD_K, rel_tol=1e-9)
+    # Every rank holds all the parameters and the momentum (64 x 64 + 64 weights and biases,
+    # then 10 x 64 + 10), but FSDP2 half of each: deep's rows split evenly, no padding.
+    full = (64 * (64 * 64 + 64) + 10 * 64 + 10) * 4 / 2**20
+    for config in ("local", "ddp", "grad_allreduce", "local_sgd"):
+        assert results[config]["param_mb"] == full, config
+        assert results[config]["opt_state_mb"] == full, config
+    assert results["fsdp2"]["param_mb"] == results["fsdp2"]["opt_state_mb"] == full / 2
     assert "setup_s of the transpiler by phase" in proc.stdout
 
 
@@ -131,7 +144,7 @@ def test_bench_report_is_the_run_it_printed(tmp_path):
         assert "![step time of each configuration](performance.png)" in lines
         assert png.exists()
     definitions = lines[lines.index("## Fields") + 2:]
-    header = [line for line in proc.stdout.splitlines() if line.startswith("# ")][1:5]
+    header = [line for line in proc.stdout.splitlines() if line.startswith("# ")][1:6]
     assert definitions == ["- " + h[2:] for h in header]
     assert definitions[0].startswith("- step_ms: median over 2 timed steps (after 0 warm-up)")
 
@@ -152,6 +165,68 @@ def test_default_configs_and_all():
     assert cpu == [c for c in bench.CONFIGS if c not in bench.CUDA_ONLY]
     assert set(bench.DEFAULT_CONFIGS) < set(cpu)
     # The report's set shows torch's ways, the limits and every mode side by side.
-    assert {"local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy"} \
+    assert {"local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "fsdp2"} \
         <= set(bench.DEFAULT_CONFIGS)
     assert set(bench.MODES) <= set(bench.DEFAULT_CONFIGS)
+
+
+def test_fsdp2_blocks_leave_tied_parameters_to_the_root():
+    lm = bench.TransformerLM()
+    assert bench.fsdp2_blocks(lm) == list(lm.blocks)      # embed and out share a weight
+    gpt = bench.GPT(layers=2)
+    assert bench.fsdp2_blocks(gpt) == [gpt.position, *gpt.blocks, gpt.norm]
+    mlp = bench.MLP([4, 3, 2])
+    assert bench.fsdp2_blocks(mlp) == list(mlp.layers)
+
+
+# Rows 7 and 5 are odd: on 2 ranks FSDP2 pads each to an even count.
+SMALL = bench.ModelSpec(lambda: bench.MLP([9, 7, 5]), bench._features(9, 5), 4)
+
+
+def rank_fsdp2_and_ddp(steps):
+    """The bench's ddp and fsdp2 configs, each from the same seeded weights on
+    the same batches: the full parameters after `steps` steps, the bytes of
+    parameters and optimizer state this rank holds."""
+    import torch.distributed as dist
+    out = {}
+    batches = bench.rank_batches(SMALL, steps, dist.get_rank(), dist.get_world_size())
+    for config in ("ddp", "fsdp2"):
+        torch.manual_seed(bench.SEED_WEIGHTS)
+        model = SMALL.build()
+        step = bench.CONFIGS[config](bench.train_step, model, bench._optimizer("sgd", model))
+        for batch in batches:
+            step(*batch)
+        params = [p.detach().full_tensor() if isinstance(p, bench.DTensor)
+                  else p.detach().clone() for p in model.parameters()]
+        out[config] = (params, bench.param_bytes(model), bench._state_bytes(step.args[-1]))
+    return out
+
+
+def test_fsdp2_trains_as_ddp_and_holds_half_the_parameters(ranks2):
+    results = ranks2.run(rank_fsdp2_and_ddp, 3)
+    shapes = [(7, 9), (7,), (5, 7), (5,)]
+    full = sum(math.prod(s) for s in shapes) * 4
+    # FSDP2's shard of each parameter is ceil(rows / 2) rows on every rank (padded).
+    shard = sum(math.ceil(s[0] / 2) * math.prod(s[1:]) for s in shapes) * 4
+    assert full / 2 < shard <= full / 2 + sum(math.prod(s[1:]) for s in shapes) * 4
+    for out in results:
+        ddp, fsdp2 = out["ddp"], out["fsdp2"]
+        assert [tuple(p.shape) for p in ddp[0]] == shapes
+        for ours, ref in zip(fsdp2[0], ddp[0]):
+            torch.testing.assert_close(ours, ref)            # float rounding: fp32 defaults
+        assert ddp[1:] == (full, full)
+        assert fsdp2[1] == shard
+    # Momentum: rank 0 holds the ceil(rows / 2) rows, rank 1 the rest (no padding).
+    assert [out["fsdp2"][2] for out in results] == [shard, full - shard]
+    torch.manual_seed(bench.SEED_WEIGHTS)
+    initial = list(SMALL.build().parameters())
+    assert all(not torch.equal(p, q) for p, q in zip(results[0]["ddp"][0], initial))  # trained
+
+
+def test_a_transpiler_config_is_listed_only_with_its_mode(monkeypatch, caplog):
+    assert ("fsdp" in bench.CONFIGS) == ("fsdp" in bench.MODES)
+    monkeypatch.delitem(bench.MODES, "zero")
+    assert bench._transpiled("zero") is None
+    if "fsdp" not in bench.MODES:
+        assert bench.main(["--configs", "fsdp"]) == 2
+        assert "unknown config fsdp" in caplog.text

@@ -19,6 +19,9 @@ optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
     ddp_compiled            torch.compile (inductor) of the DDP-wrapped model
     ddp_zero_redundancy     DDP with torch's ZeroRedundancyOptimizer (the same
                             optimizer class and settings, sharded by parameter)
+    fsdp2                   torch's FSDP2: fully_shard of each block (each layer of
+                            a ModuleList, each other child holding parameters that
+                            it shares with no other block), then of the root
     grad_allreduce          transpile(step, mode="grad_allreduce") (nrings=2)
     grad_allreduce_nrings1  the same with nrings=1
     ...                     one line of CONFIGS per transpiler mode; a mode is
@@ -33,6 +36,7 @@ optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
                             across nodes and all-gathered inside the node
     zero                    mode="zero": gradients reduce-scattered, state and
                             update sharded, parameters all-gathered
+    fsdp                    mode="fsdp": parameters sharded between steps too
     <mode>+schedule_updates the mode's passes, then schedule_updates (each
                             bucket's update as soon as its collective is done)
     all_gather              mode="all_gather": gradients all-gathered, the update
@@ -59,14 +63,20 @@ What is measured, and how:
 - vs_ddp = step_ms / step_ms(ddp); vs_limit = step_ms / max(step_ms(local),
   step_ms(allreduce_only)): what the step would cost with free communication,
   or with free compute. The reference configurations are always run.
+- param_mb: bytes of the storage of the model's parameters this rank holds
+  after the timed steps (between steps), each storage counted once (tied
+  parameters, views of one buffer), for a DTensor its local shard's storage
+  (FSDP2's shard, padded to ceil(rows / N) rows), max over the ranks.
 - opt_state_mb: bytes of the optimizer state tensors this rank holds after the
   timed steps, max over the ranks (`--optimizer adam`: two per parameter; a
-  sharded mode or torch's ZeroRedundancyOptimizer holds 1/N of them).
+  sharded mode, FSDP2 (a DTensor's local shard) or torch's
+  ZeroRedundancyOptimizer holds 1/N of them).
 - sent_mb: MiB one rank sends per step, counted for the bandwidth-optimal ring
   algorithms (transpiler.collectives.sent_bytes: an all-reduce sends 2 (g-1)/g
   of its buffer among g ranks): for the transpiler, the collectives of the
   programs it ran in the timed steps; for ddp, ddp_compiled and allreduce_only,
-  the all-reduce of every gradient; not counted ("-") for ddp_zero_redundancy.
+  the all-reduce of every gradient; not counted ("-") for ddp_zero_redundancy
+  and fsdp2.
 - peak_rss_mb: ru_maxrss (a process-lifetime peak) of the rank processes that
   ran only this configuration, max over the ranks. It includes the interpreter,
   torch, the model and the data (the table header says how much that was
@@ -81,6 +91,7 @@ Without --configs it runs DEFAULT_CONFIGS, the set of `make bench`, whose
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -106,7 +117,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from transpiler import MODES, transpile
 from transpiler.backends import BACKENDS
@@ -121,8 +135,8 @@ LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
 # The fields of a config's result, in the table's order, and how the table formats them.
 STEP_COLUMNS = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
-                ("opt_state_mb", ".2f"), ("sent_mb", ".2f"), ("peak_rss_mb", ".1f"),
-                ("peak_device_mb", ".1f"), ("setup_s", ".2f"))
+                ("param_mb", ".2f"), ("opt_state_mb", ".2f"), ("sent_mb", ".2f"),
+                ("peak_rss_mb", ".1f"), ("peak_device_mb", ".1f"), ("setup_s", ".2f"))
 FIELDS = tuple(name for name, _ in STEP_COLUMNS)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
@@ -222,6 +236,9 @@ MODELS: dict[str, ModelSpec] = {
     "wide": ModelSpec(lambda: MLP([512] * 9), _features(512, 512), 32),
     # 64 x Linear(64, 64) and a Linear(64, 10) head: 130 small tensors, latency-bound.
     "deep": ModelSpec(lambda: MLP([64] * 65 + [10]), _features(64, 10), 32),
+    # Parameters dominate (memory per rank): Linear(1024, 3072), Linear(3072, 3072),
+    # Linear(3072, 1024), 15.7M parameters (60 MiB in float32), a batch of 8 per rank.
+    "wide_mlp": ModelSpec(lambda: MLP([1024, 3072, 3072, 1024]), _features(1024, 1024), 8),
     # 2 encoder blocks (d_model 128), vocab 1000, sequences of 32 tokens.
     "transformer": ModelSpec(TransformerLM, _tokens(1000, 32), 8),
     # GPT-2's shape at 12 layers, d_model 128: a large graph (setup time), 2.5M
@@ -304,6 +321,35 @@ def _ddp_zero_redundancy(step_fn, model, optimizer):
     return functools.partial(step_fn, DDP(model), sharded)
 
 
+def fsdp2_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules fully_shard wraps before the root: each layer of a
+    ModuleList child and each other child, where it holds parameters and
+    shares none with another of them (a tied embedding and output layer stay
+    with the root, as FSDP2 requires of shared parameters)."""
+    candidates = [m for child in model.children()
+                  for m in (child if isinstance(child, nn.ModuleList) else (child,))]
+    holders = collections.Counter(id(p) for m in candidates for p in m.parameters())
+    return [m for m in candidates
+            if any(True for _ in m.parameters()) and all(holders[id(p)] == 1
+                                                         for p in m.parameters())]
+
+
+def _fsdp2(step_fn, model, optimizer):
+    """torch's FSDP2 on a one-dimensional mesh of every rank, per block, then
+    the root (default reshard_after_forward). fully_shard replaces each
+    parameter by a DTensor of the same name; the optimizer (no state yet) is
+    pointed at those, so that nothing keeps the full parameters alive."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    for block in fsdp2_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return functools.partial(step_fn, model, optimizer)
+
+
 def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | None:
     """A transpiler configuration: the mode, or its passes followed by `then`;
     None where the mode or backend does not exist."""
@@ -322,6 +368,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "ddp": _ddp,
     "ddp_compiled": _ddp_compiled,
     "ddp_zero_redundancy": _ddp_zero_redundancy,
+    "fsdp2": _fsdp2,
     "grad_allreduce": _transpiled("grad_allreduce"),              # nrings=2, the default
     "grad_allreduce_nrings1": _transpiled("grad_allreduce", nrings=1),
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
@@ -333,6 +380,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+schedule_updates": _transpiled("fuse_all_reduce", ("schedule_updates",)),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
+    "fsdp": _transpiled("fsdp"),     # absent until transpiler.MODES has it
     "all_gather": _transpiled("all_gather"),
     "decentralized": _transpiled("decentralized", topology="ring"),
 }
@@ -343,12 +391,12 @@ PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCA
 # Configurations that run only with --device cuda.
 CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
 # Run when --configs is not given (the set of `make bench`'s report): the limits,
-# torch's DDP, compiled and with ZeroRedundancyOptimizer, every transpiler mode,
+# torch's DDP, compiled and with ZeroRedundancyOptimizer, FSDP2, every transpiler mode,
 # fuse_all_reduce under inductor; and with --device cuda, CUDA_ONLY.
 DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c in {
-    "local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "grad_allreduce",
-    "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "zero", "all_gather",
-    "decentralized"})
+    "local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "fsdp2",
+    "grad_allreduce", "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "zero", "fsdp",
+    "all_gather", "decentralized"})
 
 
 # ------------------------------------------------------------ one configuration, in a rank
@@ -415,6 +463,7 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
             "base_rss_mb": base_rss, "setup_split": split,
             "peak_device_mb": (torch.cuda.max_memory_allocated() / 2**20
                                if job.device == "cuda" else None),
+            "param_mb": param_bytes(model) / 2**20,
             "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20,
             "sent_mb": None if sent is None else sent / 2**20}
 
@@ -432,11 +481,27 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: a DTensor's local shard, or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of the storages of the model's parameters as this rank holds
+    them, each storage once (a DTensor's local shard's, with its padding)."""
+    storages = {}
+    for p in model.parameters():
+        storage = _local(p).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _state_bytes(optimizer) -> int:
     """Bytes of the optimizer state tensors this process holds (for torch's
-    ZeroRedundancyOptimizer, its local optimizer's: its shard)."""
+    ZeroRedundancyOptimizer, its local optimizer's; for DTensors, the local
+    shards: each its rank's share)."""
     state = getattr(optimizer, "optim", optimizer).state
-    return sum(v.nbytes for entries in state.values() for v in entries.values()
+    return sum(_local(v).nbytes for entries in state.values() for v in entries.values()
                if isinstance(v, torch.Tensor))
 
 
@@ -558,6 +623,7 @@ class Measurement:
     peak_rss_mb: float
     base_rss_mb: float
     setup_split: dict[str, float] | None = None   # the transpiler's setup by phase
+    param_mb: float = 0.0
     opt_state_mb: float = 0.0
     sent_mb: float | None = None   # what a rank sends per step (None: not counted)
     peak_device_mb: float | None = None   # torch.cuda.max_memory_allocated (None: CPU)
@@ -573,6 +639,7 @@ def combine(per_rank: list[dict]) -> Measurement:
                        peak_rss_mb=max(r["peak_rss_mb"] for r in per_rank),
                        base_rss_mb=max(r["base_rss_mb"] for r in per_rank),
                        setup_split=slowest_setup.get("setup_split"),
+                       param_mb=max(r["param_mb"] for r in per_rank),
                        opt_state_mb=max(r["opt_state_mb"] for r in per_rank),
                        sent_mb=_max_or_none(r["sent_mb"] for r in per_rank),
                        peak_device_mb=_max_or_none(r["peak_device_mb"] for r in per_rank))
@@ -621,6 +688,7 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,
                 peak_rss_mb=max(m.peak_rss_mb for m in ms),
                 base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split,
+                param_mb=max(m.param_mb for m in ms),
                 opt_state_mb=max(m.opt_state_mb for m in ms), sent_mb=ms[0].sent_mb,
                 peak_device_mb=_max_or_none(m.peak_device_mb for m in ms))
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
@@ -640,7 +708,8 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
         limit = max(limits) if len(limits) == 2 else None
         summary[model] = {c: {"step_ms": m.step_ms, "vs_ddp": _ratio(m.step_ms, ddp),
                               "vs_limit": _ratio(m.step_ms, limit),
-                              "opt_state_mb": m.opt_state_mb, "sent_mb": m.sent_mb,
+                              "param_mb": m.param_mb, "opt_state_mb": m.opt_state_mb,
+                              "sent_mb": m.sent_mb,
                               "peak_rss_mb": m.peak_rss_mb,
                               "peak_device_mb": m.peak_device_mb, "setup_s": m.setup_s,
                               **({"setup_split": m.setup_split} if m.setup_split else {})}
@@ -686,6 +755,8 @@ def header_lines(info: RunInfo, steps: int, warmup: int, raw: dict,
            if info.device == "cuda" else "")
         + (f"; median of {repeat} interleaved rounds" if repeat > 1 else ""),
         "# vs_ddp = step_ms / ddp;  vs_limit = step_ms / max(local, allreduce_only)",
+        "# param_mb, opt_state_mb: the model's parameters (their storages) and the optimizer "
+        "state a rank holds between steps (a DTensor: its local shard), max over ranks",
         "# peak_rss_mb: ru_maxrss of fresh rank processes that ran only this config, max over "
         f"ranks (includes python, torch, model, data: {base_text} before the step was built)",
         "# setup_s: building the step + its first call, slowest rank (ddp: DDP construction; "
