@@ -463,7 +463,8 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
             "base_rss_mb": base_rss, "setup_split": split,
             "peak_device_mb": (torch.cuda.max_memory_allocated() / 2**20
                                if job.device == "cuda" else None),
-            "param_mb": param_bytes(model) / 2**20,
+            "param_mb": (param_bytes(model) + getattr(_transpiled_step(step),
+                                                      "parameter_shard_bytes", 0)) / 2**20,
             "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20,
             "sent_mb": None if sent is None else sent / 2**20}
 
@@ -488,7 +489,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of the storages of the model's parameters as this rank holds
-    them, each storage once (a DTensor's local shard's, with its padding)."""
+    them, each storage once (a DTensor's local shard's, with its padding; mode
+    fsdp's parameters hold none: its shards are counted apart)."""
     storages = {}
     for p in model.parameters():
         storage = _local(p).untyped_storage()

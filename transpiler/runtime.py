@@ -32,7 +32,7 @@ from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, pass_name, record, run_passes
-from .program import Held, InputKind, OutputKind, Program, format_collectives
+from .program import Held, InputKind, OutputKind, Program, format_collectives, held_name
 from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .rebuild import AgreedPrograms
@@ -264,6 +264,13 @@ class TranspiledStep:
             self._check_due = False
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
+
+    @property
+    def parameter_shard_bytes(self) -> int:
+        """Mode fsdp: bytes of the parameter shards this rank keeps between steps."""
+        params = self._last.sharded_params if self._last else []
+        return sum(self._held.tensors[held_name(Held.PARAM_SHARD, name)].nbytes
+                   for name, _ in params)
 
     @contextlib.contextmanager
     def unsharded(self, writeback: bool = False):
