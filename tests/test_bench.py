@@ -223,10 +223,8 @@ def test_fsdp2_trains_as_ddp_and_holds_half_the_parameters(ranks2):
     assert all(not torch.equal(p, q) for p, q in zip(results[0]["ddp"][0], initial))  # trained
 
 
-def test_a_transpiler_config_is_listed_only_with_its_mode(monkeypatch, caplog):
+def test_a_transpiler_config_is_listed_only_with_its_mode(monkeypatch):
     assert ("fsdp" in bench.CONFIGS) == ("fsdp" in bench.MODES)
-    monkeypatch.delitem(bench.MODES, "zero")
+    # (transpiler.MODES itself is left as it is: its order is the modes' order)
+    monkeypatch.setattr(bench, "MODES", {k: v for k, v in bench.MODES.items() if k != "zero"})
     assert bench._transpiled("zero") is None
-    if "fsdp" not in bench.MODES:
-        assert bench.main(["--configs", "fsdp"]) == 2
-        assert "unknown config fsdp" in caplog.text

@@ -380,7 +380,7 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+schedule_updates": _transpiled("fuse_all_reduce", ("schedule_updates",)),
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
-    "fsdp": _transpiled("fsdp"),     # absent until transpiler.MODES has it
+    "fsdp": _transpiled("fsdp"),
     "all_gather": _transpiled("all_gather"),
     "decentralized": _transpiled("decentralized", topology="ring"),
 }
