@@ -42,8 +42,10 @@ def shard_params(program: Program, ctx: PassContext) -> None:
     values = list(program.output_node.args[0])
     cut = {n.meta[PARAM_SHARD]: n for n in program.graph.nodes if PARAM_SHARD in n.meta}
     first_use: dict[fx.Node, fx.Node] = {}
+    sharded: set[str] = set()
     for gather in gathers:
         names = gather.meta[COMM].params
+        sharded.update(names)
         row = gather.args[0]   # the bucket's updated shards, concatenated
         held = {}
         for name, shard in zip(names, row.args[0]):
@@ -56,7 +58,6 @@ def shard_params(program: Program, ctx: PassContext) -> None:
         full = {n.meta[GATHERED]: n for n in _unpacking(gather) if GATHERED in n.meta}
         for name in names:
             params[name].replace_all_uses_with(full[name])
-    sharded = {name for g in gathers for name in g.meta[COMM].params}
     program.outputs = [OutputSpec(OutputKind.HELD, held_name(Held.PARAM_SHARD, spec.target),
                                   held=Held.PARAM_SHARD)
                        if spec.kind is OutputKind.UPDATE and spec.target in sharded else spec

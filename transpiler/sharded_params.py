@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .program import Held, held_name
-from .shards import shard_of
+from .shards import full_of, shard_of
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -30,12 +30,10 @@ def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tens
     released. A collective: every rank enters it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, p in params:
-        shard = held[held_name(Held.PARAM_SHARD, name)]
-        parts = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(parts, shard)
+        full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, world)
         p.untyped_storage().resize_(p.numel() * p.element_size())
         with torch.no_grad():
-            p.copy_(torch.cat(parts)[:p.numel()].view_as(p))
+            p.copy_(full)
     try:
         yield
     finally:

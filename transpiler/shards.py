@@ -42,6 +42,14 @@ def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return flat[rank * chunk:(rank + 1) * chunk].clone()
 
 
+def full_of(shard: torch.Tensor, like: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The full tensor shaped like `like`, gathered from every rank's shard
+    (shard_of's inverse). A collective: every rank calls it."""
+    parts = [torch.empty_like(shard) for _ in range(world_size)]
+    dist.all_gather(parts, shard.contiguous())
+    return torch.cat(parts)[:like.numel()].view(like.shape)
+
+
 def _flattened(param: torch.Tensor, value) -> bool:
     """A state entry laid out as mode zero's shards: 1-D, not its parameter's
     shape. (torch's optimizers keep each entry that has dimensions shaped like
@@ -259,9 +267,7 @@ class ShardedState:
             for key in sorted(entries):
                 value = optimizer.state[p][key]
                 if self._holds_shard(p, value):
-                    parts = [torch.empty_like(value) for _ in range(world_size)]
-                    dist.all_gather(parts, value.contiguous())
-                    full[index][key] = torch.cat(parts)[:p.numel()].view(p.shape).clone()
+                    full[index][key] = full_of(value, p, world_size).clone()
         return {"state": full, "param_groups": state["param_groups"]}
 
     def dcp_state_dict(self, optimizer: torch.optim.Optimizer, make_state) -> dict:
