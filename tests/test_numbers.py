@@ -8,7 +8,6 @@ import copy
 import logging
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
