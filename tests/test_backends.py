@@ -252,7 +252,7 @@ def test_hpu_backend_says_which_outputs_are_returned(monkeypatch):
     ("cuda", "cpu:gloo,cuda:mpi", "uses 'mpi'"),
 ])
 def test_process_group_must_match_the_device(device, group, message, monkeypatch):
-    monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: group)
     with pytest.raises(TranspileError, match=message):
         backends.check_process_group(torch.device(device))
 
@@ -260,7 +260,7 @@ def test_process_group_must_match_the_device(device, group, message, monkeypatch
 def test_process_group_matching_the_device_passes(monkeypatch):
     for device, group in [("cpu", "gloo"), ("cuda", "nccl"), ("cuda", "gloo"),
                           ("cpu", "cpu:gloo,cuda:nccl")]:
-        monkeypatch.setattr(backends.dist, "get_backend", lambda: group)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda: group)
         backends.check_process_group(torch.device(device))
 
 

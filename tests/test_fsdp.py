@@ -4,16 +4,24 @@ processes, each rank its own batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
-from transpiler import TranspileError, transpile
+from tests import test_training_loops as loops
+from tests.test_fuse_all_reduce import SMALL
+from tests.test_passes import _captured, _check_golden
+from transpiler import TranspileError, run_passes, transpile
+from transpiler.modes import MODES
+from transpiler.roles import GATHERED, ROLE, Role
 from transpiler.shards import shard_numel
 
 TINY_BUCKETS = {"bucket_mb": 0.002, "first_bucket_mb": 0.001}   # several buckets
+DEEP = [16, 32, 32, 32, 32, 4]     # an MLP whose backward reads three buckets
 
 
 def rank_vs_ddp(model_name: str, opt_name: str, buckets: dict):
@@ -70,3 +78,89 @@ def test_fsdp_trains_as_ddp_with_parameters_sharded_between_steps(
 def test_fsdp_refuses_what_it_does_not_combine_with():
     with pytest.raises(TranspileError, match="verify"):
         transpile(M.classify_step, mode="fsdp", verify=True)
+
+
+# ------------------------------------------------------------------ resharding
+
+def _gathered_reads(program) -> list[tuple[str, str]]:
+    """For each gathered parameter value in graph order: its name and which
+    passes read it or a view of it ("forward", "backward" or "both")."""
+    reads = []
+    for node in program.graph.nodes:
+        if GATHERED in node.meta:
+            roles, todo = set(), [node]
+            while todo:
+                for user in todo.pop().users:
+                    roles.add("backward" if user.meta[ROLE] & Role.BACKWARD else "forward")
+                    if getattr(user.target, "is_view", False):
+                        todo.append(user)
+            reads.append((node.meta[GATHERED], "both" if len(roles) == 2 else roles.pop()))
+    assert all(passes for _, passes in reads)
+    return reads
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_golden_fsdp(reshard):
+    """Where each bucket is gathered, freed and reduce-scattered: with
+    reshard_after_forward a gathered value is read by one pass only, but
+    for the bucket read last in the forward pass, which the backward pass
+    reads next."""
+    program = _captured("mlp").program
+    run_passes(program, MODES["fsdp"], dataclasses.replace(SMALL, reshard_after_forward=reshard))
+    if reshard:
+        _check_golden("fsdp", str(program))
+    gathers = [n.meta["comm"] for n in program.collectives() if n.meta["comm"].op == "all_gather"]
+    reads = _gathered_reads(program)
+    kept = {name for name, passes in reads if passes == "both"}
+    buckets = {b.bucket: b.params for b in gathers}
+    if reshard:
+        first_backward = next(n for n in program.graph.nodes
+                              if n.meta.get(ROLE, Role(0)) & Role.BACKWARD)
+        last_forward_gather = [n for n in program.collectives() if n.meta["comm"].op == "all_gather"
+                               and next(iter(n.users)) < first_backward][-1]
+        # Only the bucket gathered last for the forward pass spans both.
+        assert kept and kept <= set(last_forward_gather.meta["comm"].params)
+        regathered = [b.params for b in gathers if gathers.count(b) == 2]
+        assert len(gathers) > len(buckets) and regathered
+        # A bucket is gathered again for the values the backward pass reads.
+        assert all(any((p, "backward") in reads for p in b) for b in regathered)
+    else:
+        assert len(gathers) == len(buckets)
+        assert kept and all(passes != "backward" for _, passes in reads)
+
+
+def rank_deep_vs_ddp(fn_name: str, reshard: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, ref = M.MLP(DEEP), M.MLP(DEEP)
+    ref.load_state_dict(model.state_dict())
+    opts = [M.make_optimizer("adamw", m) for m in (model, ref)]
+    fn = loops.STEP_FNS[fn_name] if fn_name in loops.STEP_FNS else M.step_fn("mlp")
+    step = transpile(fn, mode="fsdp", reshard_after_forward=reshard, **TINY_BUCKETS)
+    ddp = DDP(ref)
+    losses = []
+    for batch in M.batches("mlp", 3, 24):
+        x, y = M.shard(batch, rank, world)
+        losses.append(torch.equal(step(model, opts[0], x, y), fn(ddp, opts[1], x, y)))
+    gathers = [n.meta["comm"].bucket for n in step.program.collectives()
+               if n.meta["comm"].op == "all_gather"]
+    with step.unsharded():
+        error = M.max_rel_error(dict(model.named_parameters()), dict(ref.named_parameters()))
+    full = step.full_optimizer_state_dict(opts[0])["state"]
+    error = max([error] + [M.max_rel_error(full[i], s) for i, s in opts[1].state_dict()["state"].items()])
+    return error, losses, gathers
+
+
+@pytest.mark.parametrize("fn_name", ["classify", "accumulate"])
+def test_resharding_trains_as_ddp_bit_for_bit(fn_name, ranks2):
+    """Gathering again for the backward pass (and for each micro-batch's)
+    changes no value: AdamW equals DDP bit for bit with and without it."""
+    counts = {}
+    for reshard in (True, False):
+        for error, losses, gathers in ranks2.run(rank_deep_vs_ddp, fn_name, reshard):
+            assert error == 0.0 and all(losses)
+        counts[reshard] = len(gathers)
+        assert len(set(gathers)) == 4    # four buckets
+    # Without resharding each bucket is gathered once a step; with it again
+    # for each pass that reads it (two micro-batches: four passes).
+    assert counts[False] == 4 and counts[True] > counts[False]

@@ -23,7 +23,6 @@ import logging
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host

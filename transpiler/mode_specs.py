@@ -175,6 +175,13 @@ class Fsdp(_Fused):
     name = "fsdp"
     passes = modes.FSDP
     unsupported = ("shard_params", ("verify", "reduce_groups", "hierarchical", "check_every"))
+    # Free a gathered bucket after its last use in the forward pass and gather
+    # it again for the backward pass (torch FSDP2's default); False keeps it
+    # to its last use in the step.
+    reshard_after_forward: bool = _option(True, _flag)
+
+    def settings(self) -> dict:
+        return {**super().settings(), "reshard_after_forward": self.reshard_after_forward}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,9 @@ class PassContext:
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
+    # shard_params: gather a bucket again in each forward or backward pass
+    # that reads it rather than keeping it to its last use in the step
+    reshard_after_forward: bool = True
     # mix_params: this rank's mixing in the program being built (decentralized
     # mode; the schedule sets it per program)
     gossip: Gossip | None = None

@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT
 from .mesh import Dim, Over
-from .roles import BUCKET, COMM, INPUT, PARAM, REDUCE, ROLE, Role
+from .roles import BUCKET, COMM, GATHERED, INPUT, PARAM, REDUCE, ROLE, Role
 
 
 class InputKind(enum.Enum):
@@ -441,7 +441,7 @@ def _call_str(node: fx.Node) -> str:
     return f"{_target_str(node.target)}({', '.join(parts)})"
 
 
-def _note(node: fx.Node) -> str:
+def _note(node: fx.Node, frees: dict[fx.Node, list[str]]) -> str:
     notes = []
     if ROLE in node.meta:
         notes.append(str(node.meta[ROLE]))
@@ -457,12 +457,34 @@ def _note(node: fx.Node) -> str:
     bucket = comm.bucket if comm is not None else node.meta.get(BUCKET)
     if bucket is not None:
         notes.append(f"bucket={bucket}")
+    if node in frees:
+        notes.append(f"frees={','.join(frees[node])}")
     return "  # " + " ".join(notes) if notes else ""
+
+
+def _frees(graph: fx.Graph) -> dict[fx.Node, list[str]]:
+    """The node after which nothing reads a gathered parameter (meta
+    GATHERED) or a view of it: where the program frees it. Those read by the
+    program's outputs are not freed."""
+    frees: dict[fx.Node, list[str]] = {}
+    for node in graph.nodes:
+        if GATHERED not in node.meta:
+            continue
+        readers, todo = set(), [node]
+        while todo:
+            for user in todo.pop().users:
+                readers.add(user)
+                if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+                    todo.append(user)
+        last = max(readers, default=None)
+        if last is not None and last.op != "output":
+            frees.setdefault(last, []).append(node.meta[GATHERED])
+    return frees
 
 
 def format_graph(graph: fx.Graph) -> str:
     """One line per node, deterministic: no object ids, no group names."""
-    lines = []
+    lines, frees = [], _frees(graph)
     for node in graph.nodes:
         ty = _type_str(node.meta.get("val"))
         head = f"{node.name}: {ty}" if ty else node.name
@@ -475,7 +497,7 @@ def format_graph(graph: fx.Graph) -> str:
         elif node.op == "output":
             lines.append(f"return {_arg_str(node.args[0])}")
         else:
-            lines.append(f"{head} = {_call_str(node)}{_note(node)}")
+            lines.append(f"{head} = {_call_str(node)}{_note(node, frees)}")
     return "\n".join(lines)
 
 
