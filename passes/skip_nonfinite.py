@@ -8,7 +8,8 @@ collectives checks its gradients. Where the reduced values are shards
 (shard_optimizer: each rank holds its part of each averaged gradient), each
 rank's verdict is combined by one all-reduce (max of "not finite") over the
 world, so every rank still decides alike. Then each `update` output v of input x
-becomes where(ok, v, x), and each optimizer state entry the step creates
+(and each parameter shard mode fsdp holds, of its held input x) becomes
+where(ok, v, x), and each optimizer state entry the step creates
 where(ok, v, 0) (zeros are what SGD's momentum and Adam's moments and step count
 start from); a held output (Held.SKIPPED) says whether the step
 was skipped, for the schedule to count. Every rank computes ok from the same

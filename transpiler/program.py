@@ -277,7 +277,8 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
 
 def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
     """Output k becomes where(conditions[k], new, old) where conditions[k] is a
-    0-d bool node (None: unchanged). old is the output's input for an update,
+    0-d bool node (None: unchanged). old is the output's input for an update
+    (a parameter shard mode fsdp holds included: it is the parameter's value),
     and zeros for optimizer state the step creates (where SGD's momentum and
     Adam's moments and step count start). New nodes: role OPTIMIZE, placed
     before the output."""
@@ -287,9 +288,10 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
     aten = torch.ops.aten
     with graph.inserting_before(out):
         for k, (spec, ok) in enumerate(zip(program.outputs, conditions)):
-            if ok is None or spec.kind not in (OutputKind.UPDATE, OutputKind.STATE):
+            updates = spec.kind is OutputKind.UPDATE or spec.held is Held.PARAM_SHARD
+            if ok is None or not (updates or spec.kind is OutputKind.STATE):
                 continue
-            old = inputs[spec.target] if spec.kind is OutputKind.UPDATE else new_node(
+            old = inputs[spec.target] if updates else new_node(
                 graph, aten.zeros_like.default, (values[k],), Role.OPTIMIZE)
             values[k] = new_node(graph, aten.where.self, (ok, values[k], old), Role.OPTIMIZE)
     out.args = (tuple(values),)
