@@ -213,9 +213,11 @@ class TranspiledStep:
         mode zero each shard is a DTensor (Shard(0) of the flattened
         parameter), so `dcp.save` writes each rank's part and `dcp.load` fills
         it from a checkpoint of any world size; then
-        `load_sharded_optimizer_state_dict`. In a fresh process it first makes
-        the state the first step would, to load into. Without mode zero, the
-        state_dict. A collective where it makes state: call it on every rank."""
+        `load_sharded_optimizer_state_dict`. A parameter without state (all in
+        a fresh process, an unused one later) is given the state its first
+        step would make, to load into (kept only in a fresh optimizer; dropped
+        at load when loaded as such). Without mode zero, the state_dict. A
+        collective where it makes state: call it on every rank."""
         if self._sharded is None:
             return optimizer.state_dict()
         return self._sharded.dcp_state_dict(optimizer)
