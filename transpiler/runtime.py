@@ -25,7 +25,7 @@ import torch
 from . import agreement, consensus, consistency, reduce_groups, sharded_params, verify
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
-from .capture import Captured, HeldSlot, flatten_args, make_first_state, trace_step
+from .capture import Captured, HeldSlot, flatten_args, trace_step
 from .capture.optimizer_state import forget_state
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
@@ -213,12 +213,14 @@ class TranspiledStep:
         mode zero each shard is a DTensor (Shard(0) of the flattened
         parameter), so `dcp.save` writes each rank's part and `dcp.load` fills
         it from a checkpoint of any world size; then
-        `load_sharded_optimizer_state_dict`. In a fresh process it first makes
-        the state the first step would, to load into. Without mode zero, the
-        state_dict. A collective where it makes state: call it on every rank."""
+        `load_sharded_optimizer_state_dict`. A parameter without state (all in
+        a fresh process, an unused one later) is given the state its first
+        step would make, to load into (kept only in a fresh optimizer; dropped
+        at load when loaded as such). Without mode zero, the state_dict. A
+        collective where it makes state: call it on every rank."""
         if self._sharded is None:
             return optimizer.state_dict()
-        return self._sharded.dcp_state_dict(optimizer, make_first_state)
+        return self._sharded.dcp_state_dict(optimizer)
 
     def load_sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
                                           state: dict) -> None:
@@ -281,6 +283,25 @@ class TranspiledStep:
         params = self._last.sharded_params if self._last else []
         with sharded_params.unsharded(params, self._held.tensors, writeback):
             yield
+
+    def sharded_model_state_dict(self, model: torch.nn.Module) -> dict:
+        """Mode fsdp: model.state_dict() for torch.distributed.checkpoint, each
+        parameter a DTensor (Shard(0) of the flattened parameter) whose local
+        part is this rank's shard, each buffer as it is: `dcp.save` writes each
+        rank's part, `dcp.load` fills it from a checkpoint of any world size;
+        then `load_sharded_model_state_dict`. Works before the first call too
+        (the parameters are whole then: each rank's part is cut from them)."""
+        params = self._last.sharded_params if self._last else []
+        return sharded_params.dcp_state_dict(model, params, self._held.tensors)
+
+    def load_sharded_model_state_dict(self, model: torch.nn.Module, state: dict) -> None:
+        """Load a state_dict from sharded_model_state_dict that
+        torch.distributed.checkpoint filled: into the shards the next step
+        starts from, or (before the first call, and for parameters the step
+        keeps whole) gathered into the parameters. A collective: call it on
+        every rank."""
+        params = self._last.sharded_params if self._last else []
+        sharded_params.load_dcp_state_dict(model, params, self._held.tensors, state)
 
     def _run_prelude(self, built: Built, runnable: Runnable) -> None:
         """Run the startup program, or the refresh of the held tensors alone,

@@ -3,7 +3,14 @@ lives in the step's held tensors (Held.PARAM_SHARD, cut by the startup program,
 updated by every step); the parameter itself keeps its shape, dtype and
 identity but no storage, so the model holds about 1/N of its parameter bytes.
 unsharded() gathers the full values into the parameters for as long as the
-caller needs them (evaluation, export, model.state_dict())."""
+caller needs them (evaluation, export, model.state_dict()); dcp_state_dict and
+load_dcp_state_dict give torch.distributed.checkpoint each rank's shards.
+
+Every parameter, held as a shard or whole (frozen, unused, or before the
+step's first call), is saved as the same DTensor: Shard(0) of the flattened
+parameter (shards.as_dtensor). The layout is thus a function of the model
+alone, and a checkpoint loads before the first call, into another world size
+(DCP reshards), or into a step that keeps other parameters whole."""
 
 from __future__ import annotations
 
@@ -12,8 +19,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
+from .errors import TranspileError
 from .program import Held, held_name
-from .shards import full_of, shard_of
+from .shards import as_dtensor, from_dtensor, full_of, shard_of, world_mesh
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -41,3 +51,70 @@ def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tens
             for name, p in params:
                 held[held_name(Held.PARAM_SHARD, name)].copy_(shard_of(p, rank, world))
         free(params)
+
+
+def _entries(model: torch.nn.Module, params, held) -> list[tuple[str, torch.Tensor, object]]:
+    """(key, tensor, held shard or None) of each model.state_dict() entry:
+    the shard for a parameter the step holds as one, None for a parameter held
+    whole and for a buffer (not a parameter). A parameter whose storage is
+    released but that the step holds no shard of (another step's) is refused."""
+    shards = {id(p): held[held_name(Held.PARAM_SHARD, name)] for name, p in params}
+    entries = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        shard = shards.get(id(value))
+        if shard is None and value.numel() and not value.untyped_storage().nbytes():
+            raise TranspileError(
+                f"{key} holds no storage and this step keeps no shard of it: it is sharded by "
+                "another step in mode fsdp; save or load it through that step")
+        entries.append((key, value, shard))
+    return entries
+
+
+def _rank0(buffer: torch.Tensor) -> torch.Tensor:
+    """A copy of rank 0's value of a buffer (a collective). DCP writes a plain
+    tensor once, from whichever rank it picks; the ranks' buffers differ after
+    a step, and the next step starts from rank 0's (DDP's broadcast_buffers)."""
+    copy = buffer.detach().clone()
+    dist.broadcast(copy, 0)
+    return copy
+
+
+def dcp_state_dict(model: torch.nn.Module, params, held) -> dict:
+    """model.state_dict() for torch.distributed.checkpoint: each parameter a
+    DTensor of this rank's shard (a view of the held shard, or cut from the
+    parameter held whole), each buffer rank 0's. A collective."""
+    mesh = world_mesh(next(model.parameters()).device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    is_param = {id(p) for p in model.parameters()}
+    return {key: (as_dtensor(shard if shard is not None else shard_of(value, rank, world),
+                             value, mesh) if id(value) in is_param else _rank0(value))
+            for key, value, shard in _entries(model, params, held)}
+
+
+def load_dcp_state_dict(model: torch.nn.Module, params, held, state: dict) -> None:
+    """Load a state from dcp_state_dict that torch.distributed.checkpoint
+    filled: a held shard takes its DTensor's part (padded); a parameter held
+    whole (before the first call: all of them) is gathered from the ranks'
+    parts (a collective); a buffer is copied. Keys and layouts are checked
+    before anything is gathered or written."""
+    entries = _entries(model, params, held)
+    is_param = {id(p) for p in model.parameters()}
+    missing = [key for key, _, _ in entries if key not in state]
+    unexpected = sorted(set(state) - {key for key, _, _ in entries})
+    wrong = [key for key, value, _ in entries if key in state and (
+        (id(value) in is_param) != isinstance(state[key], DTensor)
+        or tuple(state[key].shape) != ((value.numel(),) if id(value) in is_param
+                                       else tuple(value.shape)))]
+    if missing or unexpected or wrong:
+        raise TranspileError(
+            "load_sharded_model_state_dict: the state does not fit the model (missing "
+            f"{missing}, unexpected {unexpected}, of another layout {wrong}); nothing was loaded. "
+            "Load what step.sharded_model_state_dict(model) gave, filled by dcp.load")
+    values = [(value, shard, from_dtensor(state[key], value) if id(value) in is_param
+               else state[key]) for key, value, shard in entries]
+    values = [(value, shard, full_of(new, value, dist.get_world_size())
+               if shard is None and id(value) in is_param else new)
+              for value, shard, new in values]
+    with torch.no_grad():
+        for value, shard, new in values:
+            (shard if shard is not None else value).copy_(new)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .capture.optimizer_state import forget_state, make_first_state
 from .errors import TranspileError
 
 
@@ -48,6 +49,30 @@ def full_of(shard: torch.Tensor, like: torch.Tensor, world_size: int) -> torch.T
     parts = [torch.empty_like(shard) for _ in range(world_size)]
     dist.all_gather(parts, shard.contiguous())
     return torch.cat(parts)[:like.numel()].view(like.shape)
+
+
+def world_mesh(device: torch.device) -> DeviceMesh:
+    """The 1-D mesh of every rank, for the DTensors torch.distributed.checkpoint reads."""
+    return DeviceMesh.from_group(dist.group.WORLD, device.type)
+
+
+def as_dtensor(shard: torch.Tensor, like: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's shard (padded, shard_of's layout) of a tensor shaped like
+    `like` as a DTensor: Shard(0) of the flattened tensor, unpadded (global
+    shape (numel,)), whose local tensor is a view of the shard's part of it.
+    torch.distributed.checkpoint saves each rank's part and loads into it from
+    a checkpoint of any world size (torch.chunk's layout is shard_of's)."""
+    n = like.numel()
+    start = min(mesh.get_local_rank() * shard.numel(), n)
+    local = shard[:max(0, min(shard.numel(), n - start))]
+    return DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size([n]), stride=(1,))
+
+
+def from_dtensor(value: DTensor, like: torch.Tensor) -> torch.Tensor:
+    """as_dtensor's inverse: this rank's shard of `like`, padded, from the
+    DTensor's local part."""
+    local = value.to_local()
+    return F.pad(local, (0, shard_numel(like.numel(), dist.get_world_size()) - local.numel()))
 
 
 def _flattened(param: torch.Tensor, value) -> bool:
@@ -200,6 +225,8 @@ class ShardedState:
 
     def __init__(self):
         self._shards: dict[int, weakref.ref] = {}   # the shard tensors placed, by id
+        # Per optimizer: the first state dcp_state_dict gave its parameters without state.
+        self._first: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @staticmethod
     def _world() -> tuple[int, int]:
@@ -270,18 +297,32 @@ class ShardedState:
                     full[index][key] = full_of(value, p, world_size).clone()
         return {"state": full, "param_groups": state["param_groups"]}
 
-    def dcp_state_dict(self, optimizer: torch.optim.Optimizer, make_state) -> dict:
+    def dcp_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """optimizer.state_dict() with each shard as a DTensor over the world:
         Shard(0) of the flattened parameter, unpadded (global shape (numel,)),
         whose local tensor is this rank's part of it. What
         torch.distributed.checkpoint saves (each rank its part) and loads into
-        (reading the parts of any world size). An optimizer with no state yet
-        (a fresh process about to resume) first gets the state its first step
-        would make, from `make_state(optimizers)`, as shards to load into."""
+        (reading the parts of any world size).
+
+        Each trainable parameter without state (all of them in a fresh process
+        about to resume; an unused one in a trained optimizer) is given the
+        state its first step would make: so the layout depends on the
+        parameters alone, and a fresh process's template fits a checkpoint of
+        a trained optimizer. It is kept only in a fresh optimizer (to load
+        into); load_dcp_state_dict drops an entry loaded equal to it, which is
+        no state (make_first_state makes only what acts as none)."""
         guard(optimizer)
-        if not optimizer.state:
-            make_state([optimizer])
-            self.shard([optimizer])
+        fresh = not optimizer.state
+        made = make_first_state([optimizer])
+        self.shard([optimizer])
+        self._first[optimizer] = {(p, key): optimizer.state[p][key].clone() for _, p, key in made}
+        try:
+            return self._as_dtensors(optimizer)
+        finally:
+            if not fresh:
+                forget_state(made)
+
+    def _as_dtensors(self, optimizer: torch.optim.Optimizer) -> dict:
         if not optimizer.state:
             raise TranspileError(
                 f"{type(optimizer).__name__} has no state to save or load into, and its first "
@@ -289,9 +330,8 @@ class ShardedState:
                 "through full_optimizer_state_dict")
         with _own_state():
             state = optimizer.state_dict()
-        rank, _ = self._world()
         params = _params(optimizer)
-        mesh = DeviceMesh.from_group(dist.group.WORLD, params[0].device.type)
+        mesh = world_mesh(params[0].device)
         sharded = {}
         for index, entries in state["state"].items():
             p = params[index]
@@ -299,10 +339,7 @@ class ShardedState:
             for key in entries:
                 value = optimizer.state[p][key]
                 if self._holds_shard(p, value):
-                    start = min(rank * value.numel(), p.numel())
-                    local = value[:max(0, min(value.numel(), p.numel() - start))]
-                    sharded[index][key] = DTensor.from_local(
-                        local, mesh, [Shard(0)], shape=torch.Size([p.numel()]), stride=(1,))
+                    sharded[index][key] = as_dtensor(value, p, mesh)
         return {"state": sharded, "param_groups": state["param_groups"]}
 
     def load_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -315,8 +352,13 @@ class ShardedState:
             plain[index] = dict(entries)
             for key, value in entries.items():
                 if isinstance(value, DTensor):
-                    n = shard_numel(params[index].numel(), dist.get_world_size())
-                    plain[index][key] = F.pad(value.to_local(), (0, n - value.to_local().numel()))
+                    plain[index][key] = from_dtensor(value, params[index])
         with _own_state():
             optimizer.load_state_dict({"state": plain, "param_groups": state["param_groups"]})
         self.shard([optimizer])
+        first = self._first.pop(optimizer, {})
+        for p in {p for p, _ in first}:
+            entries = optimizer.state.get(p, {})
+            if entries and all((p, key) in first and torch.equal(value, first[p, key])
+                               for key, value in entries.items()):
+                del optimizer.state[p]   # the first state it was saved with: none
