@@ -58,7 +58,7 @@ class TranspiledStep:
                  sharded_state: bool = False):
         self.step_fn = step_fn
         # Mode zero: the optimizers' state is kept as shards (shards.py).
-        self._sharded = ShardedState() if sharded_state else None
+        self._sharded = ShardedState(settings.hierarchical) if sharded_state else None
         self._guard = StateGuard(sharded_state)   # shards never pass for full state
         self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
@@ -279,7 +279,9 @@ class TranspiledStep:
         writeback=True what the block wrote into them becomes the shards the
         next step starts from. Every rank must enter it (it gathers)."""
         params = self._last.sharded_params if self._last else []
-        with sharded_params.unsharded(params, self._held.tensors, writeback):
+        # parameters are sharded in mode fsdp only, whose optimizer state is sharded too
+        sharding = self._sharded.sharding if params else None
+        with sharded_params.unsharded(params, self._held.tensors, writeback, sharding):
             yield
 
     def _run_prelude(self, built: Built, runnable: Runnable) -> None:
@@ -325,6 +327,8 @@ class TranspiledStep:
                 mesh = dataclasses.replace(mesh, reduce_scatter_native=reduce_scatter_native(device))
             ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
                 self.groups, captured.param_names()))
+            if self._sharded is not None:   # its gathers run on the mesh's communicators
+                self._sharded.mesh = mesh
             with self._timed("passes"):
                 programs, startup, refresh = self._programs(captured, ctx, backend, world_size)
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
@@ -378,13 +382,13 @@ class TranspiledStep:
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
                      if spec.kind is InputKind.HELD}.values())
         startup = refresh = None
+        shard = (ctx.mesh.position(ctx.shard_over), ctx.mesh.size(ctx.shard_over))
         if world_size > 1:
-            program = startup_program(captured, held, rank=ctx.rank, world_size=world_size)
+            program = startup_program(captured, held, shard=shard)
             run_passes(program, STARTUP_PASSES, ctx)
             startup = Runnable(program, *self._bind(program, captured), "eager")
         if held:
-            program = startup_program(captured, held, name="refresh", rank=ctx.rank,
-                                      world_size=world_size)
+            program = startup_program(captured, held, name="refresh", shard=shard)
             refresh = Runnable(program, *self._bind(program, captured), "eager")
         return programs, startup, refresh
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from .program import Held, held_name
-from .shards import full_of, shard_of
+from .shards import Sharding, full_of, shard_of
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -24,13 +23,13 @@ def free(params: list[tuple[str, torch.Tensor]]) -> None:
 
 @contextlib.contextmanager
 def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tensor],
-              writeback: bool):
-    """The full parameters, gathered from every rank's shard; on exit the
-    shards are cut again from the parameters if `writeback`, and the storage
-    released. A collective: every rank enters it."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+              writeback: bool, sharding: Sharding):
+    """The full parameters, gathered from the shards of the ranks they are
+    spread over (`sharding`); on exit the shards are cut again from the
+    parameters if `writeback`, and the storage released. A collective: every
+    rank enters it."""
     for name, p in params:
-        full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, world)
+        full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, sharding)
         p.untyped_storage().resize_(p.numel() * p.element_size())
         with torch.no_grad():
             p.copy_(full)
@@ -39,5 +38,5 @@ def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tens
     finally:
         if writeback:
             for name, p in params:
-                held[held_name(Held.PARAM_SHARD, name)].copy_(shard_of(p, rank, world))
+                held[held_name(Held.PARAM_SHARD, name)].copy_(shard_of(p, sharding.index, sharding.count))
         free(params)
