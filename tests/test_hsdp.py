@@ -16,8 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from tests.test_mesh import MESH_2X2
-from tests.test_multinode import (differences, launch, max_rel_error, multinode_commands,
-                                  standalone_command, torchrun)  # noqa: F401 - a fixture
+from tests.test_multinode import differences, launch, max_rel_error, multinode_commands
+from tests.test_multinode import standalone_command
+from tests.test_multinode import torchrun as torchrun_path  # noqa: F401 - a fixture
 from tests.test_passes import _captured
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -159,15 +160,16 @@ HYBRID = ("zero+hierarchical", "fsdp+hierarchical")
 
 
 @pytest.mark.slow
-def test_two_torchrun_agents_shard_in_the_node_and_train_as_one_node(torchrun, tmp_path):
+def test_two_torchrun_agents_shard_in_the_node_and_train_as_one_node(
+        torchrun_path, tmp_path):  # noqa: F811 - the fixture imported above
     """2 agents x 2 processes (hybrid: shards of 2, replicated across the 2
     nodes) against 1 agent x 4 (one node: shards of 4, flat) on the same global
     ranks and batches: the full parameters and optimizer state of every rank
     equal to rounding (the sums are ordered by the nodes)."""
     multi, single = tmp_path / "multinode.pt", tmp_path / "standalone.pt"
     args = ("--modes", ",".join(HYBRID))
-    commands = multinode_commands(torchrun, multi, (args, args))
-    commands["standalone"] = standalone_command(torchrun, single, args)
+    commands = multinode_commands(torchrun_path, multi, (args, args))
+    commands["standalone"] = standalone_command(torchrun_path, single, args)
     launch(commands, tmp_path)
     a, b = torch.load(multi), torch.load(single)
     assert [e["LOCAL_WORLD_SIZE"] for e in a["env"]] == ["2"] * 4
