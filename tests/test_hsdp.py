@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
+from tests import test_training_loops as loops
 from tests.test_mesh import MESH_2X2
 from tests.test_multinode import differences, launch, max_rel_error, multinode_commands
 from tests.test_multinode import standalone_command
@@ -80,24 +81,31 @@ def test_on_gloo_the_node_all_reduces_and_each_rank_views_its_local_row():
 
 # ------------------------------------------------------------------ against DDP
 
-def rank_vs_ddp(mode: str, opt_name: str):
+STEPS_FNS = {"classify": M.classify_step, "clip": loops.clip}   # clip: the norm over shards
+
+
+def _floats(returned) -> list[float]:
+    return [float(t) for t in (returned if isinstance(returned, tuple) else (returned,))]
+
+
+def rank_vs_ddp(mode: str, opt_name: str, step_name: str = "classify"):
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
-        return _vs_ddp(mode, opt_name)
+        return _vs_ddp(mode, opt_name, STEPS_FNS[step_name])
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
 
 
-def _vs_ddp(mode: str, opt_name: str):
+def _vs_ddp(mode: str, opt_name: str, step_fn):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = M.make("mlp"), M.make("mlp")
     opt, ref_opt = M.make_optimizer(opt_name, model), M.make_optimizer(opt_name, ref)
     ddp = DDP(ref)
-    step = transpile(M.classify_step, mode=mode, hierarchical=True, **TINY_BUCKETS)
+    step = transpile(step_fn, mode=mode, hierarchical=True, **TINY_BUCKETS)
     losses = []
     for batch in M.batches("mlp", STEPS, BATCH):
         x, y = M.shard(batch, rank, world)
-        losses.append((step(model, opt, x, y).item(), M.classify_step(ddp, ref_opt, x, y).item()))
+        losses += zip(_floats(step(model, opt, x, y)), _floats(step_fn(ddp, ref_opt, x, y)))
     numel = {name: p.numel() for name, p in model.named_parameters()}
     state_shapes = {name: {k: tuple(v.shape) for k, v in opt.state[p].items() if v.dim()}
                     for name, p in model.named_parameters()}
@@ -132,10 +140,11 @@ def _vs_ddp(mode: str, opt_name: str):
     return out
 
 
-@pytest.mark.parametrize("mode, opt_name", [("zero", "sgd"), ("zero", "adamw"),
-                                            ("fsdp", "sgd"), ("fsdp", "adamw")])
-def test_hybrid_sharding_trains_as_ddp_on_two_nodes_of_two(ranks4, mode, opt_name):
-    results = ranks4.run(rank_vs_ddp, mode, opt_name)
+@pytest.mark.parametrize("mode, opt_name, step_name", [
+    ("zero", "sgd", "classify"), ("zero", "adamw", "classify"), ("fsdp", "sgd", "classify"),
+    ("fsdp", "adamw", "classify"), ("fsdp", "sgd", "clip")])
+def test_hybrid_sharding_trains_as_ddp_on_two_nodes_of_two(ranks4, mode, opt_name, step_name):
+    results = ranks4.run(rank_vs_ddp, mode, opt_name, step_name)
     for rank, result in enumerate(results):
         # The gradient's four terms are summed as (node 0) + (node 1), DDP's
         # gloo all-reduce in its ring's order: equal up to float32 rounding.
