@@ -3,9 +3,12 @@ keeps and updates only its shard of every gradient, optimizer state and
 parameter, and the updated parameters are gathered back.
 
 Layout: each parameter p of n elements is flattened and padded to a multiple of
-the world size N; rank r owns elements [r*c, (r+1)*c), c = ceil(n / N) (torch's
-chunk(N) boundaries, which DTensor's Shard(0) uses too). A shard has c elements
-on every rank, so every rank's program has the same shapes.
+the N ranks its shards are spread over (ctx.shard_over: the world; with
+ctx.hierarchical and several nodes, the node, the shards replicated across the
+nodes: hybrid sharding); the rank r-th of them owns elements [r*c, (r+1)*c),
+c = ceil(n / N) (torch's chunk(N) boundaries, which DTensor's Shard(0) uses
+too). A shard has c elements on every rank, so every rank's program has the
+same shapes.
 
 Requires: the gradients marked to reduce over the world (average_grads); the
 optimizer's state entries shaped like their parameter (momentum, Adam's
@@ -14,18 +17,20 @@ Produces:
 - buckets of gradients as fuse_all_reduce plans them (plan_buckets). Each
   bucket is packed as an [N, L] buffer whose row r is the concatenation of
   rank r's shards of its gradients (cast to ctx.fuse_dtype on the wire where
-  set, and back), scaled by 1 / N and reduce-scattered: rank r receives row r,
-  split into the shards of the reduced gradients (marked meta["reduced"]);
+  set, and back), scaled by 1 / world size and reduce-scattered (hybrid: inside
+  the node, then each shard all-reduced across the nodes: transpiler/lowering.py):
+  rank r receives row r, split into the shards of the reduced gradients (marked
+  meta["reduced"]);
   the parameters are gathered in their own dtype;
 - the gradient processing and the optimizer update (roles GRADIENT and
   OPTIMIZE) computed on shards: every node that reads a gradient, a parameter
   (its shard: flatten, pad, row r) or a sharded state entry is recreated on
   shards; it must be elementwise (pointwise ops, the foreach ops but norms,
   views that keep the flat order). A norm over all gradients (clip_grad_norm_)
-  is the rank's partial norm, completed by an all-reduce where it is read;
-  GradScaler's unscale runs on the shards, and its found-inf flag, this rank's,
-  is completed the same way (a max);
-- for each bucket, the updated parameter shards all-gathered and unpacked into
+  is the rank's partial norm, completed by an all-reduce over the N ranks where
+  it is read; GradScaler's unscale runs on the shards, and its found-inf flag,
+  this rank's, is completed the same way (a max);
+- for each bucket, the updated parameter shards all-gathered (over the N ranks) and unpacked into
   the parameters' new values (role COMM);
 - the state outputs are the new shards; the gradients are not outputs (the
   runtime leaves .grad None: a rank holds a shard of the reduced gradient only).
@@ -128,10 +133,7 @@ def shard_optimizer(program: Program, ctx: PassContext) -> None:
         if reduction.over is not Dim.WORLD or reduction.op is not ReduceOp.MEAN:
             raise PassError(f"the gradient of {name} is reduced {reduction}: shard_optimizer "
                             "shards gradients averaged over the world only")
-    if ctx.hierarchical:
-        raise PassError("shard_optimizer does not reduce hierarchically; transpile without "
-                        "hierarchical=True")
-    n = ctx.world_size
+    n = ctx.mesh.size(ctx.shard_over)
     infos = [GradInfo(name, g.meta["val"].dtype,
                       shard_numel(g.meta["val"].numel(), n) * n * g.meta["val"].itemsize)
              for name, g in marked.items()]
@@ -148,7 +150,8 @@ class _Rewrite:
                  layouts: list[BucketLayout]):
         self.program, self.ctx, self.graph = program, ctx, program.graph
         self.grads, self.layouts = grads, layouts
-        self.n = ctx.world_size
+        self.over = ctx.shard_over   # the ranks the shards are spread over
+        self.n = ctx.mesh.size(self.over)
         self.bucket_of = {p: b for b, layout in enumerate(layouts) for p in layout.params}
         self.param_nodes = {node.meta[INPUT].name: node for node in program.placeholders
                             if node.meta[INPUT].kind is InputKind.PARAM}
@@ -216,7 +219,8 @@ class _Rewrite:
             with self.graph.inserting_before(before):
                 rows = self._rows(placeholder, chunk, Role.OPTIMIZE, None)
                 self.shard[placeholder] = self._node(
-                    aten.select.int, (rows, 0, self.ctx.rank), Role.OPTIMIZE, None,
+                    aten.select.int, (rows, 0, self.ctx.mesh.position(self.over)),
+                    Role.OPTIMIZE, None,
                     **{PARAM_SHARD: placeholder.meta[INPUT].name})
         return self.shard[placeholder]
 
@@ -357,12 +361,14 @@ class _Rewrite:
             ord, role = self.partial[node].ord, node.meta[ROLE]
             with self.graph.inserting_before(node.next):
                 if ord == float("inf"):
-                    reduced = lowering.all_reduce_now(self.graph, node, "max", self.ctx)
+                    reduced = lowering.all_reduce_now(self.graph, node, "max", self.ctx,
+                                                      self.over)
                 elif ord in (0.0, float("-inf")):
                     raise PassError(f"{node.name}: a norm of order {ord} over shards is not supported")
                 else:
                     powered = self._node(aten.pow.Tensor_Scalar, (node, ord), role, None)
-                    summed = lowering.all_reduce_now(self.graph, powered, "sum", self.ctx)
+                    summed = lowering.all_reduce_now(self.graph, powered, "sum", self.ctx,
+                                                     self.over)
                     reduced = self._node(aten.pow.Tensor_Scalar, (summed, 1 / ord), role, None)
             self.completed[node] = reduced
         return self.completed[node]
@@ -408,9 +414,9 @@ class _Rewrite:
     def _all_gather(self, b: int, layout: BucketLayout, updated: dict[str, fx.Node]):
         shards = [updated[p] for p in layout.params]
         row = self._node(aten.cat.default, (shards,), Role.OPTIMIZE, b)
-        comm = CommInfo("all_gather", bucket=b, params=layout.params,
+        comm = CommInfo("all_gather", bucket=b, over=self.over, params=layout.params,
                         nbytes=layout.row * self.n * row.meta["val"].itemsize)
-        ring = self.ctx.mesh.ring(Dim.WORLD)
+        ring = self.ctx.mesh.ring(self.over)
         gathered = self._node(ALL_GATHER, (row, self.n, ring), Role.COMM, b, **{COMM: comm})
         gathered = self._node(WAIT, (gathered,), Role.COMM, b, **{COMM: comm})
         rows = self._node(aten.view.default, (gathered, [self.n, layout.row]), Role.COMM, b)

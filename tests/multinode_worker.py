@@ -18,6 +18,7 @@ environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import time
@@ -63,6 +64,22 @@ def state_of(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def final_state(step, mode: str, model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """state_of as one process holds it: mode zero's and fsdp's shards gathered
+    (their layout follows the nodes). Collectives: every rank calls it."""
+    if mode not in ("zero", "fsdp"):
+        return state_of(model, optimizer)
+    full = step.full_optimizer_state_dict(optimizer)["state"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
+        out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, entries in full.items():
+        for k, v in entries.items():
+            out[f"opt.{names[id(params[i])]}.{k}"] = torch.as_tensor(v).detach().clone()
+    return out
+
+
 def train(mode: str, steps: int, rank: int, world_size: int):
     """`steps` steps of the transpiled step in `mode` ("MODE" or "MODE+hierarchical")."""
     mode, _, variant = mode.partition("+")
@@ -77,7 +94,7 @@ def train(mode: str, steps: int, rank: int, world_size: int):
         y = torch.randint(0, 3, (8 * world_size,), generator=data)
         step(model, optimizer, x.chunk(world_size)[rank], y.chunk(world_size)[rank])
     listings = {name: str(p) for name, p in sorted(step.programs.items())}
-    return state_of(model, optimizer), listings
+    return final_state(step, mode, model, optimizer), listings
 
 
 def main():

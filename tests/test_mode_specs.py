@@ -114,8 +114,8 @@ def test_common_options_a_mode_does_not_combine_with_are_refused():
     with pytest.raises(TranspileError, match="check_every compares the ranks' parameters"):
         transpile(M.classify_step, mode=Decentralized(), check_every=1)
     with pytest.raises(TranspileError, match=r"^mode 'zero' \(shard_optimizer\) does not support "
-                                             r"hierarchical yet"):
-        transpile(M.classify_step, mode=Zero(), hierarchical=True)
+                                             r"verify yet"):
+        transpile(M.classify_step, mode=Zero(), verify=1)
 
 
 def shard_optimizer(program, ctx):

@@ -154,9 +154,9 @@ def multinode_commands(torchrun: str, out: Path, worker_args=((), ())) -> dict[s
     ] for i in range(2)}
 
 
-def standalone_command(torchrun: str, out: Path) -> list[str]:
+def standalone_command(torchrun: str, out: Path, worker_args=()) -> list[str]:
     return [torchrun, "--standalone", "--nproc-per-node", "4",
-            str(WORKER), str(out), "--timeout", str(PG_TIMEOUT_S)]
+            str(WORKER), str(out), "--timeout", str(PG_TIMEOUT_S), *worker_args]
 
 
 def max_rel_error(xs: list[dict], ys: list[dict]) -> float:

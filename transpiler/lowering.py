@@ -13,8 +13,12 @@ across the nodes, all-gather inside the node; the value is flattened and padded
 to a multiple of the node's ranks for it. Otherwise it is one all-reduce over
 its group. A reduction to a SHARD placement is one reduce-scatter over its group
 (of a flat value whose size the group's ranks divide: the caller lays it out);
-over the world on gloo, whose reduce-scatter is an all-reduce of a copy, it is
-that all-reduce and a view of this rank's chunk (Mesh.reduce_scatter_native).
+over the world or the node on gloo, whose reduce-scatter is an all-reduce of a
+copy, it is that all-reduce and a view of this rank's chunk
+(Mesh.reduce_scatter_native). Hierarchical, a SHARD reduction over the world is
+hybrid sharding: reduce-scatter inside the node (the value laid out for the
+node's ranks: Mesh.shard_over), then this rank's shard all-reduced across the
+nodes, so each node holds the whole reduced value in shards.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, Placement, ReduceOp, Reduction
-from .mesh import Dim
+from .mesh import Dim, Over
 from .pipeline import PassContext
 from .program import CommInfo, new_node
 from .roles import COMM, REDUCE, REDUCED, Role
@@ -45,8 +49,12 @@ class Issued:
 
 
 def hierarchical(reduction: Reduction, ctx: PassContext) -> bool:
-    return (ctx.hierarchical and reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
-            and reduction.placement is Placement.REPLICATE)
+    return ctx.hierarchical and reduction.over is Dim.WORLD and ctx.mesh.nodes > 1
+
+
+def _scattered_over(reduction: Reduction, ctx: PassContext) -> Over:
+    """The group a SHARD reduction's reduce-scatter runs over (and its shards are spread over)."""
+    return Dim.NODE if hierarchical(reduction, ctx) else reduction.over
 
 
 def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContext,
@@ -62,16 +70,17 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
         sent = node(aten.mul.Tensor, (sent, 1 / mesh.size(reduction.over)), role)
     shape, numel = list(val.shape), val.numel()
     if reduction.placement is Placement.SHARD:
-        size = mesh.size(reduction.over)
+        over = _scattered_over(reduction, ctx)
+        size = mesh.size(over)
         if len(shape) != 1 or numel % size:
             raise ValueError(f"internal: a sharded reduction of a {shape} value over {size} ranks")
-        if _scatter_by_all_reduce(reduction, mesh):
-            comm = dataclasses.replace(comm, op="all_reduce", over=reduction.over)
-            collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(reduction.over)), Role.COMM,
+        if _scatter_by_all_reduce(over, mesh):
+            comm = dataclasses.replace(comm, op="all_reduce", over=over)
+            collective = node(ALL_REDUCE, (sent, "sum", mesh.ring(over)), Role.COMM,
                               **{COMM: comm})
         else:
-            comm = dataclasses.replace(comm, op="reduce_scatter", over=reduction.over)
-            collective = node(REDUCE_SCATTER, (sent, "sum", size, mesh.ring(reduction.over)),
+            comm = dataclasses.replace(comm, op="reduce_scatter", over=over)
+            collective = node(REDUCE_SCATTER, (sent, "sum", size, mesh.ring(over)),
                               Role.COMM, **{COMM: comm})
         return Issued(reduction, collective, comm, [numel // size], numel // size)
     if not hierarchical(reduction, ctx):
@@ -90,19 +99,20 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     return Issued(reduction, collective, comm, shape, numel)
 
 
-def _scatter_by_all_reduce(reduction: Reduction, mesh) -> bool:
-    """A reduce-scatter over the world on communicators without a native one
-    (gloo) runs as what that backend would do anyway, less its two copies:
-    the value all-reduced (in place, in eager), and a view of this rank's chunk."""
-    return not mesh.reduce_scatter_native and reduction.over is Dim.WORLD
+def _scatter_by_all_reduce(over: Over, mesh) -> bool:
+    """A reduce-scatter over the world or the node on communicators without a
+    native one (gloo) runs as what that backend would do anyway, less its two
+    copies: the value all-reduced (in place, in eager), and a view of this rank's chunk."""
+    return not mesh.reduce_scatter_native and over in (Dim.WORLD, Dim.NODE)
 
 
-def all_reduce_now(graph: fx.Graph, value: fx.Node, op: str, ctx: PassContext) -> fx.Node:
+def all_reduce_now(graph: fx.Graph, value: fx.Node, op: str, ctx: PassContext,
+                   over: Dim = Dim.WORLD) -> fx.Node:
     """At the insertion point: `value` all-reduced with `op` ("sum", "max") over
-    the world on ring 0, and waited for at once (a scalar a pass must combine
+    `over` on ring 0, and waited for at once (a scalar a pass must combine
     across ranks: a partial norm, a verdict). Returns the waited node."""
-    comm = CommInfo("all_reduce", nbytes=value.meta["val"].nbytes, over=Dim.WORLD)
-    issued = new_node(graph, ALL_REDUCE, (value, op, ctx.mesh.ring(Dim.WORLD)), Role.COMM,
+    comm = CommInfo("all_reduce", nbytes=value.meta["val"].nbytes, over=over)
+    issued = new_node(graph, ALL_REDUCE, (value, op, ctx.mesh.ring(over)), Role.COMM,
                       **{COMM: comm})
     return new_node(graph, WAIT, (issued,), Role.COMM, **{COMM: comm})
 
@@ -127,18 +137,19 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
     def node(target, args, **extra):
         return new_node(graph, target, args, Role.COMM, **meta, **extra)
 
+    mesh = ctx.mesh
     waited = node(WAIT, (issued.collective,), **{COMM: issued.comm})
-    if issued.reduction.placement is Placement.SHARD and _scatter_by_all_reduce(issued.reduction,
-                                                                                 ctx.mesh):
-        size = ctx.mesh.size(issued.reduction.over)
-        rows = node(aten.view.default, (waited, [size, issued.numel]))
-        return node(aten.select.int, (rows, 0, ctx.mesh.rank))
+    if issued.reduction.placement is Placement.SHARD:
+        over = _scattered_over(issued.reduction, ctx)
+        if _scatter_by_all_reduce(over, mesh):
+            rows = node(aten.view.default, (waited, [mesh.size(over), issued.numel]))
+            waited = node(aten.select.int, (rows, 0, mesh.position(over)))
+        return _across(node, waited, issued.comm, mesh) \
+            if hierarchical(issued.reduction, ctx) else waited
     if not hierarchical(issued.reduction, ctx):
         return waited
-    mesh, shard_bytes = ctx.mesh, waited.meta["val"].nbytes
-    across = dataclasses.replace(issued.comm, op="all_reduce", over=Dim.ACROSS, nbytes=shard_bytes)
-    summed = node(ALL_REDUCE, (waited, "sum", mesh.ring(Dim.ACROSS)), **{COMM: across})
-    summed = node(WAIT, (summed,), **{COMM: across})
+    shard_bytes = waited.meta["val"].nbytes
+    summed = _across(node, waited, issued.comm, mesh)
     inside = dataclasses.replace(issued.comm, op="all_gather", over=Dim.NODE,
                                  nbytes=shard_bytes * mesh.local_size)
     gathered = node(ALL_GATHER, (summed, mesh.local_size, mesh.ring(Dim.NODE)), **{COMM: inside})
@@ -146,3 +157,11 @@ def _result(graph: fx.Graph, issued: Issued, ctx: PassContext, **meta) -> fx.Nod
     if full.meta["val"].numel() != issued.numel:
         full = node(aten.slice.Tensor, (full, 0, 0, issued.numel))
     return full if issued.shape == [issued.numel] else node(aten.view.default, (full, issued.shape))
+
+
+def _across(node, shard: fx.Node, comm: CommInfo, mesh) -> fx.Node:
+    """This rank's shard summed over the ranks of its local rank on every node, waited for."""
+    across = dataclasses.replace(comm, op="all_reduce", over=Dim.ACROSS,
+                                 nbytes=shard.meta["val"].nbytes)
+    summed = node(ALL_REDUCE, (shard, "sum", mesh.ring(Dim.ACROSS)), **{COMM: across})
+    return node(WAIT, (summed,), **{COMM: across})

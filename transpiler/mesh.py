@@ -83,6 +83,17 @@ class Mesh:
         return {Dim.WORLD: self.world_size, Dim.NODE: self.local_size,
                 Dim.ACROSS: self.nodes}[over]
 
+    def position(self, dim: Dim) -> int:
+        """This rank's index in its group along `dim`."""
+        return {Dim.WORLD: self.rank, Dim.NODE: self.rank % self.local_size,
+                Dim.ACROSS: self.rank // self.local_size}[dim]
+
+    def shard_over(self, hierarchical: bool) -> Dim:
+        """The group modes zero and fsdp spread their shards over: the world, or
+        with `hierarchical` and more than one node, the node (hybrid sharding:
+        each node holds the whole, its shards replicated across the nodes)."""
+        return Dim.NODE if hierarchical and self.nodes > 1 else Dim.WORLD
+
     def ring(self, over: Over, i: int = 0) -> str:
         """The process-group name of ring i (modulo the group's rings) of `over`."""
         names = self.rings.get(over)

@@ -160,21 +160,25 @@ class LocalSGD(_Fused):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Zero(_Fused):
-    """ZeRO-2: gradients reduce-scattered, optimizer state sharded, parameters all-gathered."""
+    """ZeRO-2: gradients reduce-scattered, optimizer state sharded, parameters
+    all-gathered; with hierarchical=True over several nodes, sharded over each
+    node's ranks and replicated across the nodes (hybrid sharding)."""
 
     name = "zero"
     passes = modes.ZERO
-    unsupported = (modes.SHARD_OPTIMIZER, ("verify", "reduce_groups", "hierarchical"))
+    unsupported = (modes.SHARD_OPTIMIZER, ("verify", "reduce_groups"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fsdp(_Fused):
     """ZeRO-3 (FSDP): parameters, gradients and optimizer state sharded; each
-    bucket of parameters gathered just before its first use in the step."""
+    bucket of parameters gathered just before its first use in the step; with
+    hierarchical=True over several nodes, sharded over each node's ranks and
+    replicated across the nodes (HSDP)."""
 
     name = "fsdp"
     passes = modes.FSDP
-    unsupported = ("shard_params", ("verify", "reduce_groups", "hierarchical", "check_every"))
+    unsupported = ("shard_params", ("verify", "reduce_groups", "check_every"))
     # Free a gathered bucket after its last use in the forward pass and gather
     # it again for the backward pass (torch FSDP2's default); False keeps it
     # to its last use in the step.

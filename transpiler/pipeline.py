@@ -51,6 +51,11 @@ class PassContext:
     def rank(self) -> int:
         return self.mesh.rank
 
+    @property
+    def shard_over(self) -> Dim:
+        """The group shard_optimizer spreads each value's shards over (Mesh.shard_over)."""
+        return self.mesh.shard_over(self.hierarchical)
+
     def over(self, param: str) -> Over:
         """The group a parameter's gradient (and local SGD's delta) is reduced over."""
         return self.groups.get(param, Dim.WORLD)

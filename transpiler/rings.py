@@ -75,6 +75,15 @@ def reduce_scatter_native(device) -> bool:
     return gloo is None or not isinstance(dist.group.WORLD._get_backend(device), gloo)
 
 
+def plain_mesh(nodes: bool) -> Mesh:
+    """This world without communicators: with `nodes`, as torchrun's nodes
+    (LOCAL_WORLD_SIZE ranks each), else as one node."""
+    world_size, rank = world()
+    if world_size == 1:
+        return Mesh()
+    return Mesh(world_size, rank, local_world_size() if nodes else world_size)
+
+
 def build_mesh(nrings: int, hierarchical: bool,
                groups: Sequence[dist.ProcessGroup | Dim] = (),
                partitions: Sequence[Sequence[Sequence[int]]] = ()) -> Mesh:
@@ -85,12 +94,11 @@ def build_mesh(nrings: int, hierarchical: bool,
     numbered by its position in `groups`. Each partition of a decentralized
     topology gets `nrings` rings over each of its groups (Peers, numbered by
     the partition's position)."""
-    world_size, rank = world()
-    if world_size == 1:
-        return Mesh()
     dims = {g for g in groups if isinstance(g, Dim)}
-    local_size = local_world_size() if hierarchical or dims else world_size
-    mesh = Mesh(world_size, rank, local_size)
+    mesh = plain_mesh(hierarchical or bool(dims))
+    if mesh.world_size == 1:
+        return mesh
+    world_size, rank, local_size = mesh.world_size, mesh.rank, mesh.local_size
     if hierarchical and mesh.nodes > 1:
         dims |= {Dim.NODE, Dim.ACROSS}
     rings: dict[Over, tuple[str, ...]] = {Dim.WORLD: _rings(mesh, Dim.WORLD, nrings)}

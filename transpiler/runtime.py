@@ -38,7 +38,7 @@ from .program_cache import Built, ProgramCache
 from .rebuild import AgreedPrograms
 from .mesh import Dim
 from .rings import build_mesh, reduce_scatter_native, world
-from .shards import ShardedState, StateGuard
+from .shards import Sharding, ShardedState, StateGuard
 from .startup import startup_program
 from .verify import Reference
 
@@ -58,7 +58,7 @@ class TranspiledStep:
                  sharded_state: bool = False):
         self.step_fn = step_fn
         # Mode zero: the optimizers' state is kept as shards (shards.py).
-        self._sharded = ShardedState() if sharded_state else None
+        self._sharded = ShardedState(settings.hierarchical) if sharded_state else None
         self._guard = StateGuard(sharded_state)   # shards never pass for full state
         self.groups = groups   # parameters reduced over groups of their own
         self.verify_steps, self.verify_tolerance = verify, verify_tolerance
@@ -281,7 +281,7 @@ class TranspiledStep:
         writeback=True what the block wrote into them becomes the shards the
         next step starts from. Every rank must enter it (it gathers)."""
         params = self._last.sharded_params if self._last else []
-        with sharded_params.unsharded(params, self._held.tensors, writeback):
+        with sharded_params.unsharded(params, self._held.tensors, writeback, self._sharding()):
             yield
 
     def sharded_model_state_dict(self, model: torch.nn.Module) -> dict:
@@ -292,7 +292,7 @@ class TranspiledStep:
         then `load_sharded_model_state_dict`. Works before the first call too
         (the parameters are whole then: each rank's part is cut from them)."""
         params = self._last.sharded_params if self._last else []
-        return sharded_params.dcp_state_dict(model, params, self._held.tensors)
+        return sharded_params.dcp_state_dict(model, params, self._held.tensors, self._sharding())
 
     def load_sharded_model_state_dict(self, model: torch.nn.Module, state: dict) -> None:
         """Load a state_dict from sharded_model_state_dict that
@@ -301,7 +301,12 @@ class TranspiledStep:
         keeps whole) gathered into the parameters. A collective: call it on
         every rank."""
         params = self._last.sharded_params if self._last else []
-        sharded_params.load_dcp_state_dict(model, params, self._held.tensors, state)
+        sharded_params.load_dcp_state_dict(model, params, self._held.tensors, state,
+                                           self._sharding())
+
+    def _sharding(self) -> Sharding:
+        """How parameters and optimizer state are sharded (mode zero and fsdp)."""
+        return self._sharded.sharding if self._sharded else Sharding.of(False)
 
     def _run_prelude(self, built: Built, runnable: Runnable) -> None:
         """Run the startup program, or the refresh of the held tensors alone,
@@ -346,6 +351,8 @@ class TranspiledStep:
                 mesh = dataclasses.replace(mesh, reduce_scatter_native=reduce_scatter_native(device))
             ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
                 self.groups, captured.param_names()))
+            if self._sharded is not None:   # its gathers run on the mesh's communicators
+                self._sharded.mesh = mesh
             with self._timed("passes"):
                 programs, startup, refresh = self._programs(captured, ctx, backend, world_size)
             state_key = tuple(id(s.tensor) for s in captured.slots if hasattr(s, "tensor"))
@@ -399,13 +406,13 @@ class TranspiledStep:
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
                      if spec.kind is InputKind.HELD}.values())
         startup = refresh = None
+        shard = (ctx.mesh.position(ctx.shard_over), ctx.mesh.size(ctx.shard_over))
         if world_size > 1:
-            program = startup_program(captured, held, rank=ctx.rank, world_size=world_size)
+            program = startup_program(captured, held, shard=shard)
             run_passes(program, STARTUP_PASSES, ctx)
             startup = Runnable(program, *self._bind(program, captured), "eager")
         if held:
-            program = startup_program(captured, held, name="refresh", rank=ctx.rank,
-                                      world_size=world_size)
+            program = startup_program(captured, held, name="refresh", shard=shard)
             refresh = Runnable(program, *self._bind(program, captured), "eager")
         return programs, startup, refresh
 

@@ -18,12 +18,11 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor
 
 from .errors import TranspileError
 from .program import Held, held_name
-from .shards import as_dtensor, from_dtensor, full_of, shard_of, world_mesh
+from .shards import Sharding, as_dtensor, from_dtensor, full_of, refuse_hybrid_dcp, shard_of, world_mesh
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -34,13 +33,13 @@ def free(params: list[tuple[str, torch.Tensor]]) -> None:
 
 @contextlib.contextmanager
 def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tensor],
-              writeback: bool):
-    """The full parameters, gathered from every rank's shard; on exit the
-    shards are cut again from the parameters if `writeback`, and the storage
-    released. A collective: every rank enters it."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+              writeback: bool, sharding: Sharding):
+    """The full parameters, gathered from the shards of the ranks they are
+    spread over (`sharding`); on exit the shards are cut again from the
+    parameters if `writeback`, and the storage released. A collective: every
+    rank enters it."""
     for name, p in params:
-        full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, world)
+        full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, sharding)
         p.untyped_storage().resize_(p.numel() * p.element_size())
         with torch.no_grad():
             p.copy_(full)
@@ -49,7 +48,7 @@ def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tens
     finally:
         if writeback:
             for name, p in params:
-                held[held_name(Held.PARAM_SHARD, name)].copy_(shard_of(p, rank, world))
+                held[held_name(Held.PARAM_SHARD, name)].copy_(shard_of(p, sharding.index, sharding.count))
         free(params)
 
 
@@ -79,24 +78,27 @@ def _rank0(buffer: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def dcp_state_dict(model: torch.nn.Module, params, held) -> dict:
+def dcp_state_dict(model: torch.nn.Module, params, held, sharding: Sharding) -> dict:
     """model.state_dict() for torch.distributed.checkpoint: each parameter a
     DTensor of this rank's shard (a view of the held shard, or cut from the
     parameter held whole), each buffer rank 0's. A collective."""
+    refuse_hybrid_dcp(sharding, "the model's parameters", "step.unsharded()")
     mesh = world_mesh(next(model.parameters()).device)
-    rank, world = dist.get_rank(), dist.get_world_size()
     is_param = {id(p) for p in model.parameters()}
-    return {key: (as_dtensor(shard if shard is not None else shard_of(value, rank, world),
+    return {key: (as_dtensor(shard if shard is not None
+                             else shard_of(value, sharding.index, sharding.count),
                              value, mesh) if id(value) in is_param else _rank0(value))
             for key, value, shard in _entries(model, params, held)}
 
 
-def load_dcp_state_dict(model: torch.nn.Module, params, held, state: dict) -> None:
+def load_dcp_state_dict(model: torch.nn.Module, params, held, state: dict,
+                        sharding: Sharding) -> None:
     """Load a state from dcp_state_dict that torch.distributed.checkpoint
     filled: a held shard takes its DTensor's part (padded); a parameter held
     whole (before the first call: all of them) is gathered from the ranks'
     parts (a collective); a buffer is copied. Keys and layouts are checked
     before anything is gathered or written."""
+    refuse_hybrid_dcp(sharding, "the model's parameters", "step.unsharded()")
     entries = _entries(model, params, held)
     is_param = {id(p) for p in model.parameters()}
     missing = [key for key, _, _ in entries if key not in state]
@@ -112,7 +114,7 @@ def load_dcp_state_dict(model: torch.nn.Module, params, held, state: dict) -> No
             "Load what step.sharded_model_state_dict(model) gave, filled by dcp.load")
     values = [(value, shard, from_dtensor(state[key], value) if id(value) in is_param
                else state[key]) for key, value, shard in entries]
-    values = [(value, shard, full_of(new, value, dist.get_world_size())
+    values = [(value, shard, full_of(new, value, sharding)
                if shard is None and id(value) in is_param else new)
               for value, shard, new in values]
     with torch.no_grad():

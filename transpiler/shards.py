@@ -18,6 +18,7 @@ takes the shards over (its full_optimizer_state_dict gathers them)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 
@@ -29,6 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .capture.optimizer_state import forget_state, make_first_state
 from .errors import TranspileError
+from .mesh import Dim, Mesh
+from .rings import plain_mesh
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -43,17 +46,59 @@ def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return flat[rank * chunk:(rank + 1) * chunk].clone()
 
 
-def full_of(shard: torch.Tensor, like: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The full tensor shaped like `like`, gathered from every rank's shard
-    (shard_of's inverse). A collective: every rank calls it."""
-    parts = [torch.empty_like(shard) for _ in range(world_size)]
-    dist.all_gather(parts, shard.contiguous())
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Which shard of each sharded tensor this rank holds: part `index` of
+    `count`, the parts spread over the ranks of `over` in `mesh`: the world, or
+    in hybrid sharding this rank's node (each node holds every part; the same
+    parts are replicated across the nodes)."""
+
+    mesh: Mesh
+    over: Dim
+
+    @classmethod
+    def of(cls, hierarchical: bool, mesh: Mesh | None = None) -> "Sharding":
+        """The sharding of transpile(hierarchical=...) on `mesh` (the runtime's,
+        once built; before it, this world as torchrun's nodes)."""
+        mesh = mesh if mesh is not None else plain_mesh(hierarchical)
+        return cls(mesh, mesh.shard_over(hierarchical))
+
+    @property
+    def index(self) -> int:
+        return self.mesh.position(self.over)
+
+    @property
+    def count(self) -> int:
+        return self.mesh.size(self.over)
+
+    def group(self) -> dist.ProcessGroup:
+        """The process group the parts are spread over (for gathers on the host)."""
+        if self.over is Dim.WORLD:
+            return dist.group.WORLD
+        return dist.distributed_c10d._resolve_process_group(self.mesh.ring(self.over))
+
+
+def full_of(shard: torch.Tensor, like: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+    """The full tensor shaped like `like`, gathered from the shards of the
+    ranks it is spread over (shard_of's inverse). A collective: every rank calls it."""
+    parts = [torch.empty_like(shard) for _ in range(sharding.count)]
+    dist.all_gather(parts, shard.contiguous(), group=sharding.group())
     return torch.cat(parts)[:like.numel()].view(like.shape)
 
 
 def world_mesh(device: torch.device) -> DeviceMesh:
     """The 1-D mesh of every rank, for the DTensors torch.distributed.checkpoint reads."""
     return DeviceMesh.from_group(dist.group.WORLD, device.type)
+
+
+def refuse_hybrid_dcp(sharding: Sharding, what: str, instead: str) -> None:
+    """torch.distributed.checkpoint of shards spread over the world only."""
+    if sharding.over is not Dim.WORLD:
+        raise TranspileError(
+            f"{what} is sharded over each node ({sharding.count} ranks, replicated across "
+            f"{sharding.mesh.nodes} nodes: hierarchical=True), which torch.distributed.checkpoint "
+            f"does not save or load here yet; nothing was saved or loaded. Save the full state "
+            f"with {instead} (a collective: call it on every rank) and load it instead")
 
 
 def as_dtensor(shard: torch.Tensor, like: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -221,16 +266,19 @@ class StateGuard:
 
 class ShardedState:
     """Which optimizer state entries hold shards, and the moves between full
-    and sharded entries. `rank` and `world_size` are the process group's."""
+    and sharded entries. `hierarchical`: the shards are spread over each node
+    (hybrid sharding, Sharding); the runtime binds its mesh once built."""
 
-    def __init__(self):
+    def __init__(self, hierarchical: bool = False):
         self._shards: dict[int, weakref.ref] = {}   # the shard tensors placed, by id
         # Per optimizer: the first state dcp_state_dict gave its parameters without state.
         self._first: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._hierarchical = hierarchical
+        self.mesh: Mesh | None = None
 
-    @staticmethod
-    def _world() -> tuple[int, int]:
-        return dist.get_rank(), dist.get_world_size()
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding.of(self._hierarchical, self.mesh)
 
     def is_shard(self, value) -> bool:
         ref = self._shards.get(id(value))
@@ -244,7 +292,7 @@ class ShardedState:
         any is cut."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        rank, world_size = self._world()
+        sharding = self.sharding
         full = []
         for opt in optimizers:
             for p, entries in opt.state.items():
@@ -254,17 +302,17 @@ class ShardedState:
                         continue
                     if value.shape == p.shape:
                         full.append((p, entries, key))
-                    elif value.shape == (shard_numel(p.numel(), world_size),):
+                    elif value.shape == (shard_numel(p.numel(), sharding.count),):
                         self._shards[id(value)] = weakref.ref(value)
                     else:
                         raise TranspileError(
                             f"optimizer state '{key}' of a parameter of shape {tuple(p.shape)} "
                             f"has shape {tuple(value.shape)}: neither the parameter's (a full "
-                            f"entry) nor a shard of {world_size} ranks; a state saved with "
+                            f"entry) nor a shard of {sharding.count} ranks; a state saved with "
                             "another number of ranks loads through full_optimizer_state_dict or "
                             "torch.distributed.checkpoint")
         for p, entries, key in full:
-            value = entries[key] = shard_of(entries[key], rank, world_size)
+            value = entries[key] = shard_of(entries[key], sharding.index, sharding.count)
             self._shards[id(value)] = weakref.ref(value)
 
     def _holds_shard(self, param: torch.Tensor, value) -> bool:
@@ -286,7 +334,6 @@ class ShardedState:
         with _own_state():
             state = optimizer.state_dict()
         params = _params(optimizer)
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
         full = {}
         for index, entries in state["state"].items():
             p = params[index]
@@ -294,7 +341,7 @@ class ShardedState:
             for key in sorted(entries):
                 value = optimizer.state[p][key]
                 if self._holds_shard(p, value):
-                    full[index][key] = full_of(value, p, world_size).clone()
+                    full[index][key] = full_of(value, p, self.sharding).clone()
         return {"state": full, "param_groups": state["param_groups"]}
 
     def dcp_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -311,6 +358,7 @@ class ShardedState:
         a trained optimizer. It is kept only in a fresh optimizer (to load
         into); load_dcp_state_dict drops an entry loaded equal to it, which is
         no state (make_first_state makes only what acts as none)."""
+        self._refuse_hybrid()
         guard(optimizer)
         fresh = not optimizer.state
         made = make_first_state([optimizer])
@@ -342,9 +390,14 @@ class ShardedState:
                     sharded[index][key] = as_dtensor(value, p, mesh)
         return {"state": sharded, "param_groups": state["param_groups"]}
 
+    def _refuse_hybrid(self) -> None:
+        refuse_hybrid_dcp(self.sharding, "the optimizer's state",
+                          "step.full_optimizer_state_dict(optimizer)")
+
     def load_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load what dcp_state_dict gave once torch.distributed.checkpoint has
         filled it: each DTensor's local part becomes this rank's shard (padded)."""
+        self._refuse_hybrid()
         guard(optimizer)
         params = _params(optimizer)
         plain = {}

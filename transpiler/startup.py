@@ -20,9 +20,10 @@ from .roles import INPUT, ROLE, Role
 
 
 def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
-                    name: str = "startup", rank: int = 0, world_size: int = 1) -> Program:
+                    name: str = "startup", shard: tuple[int, int] = (0, 1)) -> Program:
     """Outputs: the parameters and buffers (updates), then the held tensors:
-    a copy of its parameter, or this rank's shard of it (Held.PARAM_SHARD)."""
+    a copy of its parameter, or this rank's shard of it (Held.PARAM_SHARD):
+    part shard[0] of shard[1] (transpiler/shards.py: Sharding)."""
     chosen = [(spec, slot) for spec, slot in zip(captured.program.inputs, captured.slots)
               if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
     index = {spec.name: i for i, (spec, _) in enumerate(chosen)}
@@ -30,7 +31,7 @@ def startup_program(captured: Captured, held: Sequence[InputSpec] = (),
     values = [slot.read(None) for _, slot in chosen]
     def initial(spec: InputSpec, value: torch.Tensor) -> torch.Tensor:
         if spec.held is Held.PARAM_SHARD:
-            return shard_of(value, rank, world_size)
+            return shard_of(value, *shard)
         return torch.clone(value)
     gm = make_fx(lambda *ts: list(ts) + [initial(spec, ts[i]) for spec, i in zip(held, sources)],
                  tracing_mode="fake")(*values)
