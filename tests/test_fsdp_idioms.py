@@ -52,9 +52,11 @@ def _then_scheduler(step):
 
 def _collectives(step) -> tuple[int, int]:
     """The reductions (gloo lowers each bucket's reduce-scatter to an
-    all-reduce) and the all-gathers (one per bucket) in the step's program."""
-    ops = [node.meta["comm"].op for node in step.program.collectives()]
-    return ops.count("all_reduce") + ops.count("reduce_scatter"), ops.count("all_gather")
+    all-reduce) and the buckets all-gathered (each once per pass that reads
+    it) in the step's program."""
+    comms = [node.meta["comm"] for node in step.program.collectives()]
+    return (sum(c.op in ("all_reduce", "reduce_scatter") for c in comms),
+            len({c.bucket for c in comms if c.op == "all_gather"}))
 
 
 def rank_idiom(fn_name, opt_name="sgd", backend="eager", outside=False):
