@@ -36,7 +36,12 @@ optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
                             across nodes and all-gathered inside the node
     zero                    mode="zero": gradients reduce-scattered, state and
                             update sharded, parameters all-gathered
-    fsdp                    mode="fsdp": parameters sharded between steps too
+    fsdp                    mode="fsdp": parameters sharded between steps too,
+                            each bucket gathered for each pass that reads it
+    fsdp+keep_gathered      the same with reshard_after_forward=False: each
+                            bucket gathered once per step
+    fsdp+hierarchical       fsdp with hierarchical=True: with --nodes N, sharded
+                            over each node's ranks and replicated across nodes
     <mode>+schedule_updates the mode's passes, then schedule_updates (each
                             bucket's update as soon as its collective is done)
     all_gather              mode="all_gather": gradients all-gathered, the update
@@ -381,6 +386,9 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce+hierarchical": _transpiled("fuse_all_reduce", hierarchical=True),
     "zero": _transpiled("zero"),
     "fsdp": _transpiled("fsdp"),
+    "fsdp+keep_gathered": _transpiled("fsdp", reshard_after_forward=False),
+    "fsdp+inductor": _transpiled("fsdp", backend="inductor"),
+    "fsdp+hierarchical": _transpiled("fsdp", hierarchical=True),
     "all_gather": _transpiled("all_gather"),
     "decentralized": _transpiled("decentralized", topology="ring"),
 }
@@ -392,11 +400,11 @@ PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCA
 CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
 # Run when --configs is not given (the set of `make bench`'s report): the limits,
 # torch's DDP, compiled and with ZeroRedundancyOptimizer, FSDP2, every transpiler mode,
-# fuse_all_reduce under inductor; and with --device cuda, CUDA_ONLY.
+# fuse_all_reduce and fsdp under inductor; and with --device cuda, CUDA_ONLY.
 DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c in {
     "local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "fsdp2",
     "grad_allreduce", "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "zero", "fsdp",
-    "all_gather", "decentralized"})
+    "fsdp+inductor", "all_gather", "decentralized"})
 
 
 # ------------------------------------------------------------ one configuration, in a rank
