@@ -101,6 +101,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import inspect
 import json
 import logging
 import math
@@ -321,8 +322,11 @@ def _ddp_compiled(step_fn, model, optimizer):
 def _ddp_zero_redundancy(step_fn, model, optimizer):
     """torch's sharded optimizer under DDP: each rank keeps and updates the
     state of its share of the parameters, then broadcasts them."""
+    # The defaults the constructor takes (AdamW's record decoupled_weight_decay,
+    # which its constructor sets itself).
+    takes = inspect.signature(type(optimizer)).parameters
     sharded = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer),
-                                      **optimizer.defaults)
+                                      **{k: v for k, v in optimizer.defaults.items() if k in takes})
     return functools.partial(step_fn, DDP(model), sharded)
 
 

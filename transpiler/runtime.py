@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -76,6 +77,8 @@ class TranspiledStep:
         # One-time costs by phase (setup_split): every trace, pass and rank agreement.
         self._seconds = dict.fromkeys(("trace", "passes", "agreement"), 0.0)
         self._last: Built | None = None
+        # submodules whose forward refuses to run on released parameters (mode fsdp)
+        self._guarded: weakref.WeakSet = weakref.WeakSet()
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
         self._last_run: str | None = None
@@ -248,6 +251,7 @@ class TranspiledStep:
         runnable = built.programs[name]
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
+        sharded_params.guard_forward(step_args.modules, built.sharded_params, self._guarded)
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args)
         else:

@@ -15,6 +15,8 @@ alone, and a checkpoint loads before the first call, into another world size
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,31 @@ def free(params: list[tuple[str, torch.Tensor]]) -> None:
     """Release the storage of each parameter (a no-op where it is released)."""
     for _, p in params:
         p.untyped_storage().resize_(0)
+
+
+def guard_forward(modules: list[torch.nn.Module], params: list[tuple[str, torch.Tensor]],
+                  guarded: weakref.WeakSet) -> None:
+    """A forward pre-hook on each submodule that holds one of these parameters
+    (once per submodule, recorded in `guarded`): its forward pass while they
+    are released, between steps outside unsharded(), raises instead of
+    reading released memory. The step's own trace lets it by: it runs the
+    modules on stand-ins of the parameters."""
+    sharded = {id(p) for _, p in params}
+    for module in modules:
+        for sub in module.modules():
+            held = [(attr, p) for attr, p in sub._parameters.items() if id(p) in sharded]
+            if held and sub not in guarded:
+                sub.register_forward_pre_hook(functools.partial(_refuse_released, held))
+                guarded.add(sub)
+
+
+def _refuse_released(held: list[tuple[str, torch.Tensor]], module: torch.nn.Module, args) -> None:
+    for attr, p in held:
+        if module._parameters.get(attr) is p and p.numel() and not p.untyped_storage().nbytes():
+            raise TranspileError(
+                f"{type(module).__name__}.{attr} is kept as shards between the steps of mode "
+                "fsdp and holds no value here: run the model outside the step inside `with "
+                "step.unsharded():` (every rank enters it; it gathers the parameters)")
 
 
 @contextlib.contextmanager
