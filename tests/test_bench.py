@@ -228,3 +228,21 @@ def test_a_transpiler_config_is_listed_only_with_its_mode(monkeypatch):
     # (transpiler.MODES itself is left as it is: its order is the modes' order)
     monkeypatch.setattr(bench, "MODES", {k: v for k, v in bench.MODES.items() if k != "zero"})
     assert bench._transpiled("zero") is None
+
+
+def test_micro_batched_step_takes_the_whole_batch_step():
+    """--micro-batches k: backward() on each k-th of the batch, one update,
+    which for equal parts is the one-batch step up to rounding."""
+    torch.manual_seed(0)
+    spec = bench.MODELS["wide"]
+    models = [spec.build() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    before = [p.detach().clone() for p in models[0].parameters()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    inputs, targets = spec.make_batch(torch.Generator().manual_seed(1), 8)
+    whole = bench.train_step(models[0], opts[0], inputs, targets)
+    parts = bench.accumulating(4, "cpu")(models[1], opts[1], inputs, targets)
+    assert torch.allclose(whole, parts, rtol=1e-5)
+    for p, q, old in zip(models[0].parameters(), models[1].parameters(), before):
+        assert not torch.equal(p, old)      # one update was taken ...
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)   # ... the same one

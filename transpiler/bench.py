@@ -287,6 +287,26 @@ def train_step_bf16(model, optimizer, inputs, targets):
 STEPS = {"cpu": train_step, "cuda": train_step_bf16}
 
 
+def accumulating(k: int, device: str) -> Callable:
+    """The step over k micro-batches (--micro-batches): backward() on each
+    k-th of the batch, one update; on CUDA the forward passes under bf16
+    autocast. DDP with its defaults averages at every backward(); mode fsdp
+    sums the micro-batches' gradients and reduce-scatters once."""
+    def train_step_micro(model, optimizer, inputs, targets):
+        optimizer.zero_grad()
+        total = 0.0
+        for xs, ys in zip(inputs.chunk(k), targets.chunk(k)):
+            with (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+                  else contextlib.nullcontext()):
+                logits = model(xs)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1)) / k
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+    return train_step_micro
+
+
 def rank_batches(spec: ModelSpec, n: int, rank: int, world_size: int) -> list[tuple]:
     """This rank's shards of `n` seeded global batches, the same in every config."""
     g = torch.Generator().manual_seed(SEED_DATA)
@@ -421,6 +441,7 @@ class Job:
     steps: int
     optimizer: str = "sgd"
     device: str = "cpu"
+    micro_batches: int = 1
 
 
 def _rss_mb() -> float:
@@ -448,7 +469,9 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     base_rss = _rss_mb()
 
     def build_and_first_call():
-        step = CONFIGS[job.config](STEPS[job.device], model, optimizer)
+        step_fn = STEPS[job.device] if job.micro_batches == 1 else accumulating(
+            job.micro_batches, job.device)
+        step = CONFIGS[job.config](step_fn, model, optimizer)
         step(*batches[0])
         _synchronize(job.device)
         return step
@@ -666,14 +689,15 @@ def _max_or_none(values) -> float | None:
 
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
               warmup: int, repeat: int = 1, nodes: int = 1, optimizer: str = "sgd",
-              device: str = "cpu") -> dict[str, dict[str, Measurement | str]]:
+              device: str = "cpu", micro_batches: int = 1) -> dict[str, dict[str, Measurement | str]]:
     """Every config on every model, each in fresh ranks, `repeat` rounds of the
     whole list (so that a machine whose speed drifts affects every config
     alike): a Measurement whose step_ms is the median over the rounds and whose
     setup_s is the first round's (cold compile caches), or the error text of a
     failed configuration. With `nodes` > 1 the ranks are told that they run on
     that many nodes (LOCAL_WORLD_SIZE), which only hierarchical reductions read."""
-    jobs = [Job(m, c, warmup, steps, optimizer, device) for m in models for c in configs]
+    jobs = [Job(m, c, warmup, steps, optimizer, device, micro_batches)
+            for m in models for c in configs]
     rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
     local = str(world_size // nodes) if nodes > 1 else None
@@ -895,6 +919,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                    help="SGD with momentum (default), Adam or AdamW, whose state is twice "
                         "the model")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="backward() on each of this many parts of the batch, then one "
+                        "update (default 1)")
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the models run (default cpu); cuda: a GPU per rank on nccl, "
                         "or ranks sharing GPUs on gloo, the forward pass under bf16 autocast, "
@@ -930,9 +957,10 @@ def main(argv=None) -> int:
         on_gpu = [c for c in configs if c in CUDA_ONLY and args.device != "cuda"]
         if on_gpu:
             raise BenchError(f"{', '.join(on_gpu)} run only with --device cuda")
-        if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1:
-            raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0 and "
-                             "--repeat >= 1")
+        if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1 \
+                or args.micro_batches < 1:
+            raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0, "
+                             "--repeat >= 1 and --micro-batches >= 1")
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
         for path in (args.json, args.plot, args.report):
@@ -954,7 +982,8 @@ def main(argv=None) -> int:
     info = run_info(argv, args.world_size, args.nodes, args.optimizer, args.device)
     raw = run_bench(models, configs, world_size=args.world_size, steps=args.steps,
                     warmup=args.warmup, repeat=args.repeat, nodes=args.nodes,
-                    optimizer=args.optimizer, device=args.device)
+                    optimizer=args.optimizer, device=args.device,
+                    micro_batches=args.micro_batches)
     elapsed_s = time.perf_counter() - start
     summary = summarize(raw)
     header = header_lines(info, args.steps, args.warmup, raw, args.repeat)
