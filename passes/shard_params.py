@@ -76,7 +76,7 @@ def shard_params(program: Program, ctx: PassContext) -> None:
         _materialize(program.graph, g)
     _place(gathers, start)
     for g in gathers:
-        _rewire(program.graph, g, phase, gathers)
+        _rewire(program.graph, g, phase)
 
 
 # ------------------------------------------------------------------ planning
@@ -249,7 +249,7 @@ def _place(gathers: list[Gather], start: dict[int, fx.Node]) -> None:
             g.first_use.prepend(node)
 
 
-def _rewire(graph: fx.Graph, g: Gather, phase: dict[fx.Node, int], gathers) -> None:
+def _rewire(graph: fx.Graph, g: Gather, phase: dict[fx.Node, int]) -> None:
     """The readers in g's passes read g's values; a derived value of an
     earlier pass is computed again, right before g's first use. The values
     these passes do not read are not unpacked."""

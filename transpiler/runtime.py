@@ -251,7 +251,6 @@ class TranspiledStep:
         runnable = built.programs[name]
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
-        sharded_params.guard_forward(step_args.modules, built.sharded_params, self._guarded)
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args)
         else:
@@ -394,6 +393,7 @@ class TranspiledStep:
             raise
         if self._sharded is not None:   # the state the trace made, cut to shards
             self._sharded.shard(step_args.optimizers)
+        sharded_params.guard_forward(step_args.modules, built.sharded_params, self._guarded)
         return built
 
     def _programs(self, captured: Captured, ctx: PassContext, backend: str, world_size: int):

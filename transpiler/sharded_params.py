@@ -41,6 +41,8 @@ def guard_forward(modules: list[torch.nn.Module], params: list[tuple[str, torch.
     reading released memory. The step's own trace lets it by: it runs the
     modules on stand-ins of the parameters."""
     sharded = {id(p) for _, p in params}
+    if not sharded:
+        return
     for module in modules:
         for sub in module.modules():
             held = [(attr, p) for attr, p in sub._parameters.items() if id(p) in sharded]
