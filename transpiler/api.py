@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Callable, Sequence
 
 from . import hpu, mode_specs
@@ -73,6 +74,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
               reduce_groups: Sequence[tuple] = (), broadcast_buffers: bool = True,
+              dynamic: bool | Mapping[str, Iterable[int]] | None = None,
               **mode_options) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
@@ -114,9 +116,16 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     each rank's own, as DDP(broadcast_buffers=False). Applies to the modes whose
     ranks hold one model (not decentralized, nor local_sgd's local steps);
     passes/broadcast_buffers.py says which buffers.
+    dynamic: which batch dimensions are traced as symbols, so that one program
+    serves every size (capture/shapes.py). None: after a batch tensor's shape
+    changes, every batch dimension (the first call is traced with the shapes
+    it brings); True: every batch dimension from the first call; a mapping
+    {argument name: dimensions}, e.g. {"x": {0, 1}}: those from the first
+    call (and every one after a change); False: never, one program per shape.
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
+    dynamic = _dynamic_dims(dynamic)
     spec = mode_specs.build(mode, passes, mode_options)
     common = Common(backend, nrings, check_every, skip_nonfinite, verify, verify_tolerance,
                     hierarchical, reduce_groups, broadcast_buffers)
@@ -132,4 +141,16 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     return TranspiledStep(step_fn, schedule, context, backend=backend, check_every=check_every,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,
-                          sharded_state=resolve(SHARD_OPTIMIZER) in used)
+                          sharded_state=resolve(SHARD_OPTIMIZER) in used, dynamic=dynamic)
+
+
+def _dynamic_dims(dynamic) -> bool | dict[str, frozenset[int]] | None:
+    """transpile's dynamic= checked: None, a bool, or {name: dims}."""
+    if dynamic is None or isinstance(dynamic, bool):
+        return dynamic
+    if isinstance(dynamic, Mapping) and all(isinstance(k, str) for k in dynamic):
+        dims = {name: frozenset([d] if isinstance(d, int) else d) for name, d in dynamic.items()}
+        if all(isinstance(d, int) for ds in dims.values() for d in ds):
+            return dims
+    raise TranspileError(f"dynamic must be None, True, False or a mapping from argument names "
+                         f"to dimensions, e.g. dynamic={{'x': {{0, 1}}}}; got {dynamic!r}")

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .capture.shapes import is_symbolic
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
 from .program import InputKind, OutputKind, Program, graph_module
@@ -147,7 +148,7 @@ class _Inductor:
         from torch._inductor.compile_fx import compile_fx   # heavy: only when used
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
         with _cacheable(self.gm):
-            self.compiled = compile_fx(self.gm, list(inputs), config_patches=(
+            self.compiled = compile_fx(self.gm, _examples(self.gm, inputs), config_patches=(
                 _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS))
 
     def __call__(self, *inputs):
@@ -167,10 +168,25 @@ def _cacheable(gm: fx.GraphModule):
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    symbolic = next((v.fake_mode for v in _placeholder_values(gm) if is_symbolic(v)), None)
+    if symbolic is not None:
+        return tracing(TracingContext(symbolic))
     traced = next((node.meta["val"].node.shape_env for node in gm.graph.nodes
                    if isinstance(node.meta.get("val"), (torch.SymFloat, torch.SymInt))), None)
     fake_mode = FakeTensorMode(shape_env=traced or ShapeEnv())
     return tracing(TracingContext(fake_mode))
+
+
+def _placeholder_values(gm: fx.GraphModule) -> list:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _examples(gm: fx.GraphModule, inputs: list) -> list:
+    """What inductor compiles the program for: the real inputs, but for a
+    batch input with symbolic dimensions (capture/shapes.py) its fake tensor
+    from the trace, so that the code is generated for every size its guards
+    allow, not for this call's."""
+    return [v if is_symbolic(v) else x for v, x in zip(_placeholder_values(gm), inputs)]
 
 
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:

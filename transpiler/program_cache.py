@@ -1,6 +1,9 @@
 """The programs built for each signature of the step's arguments: a call with
 a signature seen before, whose guarded host values (capture/guards.py) are as
 they were at the trace, runs what was built for it; anything else builds again.
+A batch tensor seen with a second shape makes the batch's dimensions symbolic
+(capture/shapes.py): the signature then leaves their sizes out, and the
+program's shape guards say whether a call's sizes fit it.
 The programs kept are bounded, as torch.compile bounds its recompiles: past the
 bound the least recently used is dropped, with a warning that names what keeps
 changing."""
@@ -12,9 +15,15 @@ import logging
 import time
 from typing import Callable
 
+import torch
+
 from .capture import Returned, StepArgs, describe_change, grad_signature, signature
 from .capture.guards import Guards
 from .capture.numbers import is_number
+from .capture.outside import is_ndarray
+from .capture.shapes import ShapeGuards
+from .capture.signature import batch_shapes
+from .errors import TranspileError
 from .executor import Runnable
 
 log = logging.getLogger("transpiler")
@@ -39,6 +48,16 @@ class Built:
     guards: Guards     # host values its programs were traced with
     # (name, parameter) of those kept as shards between steps (mode fsdp)
     sharded_params: list = dataclasses.field(default_factory=list)
+    shape_guards: ShapeGuards | None = None   # what it assumes of symbolic batch sizes
+
+    def fits(self, leaves) -> bool:
+        """Whether a call with this signature may run these programs."""
+        return not self.guards.changed() and (self.shape_guards is None
+                                              or self.shape_guards.holds(leaves))
+
+    def misfit(self, leaves) -> str:
+        """Why a call does not fit, in one line."""
+        return self.guards.changed() or self.shape_guards.describe(leaves)
 
 
 class ProgramCache:
@@ -47,7 +66,7 @@ class ProgramCache:
     which parameters have one (capture.grad_signature); only those signatures
     pay for computing it."""
 
-    def __init__(self, limit: int = CACHE_LIMIT):
+    def __init__(self, limit: int = CACHE_LIMIT, dynamic: bool | dict | None = None):
         self._built: dict[tuple, list[Built]] = {}
         self._order: list[tuple[tuple, Built]] = []   # least recently used first
         self._reads_grads: set[tuple] = set()   # signatures keyed with their grads
@@ -59,6 +78,15 @@ class ProgramCache:
         # (their value decides control flow or a shape): capture/numbers.py.
         self.lifted: set[str] = set()
         self.per_value: set[str] = set()
+        # Batch dimensions traced as symbols (capture/shapes.py): those declared
+        # (transpile(dynamic={name: dims})), or every one (dynamic=True, or
+        # automatically after a batch shape changes unless dynamic=False).
+        self.declared: dict[str, frozenset[int]] = (
+            {name: frozenset(dims) for name, dims in dynamic.items()}
+            if isinstance(dynamic, dict) else {})
+        self.every_dim = dynamic is True
+        self.automatic = dynamic is not False
+        self._checked = not self.declared
 
     def __len__(self) -> int:
         return len(self._order)
@@ -69,28 +97,36 @@ class ProgramCache:
         step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
                                                                             step_args.leaves))
                                      if name in self.lifted and is_number(leaf))
+        if not self._checked:
+            _check_declared(self.declared, step_args)
+            self._checked = True
+        step_args.dynamic = self._symbolic(step_args)
         sig = signature(step_args)
         key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
         entries = self._built.get(key, [])
         for built in entries:
-            if not built.guards.changed():
+            if built.fits(step_args.leaves):
                 if self._order[-1][1] is not built:
                     self._order.remove((key, built))
                     self._order.append((key, built))
                 return built
         if entries:
-            why = entries[-1].guards.changed()
+            why = entries[-1].misfit(step_args.leaves)
         elif self.last_built is None:
             why = "first call"
         else:
-            why = describe_change(self.last_built, sig + grad_signature(step_args)) \
-                + self._lift_changed_numbers(step_args)
+            full = sig + grad_signature(step_args)
+            why = describe_change(self.last_built, full) \
+                + self._lift_changed_numbers(step_args) + self._symbolic_batch(step_args, full)
         start = time.perf_counter()
         requested = step_args.lifted
+        symbolic = bool(step_args.dynamic)
         built = build(step_args, why)
         dropped = {step_args.names[i] for i in requested - step_args.lifted}
         self.lifted -= dropped
         self.per_value |= dropped
+        if symbolic and not step_args.dynamic:   # its symbolic trace failed (trace.py)
+            self.declared, self.every_dim, self.automatic = {}, False, False
         # Building made the optimizers' state the first step would make
         # (capture.trace_step): the key is the signature later calls have.
         sig = signature(step_args)
@@ -115,6 +151,25 @@ class ProgramCache:
         self.build_seconds += time.perf_counter() - start
         return built
 
+    def _symbolic(self, step_args: StepArgs) -> dict[int, frozenset[int]]:
+        """Leaf index -> the dimensions of that batch tensor to trace as symbols."""
+        dims = {}
+        for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
+            if isinstance(leaf, torch.Tensor) or is_ndarray(leaf):
+                these = frozenset(range(leaf.ndim)) if self.every_dim else self.declared.get(name)
+                if these:
+                    dims[i] = these
+        return dims
+
+    def _symbolic_batch(self, step_args: StepArgs, full: tuple) -> str:
+        """After a batch tensor's first change of shape: every dimension of the
+        batch becomes symbolic for the build (capture/shapes.py). Says so, for the log."""
+        if not self.automatic or self.every_dim or not batch_shapes(self.last_built, full):
+            return ""
+        self.every_dim = True
+        step_args.dynamic = self._symbolic(step_args)
+        return "; tracing the batch's dimensions as symbols, one program for every size"
+
     def _lift_changed_numbers(self, step_args: StepArgs) -> str:
         """Lift the number arguments whose value is new since the last build
         (capture/numbers.py): the build traces them as inputs. Says so, for the log."""
@@ -127,3 +182,19 @@ class ProgramCache:
             step_args.lifted |= lifting
             self.lifted |= {step_args.names[i] for i in lifting}
         return "".join(f"; lifting {step_args.names[i]} to a program input" for i in sorted(lifting))
+
+
+def _check_declared(declared: dict[str, frozenset[int]], step_args: StepArgs) -> None:
+    """transpile(dynamic={name: dims}) must name batch tensors and their dimensions."""
+    batch = {name: leaf.ndim for name, leaf in zip(step_args.names, step_args.leaves)
+             if isinstance(leaf, torch.Tensor) or is_ndarray(leaf)}
+    for name, dims in declared.items():
+        if name not in batch:
+            raise TranspileError(
+                f"transpile(dynamic=...) names {name!r}, which is not a batch tensor among the "
+                f"step's arguments; those are: {', '.join(batch) or 'none'}")
+        wrong = sorted(d for d in dims if not isinstance(d, int) or not 0 <= d < batch[name])
+        if wrong:
+            raise TranspileError(
+                f"transpile(dynamic=...) names dimension {wrong[0]} of {name!r}, which has "
+                f"{batch[name]} dimensions (0 to {batch[name] - 1})")

@@ -56,7 +56,7 @@ class TranspiledStep:
                  check_every: int | None = None, verify: int = 0,
                  verify_tolerance: float = 1e-3,
                  groups: tuple[reduce_groups.ReduceGroup, ...] = (),
-                 sharded_state: bool = False):
+                 sharded_state: bool = False, dynamic: bool | dict | None = None):
         self.step_fn = step_fn
         # Mode zero: the optimizers' state is kept as shards (shards.py).
         self._sharded = ShardedState(settings.hierarchical) if sharded_state else None
@@ -70,7 +70,7 @@ class TranspiledStep:
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
-        self._cache = ProgramCache()
+        self._cache = ProgramCache(dynamic=dynamic)
         self._agreed = AgreedPrograms()   # what every rank agreed on (rebuild.py)
         self._held = HeldTensors()
         self._executor = Executor()
@@ -369,7 +369,8 @@ class TranspiledStep:
                     "backward(), or after optimizer.step() when it accumulates over calls")
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
-                           captured.reads_grads, captured.guards, _sharded_params(captured, programs))
+                           captured.reads_grads, captured.guards, _sharded_params(captured, programs),
+                           captured.shape_guards)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",

@@ -25,6 +25,8 @@ class StepArgs:
     # Leaves that are Python numbers fed as program inputs (numbers.py); the
     # trace drops those it cannot lift.
     lifted: frozenset[int] = frozenset()
+    # Leaf index -> the dimensions of that batch tensor traced as symbols (shapes.py).
+    dynamic: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def modules(self) -> list[torch.nn.Module]:

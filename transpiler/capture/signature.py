@@ -59,11 +59,12 @@ def signature(step_args: StepArgs) -> tuple:
     sig: list = [(("arguments",), step_args.spec)]
     for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
         if isinstance(leaf, torch.Tensor):
-            sig.append((("input", name), _tensor_sig(leaf)))
+            sig.append((("input", name), _tensor_sig(leaf, step_args.dynamic.get(i))))
         elif i in step_args.lifted:
             sig.append((("input", name), ("number", type(leaf).__name__)))
         elif is_ndarray(leaf):
-            sig.append((("input", name), ("ndarray", leaf.shape, leaf.dtype.str)))
+            sig.append((("input", name), ("ndarray", _shape(leaf.shape, step_args.dynamic.get(i)),
+                                           leaf.dtype.str)))
         elif isinstance(leaf, GradScaler):
             sig.append((("input", name), scaler_signature(leaf)))
         elif is_leaf(leaf):
@@ -113,8 +114,41 @@ def grad_signature(step_args: StepArgs) -> tuple:
     return tuple(sig)
 
 
-def _tensor_sig(t: torch.Tensor):
-    return (t.shape, t.dtype, t.device, t.requires_grad)
+def _tensor_sig(t: torch.Tensor, dynamic: frozenset[int] | None = None):
+    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad)
+
+
+def _shape(shape, dynamic: frozenset[int] | None) -> tuple:
+    """The shape with each symbolic dimension (shapes.py) as None: its size
+    is the program's guards' to check, not the signature's."""
+    return tuple(None if d in dynamic else s for d, s in enumerate(shape)) if dynamic else shape
+
+
+def batch_shapes(old: tuple, new: tuple) -> list[str]:
+    """The batch inputs (tensors, numpy arrays) whose shape differs between
+    two signatures in its sizes alone (as many dimensions, the same dtype
+    and device)."""
+    old_d = dict(old)
+    changed = []
+    for key, value in new:
+        now, before = _sized(value), _sized(old_d.get(key))
+        if key[0] == "input" and now and before and now != before and now[1] == before[1] \
+                and len(now[0]) == len(before[0]):
+            changed.append(key[1])
+    return changed
+
+
+def _sized(v) -> tuple | None:
+    """(shape, the rest) of a tensor's or an array's signature."""
+    if _is_tensor_sig(v):
+        return v[0], v[1:]
+    if isinstance(v, tuple) and len(v) == 3 and v[0] == "ndarray":
+        return v[1], v[2]
+    return None
+
+
+def _is_tensor_sig(v) -> bool:
+    return isinstance(v, tuple) and len(v) == 4 and isinstance(v[1], torch.dtype)
 
 
 def _hashable(value):
@@ -153,8 +187,9 @@ _MISSING = object()
 def _fmt(v) -> str:
     if v is _MISSING:
         return "absent"
-    if isinstance(v, tuple) and len(v) == 4 and isinstance(v[0], torch.Size):
+    if _is_tensor_sig(v):
         shape, dtype, device, _ = v
-        return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+        dims = ", ".join("*" if s is None else str(s) for s in shape)
+        return f"{str(dtype).replace('torch.', '')}[{dims}] on {device}"
     return str(v)
 

@@ -49,6 +49,7 @@ from .optimizer_state import (
 )
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import outside_tensors
+from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .slots import ArraySlot, DataSlot, ParamSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
@@ -94,6 +95,7 @@ class Captured:
     # then which parameters have one is part of the program's signature.
     reads_grads: bool
     guards: Guards         # the host values the program was traced with
+    shape_guards: ShapeGuards | None   # what it assumes of symbolic batch dimensions
     # (optimizer, parameter, key) of the state made for this trace as the first
     # step would make it: forgotten again if the build fails after the trace
     made_state: list = dataclasses.field(default_factory=list)
@@ -128,10 +130,16 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             try:
                 captured = _trace(step_fn, step_args, state_stand_in)
                 break
-            except Exception as exc:  # noqa: BLE001 - retraced with fewer numbers lifted
-                if not step_args.lifted:
+            except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
+                if step_args.dynamic:
+                    log.warning("transpiler: tracing %s with symbolic batch dimensions failed, so "
+                                "it is traced once per batch shape from now on: %s",
+                                step_name(step_fn), exc)
+                    step_args.dynamic = {}
+                elif step_args.lifted:
+                    _drop_lifted(step_args, exc)
+                else:
                     raise
-                _drop_lifted(step_args, exc)
     except BaseException:
         forget_state(made)
         raise
@@ -255,6 +263,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             return tuple(out_leaves) + tuple(new_state) + tuple(grads)
 
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
+    values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
+                            if step_args.dynamic else (inputs.values, "fake"))
     symbols: dict = {}   # the symbol of each lifted number -> its name
     try:
         # The traced module's Python code is never run (it becomes a Program):
@@ -262,8 +272,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         with _use_lazy_graph_module(True), \
                 outside_tensors(step_fn, arrays, _group_tensors(optimizers),
                                 _outside_hint(step_args)) as check_outside:
-            gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
-                         _allow_non_fake_inputs=True)(*inputs.values)
+            gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
+                         _allow_non_fake_inputs=True)(*values)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
         error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers)
         guarded = guarded_numbers(exc, symbols)
@@ -294,13 +304,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         fgm = gm
     except functionalize.Unsupported as why:
         log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
-        fgm = _functionalize(gm, inputs.values)
+        fgm = _functionalize(gm, values, tracing_mode)
     program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
     _check_arguments_unwritten(step_fn, program, targets)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, guards[0])
+                    reads_grads, guards[0], ShapeGuards.of(program, slots))
 
 
 
@@ -415,8 +425,8 @@ class _RoleCarrier(fx.Interpreter):
         return result
 
 
-def _functionalize(gm: fx.GraphModule, values) -> fx.GraphModule:
+def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphModule:
     def run(*args):
         return _RoleCarrier(gm).run(*args)
-    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake",
+    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode=tracing_mode,
                    _allow_non_fake_inputs=True)(*[v.detach() for v in values])
