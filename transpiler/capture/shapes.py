@@ -103,6 +103,12 @@ class ShapeGuards:
         shapes = ", ".join(f"{name} {list(slot.read(leaves).shape)}"
                            for name, slot in zip(self.names, self.slots))
         traced = ", ".join(f"{name} {list(v.shape)}" for name, v in zip(self.names, self.values))
-        expr = self.shape_env.produce_guards_expression(self.values) or "none"
+        args = [slot.read(leaves) for slot in self.slots]
+        failed = [guard for guard in self.shape_env.produce_guards(
+                      self.values, [LocalSource(f"t{i}") for i in range(len(self.values))])
+                  if not self.shape_env.evaluate_guards_expression(guard, args)]
+        text = " and ".join(failed) or "none"
+        for i, name in enumerate(self.names):   # the guards name input i L['t<i>']
+            text = text.replace(f"L['t{i}']", name)
         return (f"the batch's shapes ({shapes}) are outside what the program traced for "
-                f"({traced}) assumes: {expr}")
+                f"({traced}) assumes: {text}")
