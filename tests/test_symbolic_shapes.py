@@ -33,12 +33,12 @@ def tokens(batch: int, length: int, seed: int):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _against_eager(shape_list, backend="eager", **options):
+def _against_eager(shape_list, backend="eager", optimizer="adamw", **options):
     """The transpiled LM step and the plain one on the same calls: the largest
     difference of the losses and the final state, and the step."""
     model = make_lm()
     reference = copy.deepcopy(model)
-    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    opts = [M.make_optimizer(optimizer, m) for m in (model, reference)]
     step = transpile(M.lm_step, backend=backend, **options)
     worst = 0.0
     for i, (b, t) in enumerate(shape_list):
@@ -141,7 +141,9 @@ def test_is_symbolic_reads_the_trace_not_the_size():
 
 @pytest.mark.slow
 def test_symbolic_program_under_inductor():
-    step, worst = _against_eager(SHAPES, backend="inductor")
+    # SGD: the attention's key bias has no gradient but rounding noise, which
+    # Adam would scale up to full-size steps of different signs.
+    step, worst = _against_eager(SHAPES, backend="inductor", optimizer="sgd")
     assert worst < 1e-4
     assert step._cache.builds == 2
     assert step._executor.compile_seconds > 0
