@@ -139,6 +139,9 @@ class _Inductor:
     guards), compiled from the real inputs (prepare, or the first call)."""
 
     def __init__(self, gm: fx.GraphModule):
+        # Importing inductor takes seconds: done here, before a rank waits for
+        # the first rank of its node to compile (compile_once.py), not after.
+        import torch._inductor.compile_fx  # noqa: F401
         self.gm = gm
         self.compiled = None
 
@@ -147,7 +150,7 @@ class _Inductor:
         caches (AOTAutograd's, the FX graph cache) instead of compiling it."""
         if self.compiled is not None:
             return False
-        from torch._inductor.compile_fx import compile_fx   # heavy: only when used
+        from torch._inductor.compile_fx import compile_fx
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
         before = _cache_lookups()
         with _cacheable(self.gm):

@@ -18,6 +18,7 @@ import enum
 import hashlib
 import logging
 import pickle
+import time
 from typing import Callable
 
 import torch
@@ -44,6 +45,7 @@ class Compiled:
 
     failed: str | None   # "Type: message" of its error
     loaded: bool         # read from inductor's cache, not compiled
+    seconds: float       # the compile's (or load's) own, not the wait before it
 
 
 def digest(program: Program, inputs: list) -> str:
@@ -107,19 +109,23 @@ def how(rank: int, plan: Plan, waited: bool, outcome: Compiled) -> How:
 
 
 def report(plans: list[Plan], waits: list[bool], outcomes: list[Compiled]) -> str:
-    """Which ranks compiled the program, which loaded it, and why any other
-    than the first of its node compiled it too."""
+    """Which ranks compiled the program, which loaded it (each the longest
+    time it took them), and why any other than the first of its node compiled
+    it too."""
     ranks: dict[How, list[int]] = {h: [] for h in How}
     for rank, args in enumerate(zip(plans, waits, outcomes)):
         ranks[how(rank, *args)].append(rank)
-    return "; ".join(h.value.format(_ranks(rs)) for h, rs in ranks.items() if rs)
+    return "; ".join(h.value.format(f"{_ranks(rs)} in {max(outcomes[r].seconds for r in rs):.2f}s")
+                     for h, rs in ranks.items() if rs)
 
 
 def _attempt(compile: Callable[[], bool]) -> tuple[Exception | None, Compiled]:
+    start = time.perf_counter()
     try:
-        return None, Compiled(None, compile())
+        loaded = compile()
     except Exception as exc:  # noqa: BLE001 - shown to every rank, then raised
-        return exc, Compiled(f"{type(exc).__name__}: {exc}", False)
+        return exc, Compiled(f"{type(exc).__name__}: {exc}", False, time.perf_counter() - start)
+    return None, Compiled(None, loaded, time.perf_counter() - start)
 
 
 def _exchange(mine):
