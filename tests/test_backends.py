@@ -6,6 +6,8 @@ CUDA and cudagraphs paths run where a GPU is present and skip elsewhere."""
 import contextlib
 import copy
 import logging
+import os
+import re
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from tests import models as M
 from transpiler import TranspileError, transpile
 from tests.test_passes import _captured
-from transpiler import backends, hpu
+from transpiler import backends, compile_once, hpu
 from transpiler.program import OutputKind
 
 STEPS = 5
@@ -126,10 +128,51 @@ def test_failed_step_leaves_state_untouched_under_inductor():
                for k, v in st.items())
 
 
-def rank_compile_fails_on_rank_1():
-    """Rank 1's compiler fails on the first call: every rank raises before any
-    issues the program's collectives (which would leave rank 0 waiting in the
-    first all-reduce), nothing is written; the next call compiles again and runs."""
+def rank_compiles_once_per_node(cache_dir):
+    """Rank 0 (the first of the node) compiles into a fresh inductor cache,
+    rank 1 loads the program from it; both train as eager does."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("transpiler")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    counters = torch._dynamo.utils.counters
+    before = counters["inductor"].copy()
+    try:
+        with temporary_cache_dir(cache_dir):
+            compiled, _ = _train("inductor", "fuse_all_reduce", "sgd", {}, rank, world_size)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    counts = {k: counters["inductor"][k] - before[k]
+              for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    eager, _ = _train("eager", "fuse_all_reduce", "sgd", {}, rank, world_size)
+    return compiled, eager, counts, [x for x in lines if x.startswith("transpiler: program 'main' ")]
+
+
+def test_the_first_rank_of_a_node_compiles_the_others_load(ranks2, tmp_path):
+    (compiled0, eager0, counts0, lines0), (compiled1, eager1, counts1, lines1) = \
+        ranks2.run(rank_compiles_once_per_node, str(tmp_path), timeout=300)
+    assert counts0 == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
+    assert counts1 == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}
+    assert len(lines0) == 1 and re.fullmatch(
+        r"transpiler: program 'main' compiled by rank 0 in [\d.]+s; loaded from inductor's "
+        r"cache by rank 1 in [\d.]+s", lines0[0]), lines0
+    assert lines1 == []
+    assert all(torch.equal(compiled0[k], compiled1[k]) for k in compiled0)
+    assert M.max_rel_error(compiled0, eager0) <= 1e-5
+    assert M.max_rel_error(compiled1, eager1) <= 1e-5
+
+
+def rank_compile_fails_on(failing):
+    """Rank `failing`'s compiler fails on the first call: every rank raises
+    before any issues the program's collectives (which would leave the other
+    waiting in the first all-reduce), nothing is written; the next call
+    compiles again and runs. Also: whether this rank called the compiler."""
     from torch._inductor import compile_fx as inductor
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make("mlp")
@@ -138,11 +181,15 @@ def rank_compile_fails_on_rank_1():
     batch = M.shard(M.batches("mlp", 1, BATCH)[0], rank, world_size)
     before = copy.deepcopy(model.state_dict())
     real = inductor.compile_fx
+    calls = []
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler on this rank")
+    def compiler(*args, **kwargs):
+        calls.append(rank)
+        if rank == failing:
+            raise RuntimeError("no C++ compiler on this rank")
+        return real(*args, **kwargs)
 
-    inductor.compile_fx = broken if rank == 1 else real
+    inductor.compile_fx = compiler
     try:
         step(model, opt, *batch)
         error = None
@@ -152,18 +199,59 @@ def rank_compile_fails_on_rank_1():
         inductor.compile_fx = real
     untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     step(model, opt, *batch)
-    return error, untouched, step.check_consistency(), opt.state != {}
+    return error, untouched, step.check_consistency(), opt.state != {}, bool(calls)
 
 
 @pytest.mark.slow
-def test_a_rank_that_cannot_compile_stops_every_rank(ranks2):
-    (error0, untouched0, diff0, stepped0), (error1, untouched1, _, stepped1) = \
-        ranks2.run(rank_compile_fails_on_rank_1, timeout=300)
-    assert error0 == ("TranspileError: rank 1 could not compile program 'main', so no rank "
-                      "runs it: RuntimeError: no C++ compiler on this rank")
-    assert error1 == "RuntimeError: no C++ compiler on this rank"
-    assert untouched0 and untouched1
-    assert diff0 == [] and stepped0 and stepped1
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_that_cannot_compile_stops_every_rank(failing, ranks2):
+    """Rank 0 compiles first; when it fails, rank 1 does not compile at all."""
+    outcomes = ranks2.run(rank_compile_fails_on, failing, timeout=300)
+    other = 1 - failing
+    assert outcomes[other][0] == (f"TranspileError: rank {failing} could not compile program "
+                                  "'main', so no rank runs it: RuntimeError: no C++ compiler "
+                                  "on this rank")
+    assert outcomes[failing][0] == "RuntimeError: no C++ compiler on this rank"
+    assert [called for *_, called in outcomes] == [True, failing == 1]
+    for _, untouched, diff, stepped, _ in outcomes:
+        assert untouched and stepped
+    assert outcomes[0][2] == []
+
+
+def rank_node_first_rank(local_world_size):
+    from transpiler import nodes
+    old = os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = local_world_size
+    try:
+        return nodes.node_first_rank()
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if old is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = old
+
+
+@pytest.mark.parametrize("local_world_size,first", [(None, [0, 0]), ("1", [0, 1]),
+                                                    ("2", [0, 0])])
+def test_node_first_rank(local_world_size, first, ranks2):
+    """From torchrun's LOCAL_WORLD_SIZE where set, else from the hostnames (one host here)."""
+    assert ranks2.run(rank_node_first_rank, local_world_size) == first
+
+
+def test_report_says_who_compiled_and_why():
+    """Two nodes of 4: on the first, rank 1 runs a program of its own (mode
+    zero's shard offsets) and rank 3 missed the cache; the second has its cache off."""
+    Plan, Compiled = compile_once.Plan, compile_once.Compiled
+    plans = [Plan(0, "a"), Plan(0, "b"), Plan(0, "a"), Plan(0, "a")] + [Plan(4, None)] * 4
+    waits = [False, False, True, True] + [False] * 4
+    outcomes = [Compiled(None, False, 9.0), Compiled(None, False, 8.5), Compiled(None, True, 0.5),
+                Compiled(None, False, 9.5)] + [Compiled(None, False, 10.0 + r) for r in range(4)]
+    assert compile_once.report(plans, waits, outcomes) == (
+        "compiled by ranks 0, 4 in 10.00s; loaded from inductor's cache by rank 2 in 0.50s; "
+        "compiled at the same time by rank 1 in 8.50s (the program differs from the one of "
+        "the first rank of the node); compiled at the same time by ranks 5-7 in 13.00s "
+        "(inductor's cache is off there); compiled again by rank 3 in 9.50s: not found in the "
+        "cache that the first rank of the node filled (is TORCHINDUCTOR_CACHE_DIR set apart?)")
 
 
 def test_cudagraphs_on_a_cpu_model_is_a_clear_error():

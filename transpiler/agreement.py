@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Callable
 
-import torch
-import torch.distributed as dist
-
-from .control import control_group
+from .control import all_gather_bytes
 from .errors import TranspileError
 from .program import InputKind, Program
-from .rings import world
 from .roles import COMM
 
 
@@ -63,8 +58,8 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
 def compare(everyone: list[tuple], error: BaseException | None) -> None:
     """everyone[r]: rank r's outcome(). Raise this rank's own error, or name
     the first rank that failed or built programs unlike rank 0's."""
-    _raise_first_failure([msg if status == "error" else None for status, msg, _ in everyone],
-                         error, "build the step")
+    raise_first_failure([msg if status == "error" else None for status, msg, _ in everyone],
+                        error, "build the step")
     reference = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs[1] != reference[1]:
@@ -74,23 +69,8 @@ def compare(everyone: list[tuple], error: BaseException | None) -> None:
                 "same model (the same parameters requiring grad), mode and options")
 
 
-def compiled_on_every_rank(compile: Callable[[], None], program: str) -> None:
-    """Run `compile`, then exchange whether it succeeded. If it failed on any
-    rank, every rank raises (the failing one its own error) before running the
-    program, whose collectives would leave the others waiting."""
-    error = None
-    try:
-        compile()
-    except Exception as exc:  # noqa: BLE001 - shown to every rank, then raised
-        error = exc
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    messages = ([mine] if world()[0] == 1
-                else [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))])
-    _raise_first_failure(messages, error, f"compile program {program!r}")
-
-
-def _raise_first_failure(messages: list[str | None], error: BaseException | None,
-                         doing: str) -> None:
+def raise_first_failure(messages: list[str | None], error: BaseException | None,
+                        doing: str) -> None:
     """messages[r]: what failed on rank r, or None. Raise this rank's own error,
     or name the first rank that failed."""
     failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
@@ -120,18 +100,3 @@ def first_difference(a: list[str], b: list[str], first: str = "rank 0") -> str:
         if x != y:
             return f"{first} has {x!r} where it has {y!r}"
     return f"{first} has {len(a)} collective and parameter entries, it has {len(b)}"
-
-
-def all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's bytes, over the control group. (all_gather_object would need numpy.)"""
-    group = control_group()
-    world_size = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    return [bytes(t[:int(n)].tolist()) for t, n in zip(gathered, sizes)]

@@ -46,12 +46,13 @@ class Executable:
     """run: input tensors -> output tensors. written[i]: output i is a state
     update the program already wrote into its input (no write-back needed;
     its value in the list returned by run is not used). prepare: compile for
-    these inputs, before the first run (which would otherwise compile); None
+    these inputs, before the first run (which would otherwise compile), and
+    say whether the compiled program was loaded from inductor's cache; None
     where there is nothing to compile."""
 
     run: Callable[[list], list]
     written: list[bool]
-    prepare: Callable[[list], None] | None = None
+    prepare: Callable[[list], bool] | None = None
     graph: WholeStepGraph | None = None   # cudagraphs: the program's CUDA graph
     why_not: str | None = None            # cudagraphs: why the program is not captured
 
@@ -139,22 +140,48 @@ class _Inductor:
     guards), compiled from the real inputs (prepare, or the first call)."""
 
     def __init__(self, gm: fx.GraphModule):
+        # Importing inductor takes seconds: done here, before a rank waits for
+        # the first rank of its node to compile (compile_once.py), not after.
+        import torch._inductor.compile_fx  # noqa: F401
         self.gm = gm
         self.compiled = None
 
-    def prepare(self, inputs: list) -> None:
+    def prepare(self, inputs: list) -> bool:
+        """Compile for `inputs`; whether inductor loaded the program from its
+        caches (AOTAutograd's, the FX graph cache) instead of compiling it."""
         if self.compiled is not None:
-            return
-        from torch._inductor.compile_fx import compile_fx   # heavy: only when used
+            return False
+        from torch._inductor.compile_fx import compile_fx
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+        before = _cache_lookups()
         with _cacheable(self.gm):
             self.compiled = compile_fx(self.gm, _examples(self.gm, inputs), config_patches=(
                 _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS))
+        hits, misses = (after - b for after, b in zip(_cache_lookups(), before))
+        return hits > 0 and misses == 0
 
     def __call__(self, *inputs):
         if self.compiled is None:
             self.prepare(list(inputs))
         return self.compiled(*inputs)
+
+
+def inductor_cache_on() -> bool:
+    """Whether inductor keeps what it compiles on disk (its FX graph cache, in
+    TORCHINDUCTOR_CACHE_DIR), where another process can load it."""
+    import torch._inductor.config as config
+    return config.fx_graph_cache and not config.force_disable_caches
+
+
+def _cache_lookups() -> tuple[int, int]:
+    """inductor's cache hits and misses so far (a miss: looked up and not
+    found, or not looked up), AOTAutograd's cache (over the FX graph cache)
+    and the FX graph cache's together."""
+    counters = torch._dynamo.utils.counters   # read anew: torch may replace them
+    aot, inductor = counters["aot_autograd"], counters["inductor"]
+    return (aot["autograd_cache_hit"] + inductor["fxgraph_cache_hit"],
+            sum(aot[f"autograd_cache_{k}"] + inductor[f"fxgraph_cache_{k}"]
+                for k in ("miss", "bypass")))
 
 
 def _cacheable(gm: fx.GraphModule):

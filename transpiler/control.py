@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from .rings import world_timeout
@@ -43,3 +44,18 @@ def control_group() -> dist.ProcessGroup:
                   group.group_name, dist.get_backend())
         _control = (world, group)
     return _control[1]
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes, over the control group. (all_gather_object would need numpy.)"""
+    group = control_group()
+    world_size = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(t[:int(n)].tolist()) for t, n in zip(gathered, sizes)]

@@ -5,14 +5,16 @@ whole program has succeeded: a step that raises leaves everything as it was."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
 import torch
 
 from . import rebuild
-from .agreement import compiled_on_every_rank
-from .backends import Executable, compile_program
+from .backends import Executable, compile_program, inductor_cache_on
+from .compile_once import Plan, compiled_on_every_rank, digest
+from .nodes import node_first_rank
 from .program import InputKind, OutputKind, Program
 from .rings import world
 
@@ -62,9 +64,13 @@ class Executor:
                     # Compiled on every rank before any issues the program's
                     # collectives; kept only then (a failed compile is tried,
                     # and agreed on, again at the next call).
-                    prepare = (_compiled_alone if runnable.compile_alone
-                               else compiled_on_every_rank)
-                    prepare(lambda: executable.prepare(inputs), runnable.program.name)
+                    compile = functools.partial(executable.prepare, inputs)
+                    if runnable.compile_alone:
+                        _compiled_alone(compile, runnable.program.name)
+                    else:   # once per node: the node's other ranks load it
+                        plan = Plan(node_first_rank(), digest(runnable.program, inputs)
+                                    if inductor_cache_on() else None)
+                        compiled_on_every_rank(compile, runnable.program.name, plan)
                 runnable.executable = executable
             executable = runnable.executable
             try:

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from .agreement import all_gather_bytes
 from .capture import StepArgs, intercepted_schedulers
+from .control import all_gather_bytes
 from .errors import VerificationError
 from .rings import world
 
