@@ -73,7 +73,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
               reduce_groups: Sequence[tuple] = (), broadcast_buffers: bool = True,
-              **mode_options) -> TranspiledStep:
+              micro_batches: str | None = None, **mode_options) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -114,9 +114,19 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     each rank's own, as DDP(broadcast_buffers=False). Applies to the modes whose
     ranks hold one model (not decentralized, nor local_sgd's local steps);
     passes/broadcast_buffers.py says which buffers.
+    micro_batches: the name of the step's argument that is the list (or tuple)
+    of micro-batches it loops over, each a tensor or a pytree of tensors of one
+    structure, shapes and dtypes. The step is traced over two of them and runs
+    its loop body once per further micro-batch, so tracing and compiling cost
+    the same for every k; the step must treat every micro-batch after the first
+    alike and use the list only by iterating over it once (else it is traced
+    unrolled, as without the option: capture/micro.py, micro_loop.py).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
+    if micro_batches is not None and not isinstance(micro_batches, str):
+        raise TranspileError(f"micro_batches must be the name of the step's argument holding "
+                             f"the list of micro-batches, got {micro_batches!r}")
     spec = mode_specs.build(mode, passes, mode_options)
     common = Common(backend, nrings, check_every, skip_nonfinite, verify, verify_tolerance,
                     hierarchical, reduce_groups, broadcast_buffers)
@@ -132,4 +142,5 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     return TranspiledStep(step_fn, schedule, context, backend=backend, check_every=check_every,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,
-                          sharded_state=resolve(SHARD_OPTIMIZER) in used)
+                          sharded_state=resolve(SHARD_OPTIMIZER) in used,
+                          micro_batches=micro_batches)
