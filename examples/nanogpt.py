@@ -176,7 +176,7 @@ def train(args) -> dict:
         model = DDP(model)
         step = train_step
     else:
-        step = transpile(train_step, mode=args.mode, backend=args.backend)
+        step = transpile(train_step, mode=args.mode, backend=args.backend, micro_batches="batches")
         if args.init_from == "resume" and checkpoint["step"] is not None:   # None: saved by DDP
             step.load_state_dict(checkpoint["step"])
     raw_model = model.module if ddp else model

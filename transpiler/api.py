@@ -75,7 +75,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
               reduce_groups: Sequence[tuple] = (), broadcast_buffers: bool = True,
               dynamic: bool | Mapping[str, Iterable[int]] | None = None,
-              **mode_options) -> TranspiledStep:
+              micro_batches: str | None = None, **mode_options) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
     training step (forward, backward, optimizer update) as one transpiled
     program on every rank.
@@ -122,9 +122,19 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     it brings); True: every batch dimension from the first call; a mapping
     {argument name: dimensions}, e.g. {"x": {0, 1}}: those from the first
     call (and every one after a change); False: never, one program per shape.
+    micro_batches: the name of the step's argument that is the list (or tuple)
+    of micro-batches it loops over, each a tensor or a pytree of tensors of one
+    structure, shapes and dtypes. The step is traced over two of them and runs
+    its loop body once per further micro-batch, so tracing and compiling cost
+    the same for every k; the step must treat every micro-batch after the first
+    alike and use the list only by iterating over it once (else it is traced
+    unrolled, as without the option: capture/micro.py, micro_loop.py).
     """
     if not callable(step_fn):
         raise TranspileError(f"transpile needs the training step function, got {step_fn!r}")
+    if micro_batches is not None and not isinstance(micro_batches, str):
+        raise TranspileError(f"micro_batches must be the name of the step's argument holding "
+                             f"the list of micro-batches, got {micro_batches!r}")
     dynamic = _dynamic_dims(dynamic)
     spec = mode_specs.build(mode, passes, mode_options)
     common = Common(backend, nrings, check_every, skip_nonfinite, verify, verify_tolerance,
@@ -141,7 +151,8 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     return TranspiledStep(step_fn, schedule, context, backend=backend, check_every=check_every,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,
-                          sharded_state=resolve(SHARD_OPTIMIZER) in used, dynamic=dynamic)
+                          sharded_state=resolve(SHARD_OPTIMIZER) in used, dynamic=dynamic,
+                          micro_batches=micro_batches)
 
 
 def _dynamic_dims(dynamic) -> bool | dict[str, frozenset[int]] | None:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from .compile_once import Plan, compiled_on_every_rank, digest
 from .nodes import node_first_rank
 from .program import InputKind, OutputKind, Program
 from .rings import world
+
+if TYPE_CHECKING:
+    from .micro_loop import Loop
 
 log = logging.getLogger("transpiler")
 
@@ -35,6 +39,9 @@ class Runnable:
     # built on this rank alone, its collectives agreed before (rebuild.py): the
     # others may be waiting in theirs, so its compile is not exchanged
     compile_alone: bool = False
+    # a program traced over a cut list of micro-batches runs as a loop of
+    # three programs (micro_loop.py); leaves are then a MicroLeaves
+    loop: Loop | None = None
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 
@@ -54,6 +61,8 @@ class Executor:
     def run(self, runnable: Runnable, leaves) -> list:
         """Run the compiled program and write back the outputs it did not write
         in place; its outputs (None where written in place)."""
+        if runnable.loop is not None:
+            return runnable.loop.run(self.run, leaves, runnable.compile_alone)
         first = runnable.executable is None
         start = time.perf_counter()
         inputs = [slot.read(leaves) for slot in runnable.slots]
@@ -91,6 +100,8 @@ class Executor:
     def run_uncommitted(self, runnable: Runnable, leaves) -> list:
         """Run the program op by op and write nothing: every output, for the
         caller to check before it commits them."""
+        if runnable.loop is not None:
+            return runnable.loop.run(self.run_uncommitted, leaves, runnable.compile_alone)
         with torch.no_grad():
             return list(runnable.program.gm(*[slot.read(leaves) for slot in runnable.slots]))
 

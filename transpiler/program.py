@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT
 from .mesh import Dim, Over
-from .roles import BUCKET, COMM, GATHERED, INPUT, PARAM, REDUCE, ROLE, Role
+from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, REDUCE, ROLE, Role
 
 
 class InputKind(enum.Enum):
@@ -39,6 +39,7 @@ class InputKind(enum.Enum):
     DATA = "data"       # a tensor among the step's arguments (the batch)
     NUMBER = "number"   # a Python float or int argument, lifted after its value changed
     HELD = "held"       # a tensor the transpiled step itself keeps between calls
+    LOOP = "loop"       # a value passed between the programs of a micro-batch loop (micro_loop.py)
 
 
 class OutputKind(enum.Enum):
@@ -238,7 +239,10 @@ class Program:
 
     def __str__(self) -> str:
         last = self.history[-1].pass_name if self.history else "capture"
-        return f"# program: {self.name}\n# after: {last}\n{self.listing()}"
+        loop = ("# micro-batch loop: the nodes marked `loop` run once per micro-batch after "
+                "the first (k-1 times)\n" if any(n.meta.get(MICRO) == 1 for n in self.graph.nodes)
+                else "")
+        return f"# program: {self.name}\n# after: {last}\n{loop}{self.listing()}"
 
 
 
@@ -447,6 +451,8 @@ def _note(node: fx.Node, frees: dict[fx.Node, list[str]]) -> str:
     notes = []
     if ROLE in node.meta:
         notes.append(str(node.meta[ROLE]))
+    if node.meta.get(MICRO) == 1:
+        notes.append("loop")
     if PARAM in node.meta:
         notes.append(f"grad={node.meta[PARAM]}")
     reduction = node.meta.get(REDUCE)

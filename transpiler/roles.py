@@ -40,3 +40,7 @@ REDUCED = "reduced"    # Reduction: on the node holding a value's reduced result
 # it, and on the node holding its full value gathered from the updated shards
 PARAM_SHARD = "param_shard"
 GATHERED = "gathered"
+# capture/micro.py: the micro-batch (0 or 1) of the cut list a node was traced
+# for, and on the nodes of per-micro-batch state where one ends, a Carry
+MICRO = "micro"
+CARRY = "carry"

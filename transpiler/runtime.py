@@ -23,11 +23,14 @@ from typing import Callable
 
 import torch
 
-from . import agreement, consensus, consistency, reduce_groups, sharded_params, verify
+from . import (agreement, consensus, consistency, micro_loop, reduce_groups, sharded_params,
+               verify)
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .capture import Captured, HeldSlot, flatten_args, trace_step
+from .capture.micro import NotRollable, cut_arguments
 from .capture.optimizer_state import forget_state
+from .micro_loop import MicroLeaves
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
@@ -56,8 +59,13 @@ class TranspiledStep:
                  check_every: int | None = None, verify: int = 0,
                  verify_tolerance: float = 1e-3,
                  groups: tuple[reduce_groups.ReduceGroup, ...] = (),
-                 sharded_state: bool = False, dynamic: bool | dict | None = None):
+                 sharded_state: bool = False, dynamic: bool | dict | None = None,
+                 micro_batches: str | None = None):
         self.step_fn = step_fn
+        # The argument holding the list of micro-batches (micro_loop.py), and
+        # whether the step was found not to roll (then traced unrolled per k).
+        self.micro_batches = micro_batches
+        self._unrolled = False
         # Mode zero: the optimizers' state is kept as shards (shards.py).
         self._sharded = ShardedState(settings.hierarchical) if sharded_state else None
         self._guard = StateGuard(sharded_state)   # shards never pass for full state
@@ -243,18 +251,28 @@ class TranspiledStep:
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
+        cut = cut_arguments(self.step_fn, step_args, self.micro_batches) \
+            if self.micro_batches is not None else None
+        call_args = step_args if cut is None or self._unrolled else cut
         self._guard.admit(step_args.optimizers)
         if self._sharded is not None:   # a full state loaded since: its shards, before the signature
             self._sharded.shard(step_args.optimizers)
-        built = self._cache.get(step_args, self._build)
+        try:
+            built = self._cache.get(call_args, self._build)
+        except NotRollable as exc:
+            log.info("transpiler: the micro-batch loop over %r is traced unrolled, once per "
+                     "number of micro-batches: %s", self.micro_batches, exc)
+            self._unrolled = True
+            built = self._cache.get(step_args, self._build)
         name = self.schedule.next_program()
         runnable = built.programs[name]
+        leaves = MicroLeaves(cut, step_args.leaves) if runnable.loop else step_args.leaves
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
         if self.schedule.step < self.verify_steps:
-            outputs = self._run_verified(runnable, built, step_args)
+            outputs = self._run_verified(runnable, built, step_args, leaves)
         else:
-            outputs = self._executor.run(runnable, step_args.leaves)
+            outputs = self._executor.run(runnable, leaves)
         for _, param in built.cleared:
             param.grad = None
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
@@ -343,7 +361,8 @@ class TranspiledStep:
             raise unbound
         mesh = build_mesh(self.settings.nrings, self.settings.hierarchical,
                           [g.group for g in self.groups], self.schedule.partitions)
-        error, built, to_agree, captured, new_state = None, None, [], None, False
+        error, built, to_agree, new_state = None, None, [], False
+        captured = None
         try:
             captured = self._trace(step_args, why)
             start = time.perf_counter()
@@ -376,6 +395,12 @@ class TranspiledStep:
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
                      ", ".join(programs), time.perf_counter() - start,
                      ", ".join(f"{n} {len(r.program.collectives())}" for n, r in programs.items()))
+        except NotRollable:
+            # Traced again unrolled (__call__), as the ranks that do not cut
+            # their list do at once: none has exchanged anything for this build.
+            if captured is not None:
+                forget_state(captured.made_state)
+            raise
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn of any failure
             error = exc
         try:
@@ -408,6 +433,10 @@ class TranspiledStep:
             sent = sum(sent_bytes(c.op, c.nbytes, ctx.mesh.size(c.over))
                        for c in (n.meta[COMM] for n in program.collectives()))
             programs[name] = Runnable(program, *self._bind(program, captured), backend, sent_bytes=sent)
+            if captured.rolled is not None:
+                if backend == "cudagraphs":
+                    raise NotRollable("backend cudagraphs captures each program as one graph")
+                programs[name].loop = micro_loop.split(programs[name], *captured.rolled)
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
                      if spec.kind is InputKind.HELD}.values())
         startup = refresh = None
@@ -476,12 +505,12 @@ class TranspiledStep:
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
 
-    def _run_verified(self, runnable: Runnable, built: Built, step_args) -> list:
+    def _run_verified(self, runnable: Runnable, built: Built, step_args, leaves) -> list:
         """Run the program functionally and compare everything it would write and
         return with the eager step under DDP's semantics (verify.py); write back
         only if every rank agrees."""
         memo, expected = self._reference.run(self.step_fn, step_args)
-        outputs = self._executor.run_uncommitted(runnable, step_args.leaves)
+        outputs = self._executor.run_uncommitted(runnable, leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]
         ours, theirs = outputs[:n_user], expected

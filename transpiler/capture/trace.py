@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Callable
@@ -22,7 +23,7 @@ from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, Program
-from ..roles import GRAD_AT, PARAM, ROLE, Role
+from ..roles import CARRY, GRAD_AT, MICRO, PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import to_program
@@ -47,6 +48,7 @@ from .optimizer_state import (
     redirect_optimizer,
     state_set_by_step,
 )
+from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import outside_tensors
 from .shapes import ShapeGuards, symbolic_inputs
@@ -99,6 +101,9 @@ class Captured:
     # (optimizer, parameter, key) of the state made for this trace as the first
     # step would make it: forgotten again if the build fails after the trace
     made_state: list = dataclasses.field(default_factory=list)
+    # traced over a cut list of micro-batches (micro.py): its first leaf and
+    # leaves per micro-batch; the runtime runs the programs as loops
+    rolled: tuple[int, int] | None = None
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -131,6 +136,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
                 captured = _trace(step_fn, step_args, state_stand_in)
                 break
             except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
+                if isinstance(exc, NotRollable):
+                    raise
                 if step_args.dynamic:
                     log.warning("transpiler: tracing %s with symbolic batch dimensions failed, so "
                                 "it is traced once per batch shape from now on: %s",
@@ -229,6 +236,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             guards.append(stack.enter_context(host_state_unchanged(step_fn, modules, optimizers)))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
                                                step_name(step_fn)))
+            if isinstance(step_args, CutArgs):
+                watches.append(stack.enter_context(loop_marker(modules, grads_now)))
             result = step_args.call(step_fn, leaves)
             _check_markers(step_fn, markers)
             out_leaves, spec = pytree.tree_flatten(result)
@@ -265,6 +274,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
                             if step_args.dynamic else (inputs.values, "fake"))
+    watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
     try:
         # The traced module's Python code is never run (it becomes a Program):
@@ -289,10 +299,14 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
                           if spec.kind is InputKind.NUMBER})
     _check_matmul_dtypes(step_fn, gm, step_args)
-    if len(markers.backwards) > MANY_BACKWARDS:
+    if watches:
+        check_rolled(watches[0], gm.graph)
+        drop_unwritten_clones(gm.graph)
+    elif len(markers.backwards) > MANY_BACKWARDS:
         log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
                     "micro-batch, so it grows and traces in proportion; for many micro-batches "
-                    "accumulate across calls instead (README, Training loops)",
+                    "pass transpile(micro_batches=...) the list it loops over, or accumulate "
+                    "across calls (README, Training loops)",
                     step_name(step_fn), len(markers.backwards))
     assign_roles(gm.graph, markers)
     # Every backward() comes before the first optimizer.step() (markers refuse
@@ -305,12 +319,17 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     except functionalize.Unsupported as why:
         log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
         fgm = _functionalize(gm, values, tracing_mode)
+    if watches:   # the getitems of a multi-output op rewritten out of place
+        for node in fgm.graph.nodes:
+            if node.target is operator.getitem and MICRO in node.args[0].meta:
+                node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
     program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
     _check_arguments_unwritten(step_fn, program, targets)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, guards[0], ShapeGuards.of(program, slots))
+                    reads_grads, guards[0], ShapeGuards.of(program, slots),
+                    rolled=(step_args.start, step_args.per) if watches else None)
 
 
 
@@ -411,13 +430,15 @@ class _RoleCarrier(fx.Interpreter):
         node = before.next
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
+            if MICRO in n.meta:
+                node.meta.setdefault(MICRO, n.meta[MICRO])
             node = node.next
-        if PARAM in n.meta or SKIPS in n.meta or GRAD_AT in n.meta or n.meta[ROLE] & Role.LOSS:
+        if any(key in n.meta for key in (PARAM, SKIPS, GRAD_AT, CARRY)) or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
             inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
             node = node_of(inner)
-            for key in (PARAM, SKIPS, GRAD_AT):
+            for key in (PARAM, SKIPS, GRAD_AT, CARRY):
                 if key in n.meta:
                     node.meta[key] = n.meta[key]
             if n.meta[ROLE] & Role.LOSS:
