@@ -81,6 +81,7 @@ class TranspiledStep:
         self._guarded: weakref.WeakSet = weakref.WeakSet()
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
+        self._compiles = 0   # programs of the step compiled so far (their first run)
         self._last_run: str | None = None
         self.startup_program: Program | None = None
 
@@ -89,6 +90,18 @@ class TranspiledStep:
         """One-time costs so far: traces, passes, and the first run of each
         program (which is when compiled backends compile)."""
         return self._cache.build_seconds + self._executor.compile_seconds
+
+    @property
+    def traces(self) -> int:
+        """How many times the step has been traced (a program set built)."""
+        return self._cache.builds
+
+    @property
+    def compiles(self) -> int:
+        """How many of the step's programs have been compiled for its backend
+        (each on its first run; eager: made ready to run op by op); the
+        startup program, always eager, is not counted."""
+        return self._compiles
 
     @property
     def setup_split(self) -> dict[str, float]:
@@ -251,10 +264,12 @@ class TranspiledStep:
         runnable = built.programs[name]
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
+        fresh = runnable.executable is None
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args)
         else:
             outputs = self._executor.run(runnable, step_args.leaves)
+        self._compiles += fresh and runnable.executable is not None
         for _, param in built.cleared:
             param.grad = None
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
