@@ -267,6 +267,7 @@ def test_varying_shapes_counts_builds_and_checks_against_ddp(tmp_path, capsys):
         assert isinstance(count, int) and 1 <= count <= 3, ours
     # The transpiled eager step trains exactly as DDP, bit for bit, whatever the shapes.
     assert ours["max_diff"] == 0.0 and ddp["max_diff"] == 0.0
+    assert ours["max_diff_at"] is None and ddp["max_diff_at"] is None
     for fields in results.values():
         assert 0 < fields["setup_s"] <= fields["calls_s"] and fields["step_ms"] > 0
     # Only the transpiler's configurations are timed against a step built for one shape.
@@ -285,3 +286,10 @@ def test_varying_shapes_refuses_the_options_of_the_other_workloads(caplog):
     assert bench.main(["--varying-shapes", "--micro-batches", "2", "--models", "deep"]) == 2
     assert "--models, --micro-batches do not apply" in caplog.text
     assert "varying shapes" not in caplog.text     # nothing ran
+
+
+def test_max_difference_names_the_parameter_it_is_in():
+    reference = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    ours = {"a": torch.tensor([0.0, 1e-3, 0.0]), "b": torch.tensor([0.0, -0.5])}
+    assert bench_shapes.max_difference(ours, reference) == (0.5, "b")
+    assert bench_shapes.max_difference(reference, reference) == (0.0, None)

@@ -837,7 +837,7 @@ def setup_table(raw: dict) -> Table | None:
 
 
 def _json_value(x):
-    return None if x is None or not math.isfinite(x) else x
+    return None if x is None or isinstance(x, float) and not math.isfinite(x) else x
 
 
 def write_json(path: str, info: RunInfo, summary: dict) -> None:

@@ -29,8 +29,9 @@ What is reported, per configuration:
 - compiles: how many programs were compiled. The transpiler: its
   TranspiledStep.compiles (the step's programs, each at its first run; under
   eager, made ready to run op by op); torch: counters["aot_autograd"]["total"]
-  (graphs AOTAutograd compiled, each a forward and its backward; DDP's graph
-  is split into one per gradient bucket, one here).
+  (graphs AOTAutograd compiled, each a forward and its backward; Dynamo's
+  graph of DDP is split into one per gradient bucket: two here, as DDP's first
+  bucket is small).
 - calls_s: the 12 calls, each between dist.barrier()s, the slowest rank's
   time per call, summed. The first call includes building the step (DDP's
   construction with its broadcast, or transpile()).
@@ -39,7 +40,11 @@ What is reported, per configuration:
   each counted whole, its step included (a step at these shapes costs about
   step_ms, not subtracted).
 - max_diff: the largest absolute difference of rank 0's parameters after the
-  12 calls from ddp's (0.0: equal bit for bit).
+  12 calls from ddp's (0.0: equal bit for bit); max_diff_at: the parameter
+  it is in. Adam divides each gradient by its own magnitude, so a gradient that
+  is zero but for rounding (attention's key bias: softmax ignores a shift)
+  moves by about lr per step in a direction that rounding decides: any
+  reordering of the arithmetic (a compiler's) shows there first.
 - step_ms: then, at one fixed shape (FIXED_SHAPE, the last call's, so that no
   configuration builds anything for it), --warmup untimed and --steps timed
   calls, each between barriers: the median of the slowest rank's time.
@@ -76,11 +81,12 @@ SHAPES = ((8, 16), (8, 24), (8, 32), (6, 32), (8, 40), (4, 48), (8, 16), (6, 24)
           (4, 64), (8, 32), (6, 40))
 VARYING_CONFIGS = ("ddp", "ddp_compiled", "fuse_all_reduce", "fuse_all_reduce+inductor")
 REFERENCE = "ddp"
-# Ten inductor compiles of the LM took about 10 minutes on 2 cores (issue 30).
+# Ten inductor compiles of the LM: 148 s of setup on 2 shared cores here, 567 s in issue 30.
 TIMEOUT_S = 3600
 FIXED_BATCHES = 4   # distinct batches the fixed-shape timing cycles through
 COLUMNS = (("traces", "d"), ("compiles", "d"), ("calls_s", ".2f"), ("setup_s", ".2f"),
-           ("max_diff", ".2g"), ("step_ms", ".2f"), ("static_ms", ".2f"), ("vs_static", ".3f"))
+           ("max_diff", ".2g"), ("step_ms", ".2f"), ("static_ms", ".2f"), ("vs_static", ".3f"),
+           ("max_diff_at", "s"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +164,8 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
         calls_s.append(_between_barriers(call, batch)[1])
         built.append(before is None or counts(step) != before)
     traces, compiles = counts(step)
-    params = [p.detach().clone() for p in model.parameters()] if rank == 0 else None
+    params = ({name: p.detach().clone() for name, p in model.named_parameters()}
+              if rank == 0 else None)
 
     fixed = workload.batches([workload.fixed_shape] * FIXED_BATCHES, rank, world_size)
     static = None
@@ -185,7 +192,7 @@ def _slowest_median_ms(per_rank: list[list[float]]) -> float | None:
     return statistics.median(slowest) * 1e3 if slowest else None
 
 
-def combine(per_rank: list[dict]) -> tuple[dict, list[torch.Tensor]]:
+def combine(per_rank: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
     """The configuration's fields (max_diff still None) and rank 0's parameters."""
     slowest = [max(ts) for ts in zip(*(r["calls_s"] for r in per_rank))]
     step_ms = _slowest_median_ms([r["step_s"] for r in per_rank])
@@ -195,11 +202,16 @@ def combine(per_rank: list[dict]) -> tuple[dict, list[torch.Tensor]]:
             "calls_s": sum(slowest),
             "setup_s": sum(t for t, b in zip(slowest, first["built"]) if b),
             "max_diff": None, "step_ms": step_ms, "static_ms": static_ms,
-            "vs_static": step_ms / static_ms if static_ms else None}, first["params"]
+            "vs_static": step_ms / static_ms if static_ms else None,
+            "max_diff_at": None}, first["params"]
 
 
-def max_difference(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(params, reference))
+def max_difference(params: dict[str, torch.Tensor],
+                   reference: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference and the parameter it is in (None: all equal)."""
+    diff, name = max((float((p - reference[name]).abs().max()), name)
+                     for name, p in params.items())
+    return diff, name if diff else None
 
 
 def run_varying(workload: Workload, configs: list[str], *, world_size: int, steps: int,
@@ -208,7 +220,7 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
     or the error text of its failure."""
     configs = [REFERENCE] + [c for c in configs if c != REFERENCE]
     out: dict[str, dict | str] = {}
-    params: dict[str, list[torch.Tensor]] = {}
+    params: dict[str, dict[str, torch.Tensor]] = {}
     with _cold_inductor_cache():
         for i, config in enumerate(configs, 1):
             tag = f"[{i}/{len(configs)}] {workload.name} varying shapes {config}"
@@ -228,7 +240,8 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
                      time.perf_counter() - start)
     if REFERENCE in params:
         for config, p in params.items():
-            out[config]["max_diff"] = max_difference(p, params[REFERENCE])
+            out[config]["max_diff"], out[config]["max_diff_at"] = max_difference(
+                p, params[REFERENCE])
     return out
 
 
@@ -252,7 +265,7 @@ def definitions(workload: Workload, world_size: int, steps: int, warmup: int) ->
         "first builds the step); setup_s: those of them that traced or compiled (the first "
         "included), each whole, its step included",
         "max_diff: largest absolute difference of rank 0's parameters after the calls from "
-        f"{REFERENCE}'s (0: bit for bit)",
+        f"{REFERENCE}'s (0: bit for bit), in parameter max_diff_at",
         f"step_ms: then at {'x'.join(map(str, workload.fixed_shape))} (the last call's shape), "
         f"median over {steps} timed steps (after {warmup} warm-up) of the slowest rank's time; "
         "static_ms: a fresh step of the same config that only saw that shape, interleaved; "
