@@ -45,12 +45,12 @@ What is reported, per configuration:
   is zero but for rounding (attention's key bias: softmax ignores a shift)
   moves by about lr per step in a direction that rounding decides: any
   reordering of the arithmetic (a compiler's) shows there first.
-- step_ms: then, at one fixed shape (FIXED_SHAPE, the last call's, so that no
+- step_ms: then, at one fixed shape (Workload.fixed_shape, the last call's: no
   configuration builds anything for it), --warmup untimed and --steps timed
   calls, each between barriers: the median of the slowest rank's time.
 - static_ms (transpiler only): the same timing of a fresh step of the same
   configuration (its own model, from the same initial weights) that only ever
-  saw FIXED_SHAPE, its calls interleaved with step_ms's (alternating which goes
+  saw that shape, its calls interleaved with step_ms's (alternating which goes
   first); vs_static = step_ms / static_ms: what serving every shape costs at one.
 
 It reports; it asserts nothing about speed or counts.
