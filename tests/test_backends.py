@@ -79,6 +79,7 @@ def test_new_batch_shape_recompiles_once_and_says_why(caplog):
             step(model, opt, *batch)
     assert torch._dynamo.utils.counters["aot_autograd"]["total"] - frames == 1
     assert "float32[8, 16] on cpu -> float32[4, 16] on cpu" in caplog.text
+    assert (step.traces, step.compiles) == (2, 2)   # the step's own counts say the same
 
 
 def test_a_warm_inductor_cache_holds_the_program(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from transpiler import bench
+from transpiler import bench, bench_shapes
 from transpiler.bench_report import Row, Table, markdown, text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -246,3 +246,50 @@ def test_micro_batched_step_takes_the_whole_batch_step():
     for p, q, old in zip(models[0].parameters(), models[1].parameters(), before):
         assert not torch.equal(p, old)      # one update was taken ...
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)   # ... the same one
+
+
+# 4 calls over 3 shapes of a 1-layer LM: the --varying-shapes workload, small.
+TINY_SHAPES = bench_shapes.Workload(((2, 4), (2, 6), (3, 6), (2, 4)), vocab=32, d_model=16,
+                                    nhead=2, layers=1, name="tiny")
+
+
+def test_varying_shapes_counts_builds_and_checks_against_ddp(tmp_path, capsys):
+    out, report = tmp_path / "shapes.json", tmp_path / "shapes.md"
+    argv = ["--varying-shapes", "--configs", "fuse_all_reduce", "--steps", "2", "--warmup", "1",
+            "--json", str(out), "--report", str(report)]
+    assert bench_shapes.main(bench.parse_args(argv), argv, TINY_SHAPES) == 0
+    results = json.loads(out.read_text())["models"]["tiny"]
+    assert list(results) == ["ddp", "fuse_all_reduce"]     # the reference always runs first
+    ddp, ours = results["ddp"], results["fuse_all_reduce"]
+    assert set(ours) == {name for name, _ in bench_shapes.COLUMNS}
+    assert (ddp["traces"], ddp["compiles"]) == (0, 0)       # eager DDP compiles nothing
+    for count in (ours["traces"], ours["compiles"]):        # at most once per distinct shape
+        assert isinstance(count, int) and 1 <= count <= 3, ours
+    # The transpiled eager step trains exactly as DDP, bit for bit, whatever the shapes.
+    assert ours["max_diff"] == 0.0 and ddp["max_diff"] == 0.0
+    assert ours["max_diff_at"] is None and ddp["max_diff_at"] is None
+    for fields in results.values():
+        assert 0 < fields["setup_s"] <= fields["calls_s"] and fields["step_ms"] > 0
+    # Only the transpiler's configurations are timed against a step built for one shape.
+    assert ddp["static_ms"] is None and ddp["vs_static"] is None
+    assert math.isclose(ours["vs_static"], ours["step_ms"] / ours["static_ms"])
+    # The report's table is the printed one.
+    rows = [_cells(line) for line in report.read_text().splitlines()
+            if line.startswith("| tiny |")]
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()
+               if line.startswith("tiny ")]
+    assert rows == printed and [r[1] for r in rows] == ["ddp", "fuse_all_reduce"]
+    assert rows[1][2:4] == [str(ours["traces"]), str(ours["compiles"])]
+
+
+def test_varying_shapes_refuses_the_options_of_the_other_workloads(caplog):
+    assert bench.main(["--varying-shapes", "--micro-batches", "2", "--models", "deep"]) == 2
+    assert "--models, --micro-batches do not apply" in caplog.text
+    assert "varying shapes" not in caplog.text     # nothing ran
+
+
+def test_max_difference_names_the_parameter_it_is_in():
+    reference = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    ours = {"a": torch.tensor([0.0, 1e-3, 0.0]), "b": torch.tensor([0.0, -0.5])}
+    assert bench_shapes.max_difference(ours, reference) == (0.5, "b")
+    assert bench_shapes.max_difference(reference, reference) == (0.0, None)

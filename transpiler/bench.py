@@ -3,6 +3,7 @@
     python -m transpiler.bench [--world-size 2] [--nodes 1] [--models wide,deep,transformer]
                                [--steps 20] [--warmup 5] [--configs a,b,...]
                                [--json PATH] [--plot PATH] [--report PATH]
+    python -m transpiler.bench --varying-shapes [--configs ...] (transpiler/bench_shapes.py)
 
 The bench launches its own ranks (spawned processes, CPU, gloo over a FileStore
 in a temporary directory, torch.set_num_threads(1) in each rank so that the
@@ -569,7 +570,10 @@ def _build_seconds(step) -> float:
     return getattr(_transpiled_step(step), "build_seconds", 0.0)
 
 
-def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> None:
+def _rank_main(rank: int, world_size: int, store: str, job, results,
+               work: Callable = measure) -> None:
+    """One rank: join the process group and put work(job, rank, world_size),
+    or the traceback of its failure, on `results`."""
     torch.set_num_threads(1)
     backend = "gloo"
     if job.device == "cuda":
@@ -580,7 +584,7 @@ def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> Non
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size)
         try:
-            results.put((rank, None, measure(job, rank, world_size)))
+            results.put((rank, None, work(job, rank, world_size)))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - sent to the parent, which reports it
@@ -589,7 +593,8 @@ def _rank_main(rank: int, world_size: int, store: str, job: Job, results) -> Non
 
 # ------------------------------------------------------------ launching ranks
 
-def _collect(results, world_size: int, deadline: float) -> list[dict]:
+def _collect(results, world_size: int, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
     got: dict[int, dict] = {}
     while len(got) < world_size:
         try:
@@ -597,26 +602,28 @@ def _collect(results, world_size: int, deadline: float) -> list[dict]:
         except queue.Empty:
             missing = sorted(set(range(world_size)) - set(got))
             raise BenchError(f"ranks {missing} did not finish within "
-                             f"{CONFIG_TIMEOUT_S}s") from None
+                             f"{timeout_s:.0f}s") from None
         if error is not None:
             raise BenchError(f"rank {rank} failed:\n{error}")
         got[rank] = value
     return [got[r] for r in range(world_size)]
 
 
-def run_ranks(job: Job, world_size: int) -> list[dict]:
-    """Run `job` in `world_size` fresh spawned ranks; their results, by rank."""
+def run_ranks(job, world_size: int, work: Callable = measure,
+              timeout_s: float = CONFIG_TIMEOUT_S) -> list[dict]:
+    """Run work(job, rank, world_size) (a module-level function: measure
+    unless told) in `world_size` fresh spawned ranks; their results, by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="transpiler-bench-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, job, results))
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, job, results, work))
                  for r in range(world_size)]
         for p in procs:
             p.start()
         ok = False
         try:
-            out = _collect(results, world_size, time.monotonic() + CONFIG_TIMEOUT_S)
+            out = _collect(results, world_size, timeout_s)
             ok = True
             return out
         finally:
@@ -830,7 +837,7 @@ def setup_table(raw: dict) -> Table | None:
 
 
 def _json_value(x):
-    return None if x is None or not math.isfinite(x) else x
+    return None if x is None or isinstance(x, float) and not math.isfinite(x) else x
 
 
 def write_json(path: str, info: RunInfo, summary: dict) -> None:
@@ -895,6 +902,13 @@ def _with_references(configs: list[str]) -> list[str]:
     return [c for c in CONFIGS if c in chosen]
 
 
+def check_writable(*paths: str | None) -> None:
+    """Refuse, before any configuration runs, an output whose directory does not exist."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise BenchError(f"cannot write {path}: its directory does not exist")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m transpiler.bench",
                                 description="Time the transpiler's data-parallel step "
@@ -926,6 +940,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the models run (default cpu); cuda: a GPU per rank on nccl, "
                         "or ranks sharing GPUs on gloo, the forward pass under bf16 autocast, "
                         f"and the configs {', '.join(CUDA_ONLY)}")
+    p.add_argument("--varying-shapes", action="store_true",
+                   help="run the varying-shapes workload instead (transpiler/bench_shapes.py: "
+                        "a 2-layer LM, 12 calls over 10 batch shapes; traces, compiles, setup "
+                        "and step time against a static program); takes --configs, "
+                        "--world-size, --steps, --warmup, --json, --report")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG bar chart (needs matplotlib; with --report and no "
@@ -949,6 +968,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.varying_shapes:
+        from transpiler import bench_shapes   # it builds on this module
+        return bench_shapes.main(args, argv)
     try:
         models = _names(args.models, MODELS, "model")
         configs = _with_references(_configs(args))
@@ -963,9 +985,7 @@ def main(argv=None) -> int:
                              "--repeat >= 1 and --micro-batches >= 1")
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
-        for path in (args.json, args.plot, args.report):
-            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise BenchError(f"cannot write {path}: its directory does not exist")
+        check_writable(args.json, args.plot, args.report)
         plot_path = args.plot
         if plot_path:
             try:

@@ -45,6 +45,11 @@ class Runnable:
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 
+    def uncompiled(self) -> int:
+        """How many of its programs (the loop's three) have not run yet."""
+        pieces = (self.loop.first, self.loop.body, self.loop.last) if self.loop else (self,)
+        return sum(piece.executable is None for piece in pieces)
+
     def __post_init__(self):
         self.held = [spec.name for spec in self.program.inputs if spec.kind is InputKind.HELD]
         self.transient = [spec.target for spec in self.program.outputs

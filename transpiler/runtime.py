@@ -89,6 +89,7 @@ class TranspiledStep:
         self._guarded: weakref.WeakSet = weakref.WeakSet()
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
+        self._compiles = 0   # programs of the step compiled so far (their first run)
         self._last_run: str | None = None
         self.startup_program: Program | None = None
 
@@ -97,6 +98,18 @@ class TranspiledStep:
         """One-time costs so far: traces, passes, and the first run of each
         program (which is when compiled backends compile)."""
         return self._cache.build_seconds + self._executor.compile_seconds
+
+    @property
+    def traces(self) -> int:
+        """How many times the step has been traced (a program set built)."""
+        return self._cache.builds
+
+    @property
+    def compiles(self) -> int:
+        """How many of the step's programs have been compiled for its backend
+        (each on its first run; eager: made ready to run op by op); the
+        startup program, always eager, is not counted."""
+        return self._compiles
 
     @property
     def setup_split(self) -> dict[str, float]:
@@ -269,10 +282,12 @@ class TranspiledStep:
         leaves = MicroLeaves(cut, step_args.leaves) if runnable.loop else step_args.leaves
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
+        fresh = runnable.uncompiled()
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args, leaves)
         else:
             outputs = self._executor.run(runnable, leaves)
+        self._compiles += fresh - runnable.uncompiled()
         for _, param in built.cleared:
             param.grad = None
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
