@@ -4,6 +4,7 @@ serves every size its guards allow, eager and under inductor."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -162,8 +163,9 @@ def varying_vs_ddp(mode: str):
         x, y = tokens(b - rank, t, seed=10 * i + rank)
         ours, theirs = step(model, opts[0], x, y), M.lm_step(ddp, opts[1], x, y)
         assert torch.equal(ours, theirs), (i, ours, theirs)
-    ours, theirs = (M.state_of(m, o) for m, o in zip((model, reference), opts))
-    if mode == "zero":   # each rank keeps a shard of the optimizer state
+    with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
+        ours, theirs = (M.state_of(m, o) for m, o in zip((model, reference), opts))
+    if mode in ("zero", "fsdp"):   # each rank keeps a shard of the optimizer state
         ours, theirs = ({k: v for k, v in d.items() if k.startswith("model.")}
                         for d in (ours, theirs))
     return step._cache.builds, M.max_rel_error(ours, theirs)
