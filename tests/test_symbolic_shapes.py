@@ -174,3 +174,28 @@ def varying_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero", "fsdp"])
 def test_varying_shapes_equal_ddp(mode, ranks2):
     assert ranks2.run(varying_vs_ddp, mode) == [(2, 0.0), (2, 0.0)]
+
+
+def compiled_once_per_node_for_every_size(cache_dir):
+    """dynamic=True under inductor, rank 1 with a shorter batch than rank 0 at
+    every call: one program, compiled by rank 0 for its symbols and loaded
+    from inductor's cache by rank 1, serves every call on both ranks."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    rank = dist.get_rank()
+    model = make_lm()
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.lm_step, mode="fuse_all_reduce", backend="inductor", dynamic=True)
+    counters = torch._dynamo.utils.counters
+    before = counters["inductor"].copy()
+    with temporary_cache_dir(cache_dir):
+        for i, (b, t) in enumerate(SHAPES[:3]):
+            step(model, opt, *tokens(b - rank, t, seed=10 * i + rank))
+    return (step.traces, step.compiles,
+            {k: counters["inductor"][k] - before[k] for k in ("fxgraph_cache_hit",
+                                                               "fxgraph_cache_miss")})
+
+
+def test_a_symbolic_program_is_compiled_once_per_node(ranks2, tmp_path):
+    assert ranks2.run(compiled_once_per_node_for_every_size, str(tmp_path), timeout=400) == [
+        (1, 1, {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}),
+        (1, 1, {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0})]

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .agreement import raise_first_failure
+from .capture.shapes import is_symbolic
 from .control import all_gather_bytes
 from .program import Program
 from .rings import world
@@ -55,8 +56,13 @@ def digest(program: Program, inputs: list) -> str:
     ranks with equal digests compile the same program, so the one loads what
     the other compiled (a tensor constant differing would only make it
     compile again)."""
-    tensors = [(x.dtype, tuple(x.shape), x.stride(), x.device.type) if isinstance(x, torch.Tensor)
-               else type(x).__name__ for x in inputs]
+    # A batch input with symbolic dimensions is compiled for its symbols
+    # (backends._examples), whatever this rank's batch: ranks holding batches
+    # of different sizes compile the same code.
+    values = [v if is_symbolic(v) else x
+              for v, x in zip((n.meta.get("val") for n in program.placeholders), inputs)]
+    tensors = [(x.dtype, tuple(map(str, x.shape)), tuple(map(str, x.stride())), x.device.type)
+               if isinstance(x, torch.Tensor) else type(x).__name__ for x in values]
     text = program.graph.python_code("self").src + repr(tensors)
     return hashlib.sha256(text.encode()).hexdigest()
 

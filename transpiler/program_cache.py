@@ -91,25 +91,24 @@ class ProgramCache:
     def __len__(self) -> int:
         return len(self._order)
 
+    @property
+    def may_turn_symbolic(self) -> bool:
+        """Whether a change of the batch's shapes would trace it symbolic."""
+        return self.automatic and not self.every_dim and not self.declared
+
+    def find(self, step_args: StepArgs) -> Built | None:
+        """What was built for these arguments, if anything: no building."""
+        return self._lookup(step_args)[3]
+
     def get(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built]) -> Built:
         """What was built for these arguments; build(step_args, why) builds it
         when there is none, `why` saying in one line what is new."""
-        step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
-                                                                            step_args.leaves))
-                                     if name in self.lifted and is_number(leaf))
-        if not self._checked:
-            _check_declared(self.declared, step_args)
-            self._checked = True
-        step_args.dynamic = self._symbolic(step_args)
-        sig = signature(step_args)
-        key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
-        entries = self._built.get(key, [])
-        for built in entries:
-            if built.fits(step_args.leaves):
-                if self._order[-1][1] is not built:
-                    self._order.remove((key, built))
-                    self._order.append((key, built))
-                return built
+        sig, key, entries, found = self._lookup(step_args)
+        if found is not None:
+            if self._order[-1][1] is not found:
+                self._order.remove((key, found))
+                self._order.append((key, found))
+            return found
         if entries:
             why = entries[-1].misfit(step_args.leaves)
         elif self.last_built is None:
@@ -150,6 +149,20 @@ class ProgramCache:
                         self.limit, why, ", ".join(sorted(self.per_value)) or "none here")
         self.build_seconds += time.perf_counter() - start
         return built
+
+    def _lookup(self, step_args: StepArgs) -> tuple:
+        """(signature, key, the entries under the key, the one that fits or None)."""
+        step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
+                                                                            step_args.leaves))
+                                     if name in self.lifted and is_number(leaf))
+        if not self._checked:
+            _check_declared(self.declared, step_args)
+            self._checked = True
+        step_args.dynamic = self._symbolic(step_args)
+        sig = signature(step_args)
+        key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
+        entries = self._built.get(key, [])
+        return sig, key, entries, next((b for b in entries if b.fits(step_args.leaves)), None)
 
     def _symbolic(self, step_args: StepArgs) -> dict[int, frozenset[int]]:
         """Leaf index -> the dimensions of that batch tensor to trace as symbols."""

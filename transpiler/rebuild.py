@@ -65,18 +65,19 @@ class AgreedPrograms:
         self._last: list[str] = []   # the summary agreed last
 
     def settle(self, programs: list[Program], error: BaseException | None, why: str,
-               new_state: bool) -> bool:
+               new_state: bool, everyone: bool = False) -> bool:
         """Agree on a build (its programs, or the error it hit; `why` it was
         built; `new_state`: it runs on parameters never broadcast, so its
-        startup program would be a collective). True when it runs with no
-        exchange: its programs compile alone."""
+        startup program would be a collective; `everyone`: every rank is known
+        to be building now). True when it runs with no exchange: its programs
+        compile alone."""
         _raise()   # abandoned before: the communicators are gone
         status, digest, summary = mine = agreement.outcome(programs, error)
-        if status == "ok" and digest in self._summaries and not new_state:
+        if status == "ok" and digest in self._summaries and not new_state and not everyone:
             log.info("transpiler: the rebuilt programs' collectives were agreed before: "
                      "running on without an exchange")
             return True
-        if not self._summaries:   # the first build: every rank is building
+        if not self._summaries or everyone:   # every rank is building
             agreement.agree(programs, error)
         else:
             self._rendezvous(mine, error, why)

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pickle
 import time
 import weakref
 from typing import Callable
@@ -27,6 +28,7 @@ from . import (agreement, consensus, consistency, micro_loop, reduce_groups, sha
                verify)
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
+from .control import all_gather_bytes
 from .capture import Captured, HeldSlot, flatten_args, trace_step
 from .capture.micro import NotRollable, cut_arguments
 from .capture.optimizer_state import forget_state
@@ -89,6 +91,10 @@ class TranspiledStep:
         self._guarded: weakref.WeakSet = weakref.WeakSet()
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
+        # The first build, run op by op until the second call decides whether
+        # it compiles (_decide_pending); whether every rank builds again then.
+        self._pending: Built | None = None
+        self._everyone_rebuilds = False
         self._compiles = 0   # programs of the step compiled so far (their first run)
         self._last_run: str | None = None
         self.startup_program: Program | None = None
@@ -270,6 +276,8 @@ class TranspiledStep:
         self._guard.admit(step_args.optimizers)
         if self._sharded is not None:   # a full state loaded since: its shards, before the signature
             self._sharded.shard(step_args.optimizers)
+        if self._pending is not None:
+            self._decide_pending(call_args)
         try:
             built = self._cache.get(call_args, self._build)
         except NotRollable as exc:
@@ -285,6 +293,9 @@ class TranspiledStep:
         fresh = runnable.uncompiled()
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args, leaves)
+        elif built is self._pending:
+            outputs = self._executor.run_uncommitted(runnable, leaves)
+            self._executor.commit(runnable, outputs)
         else:
             outputs = self._executor.run(runnable, leaves)
         self._compiles += fresh - runnable.uncompiled()
@@ -423,7 +434,9 @@ class TranspiledStep:
                 # A rebuild on some ranks only runs on when its collectives were
                 # agreed before (rebuild.py): the others wait in their collectives.
                 with self._timed("agreement"):
-                    alone = self._agreed.settle(to_agree, error, why, new_state)
+                    alone = self._agreed.settle(to_agree, error, why, new_state,
+                                                everyone=self._everyone_rebuilds)
+                    self._everyone_rebuilds = False
                 for runnable in built.programs.values():
                     runnable.compile_alone = alone
             elif error is not None:
@@ -435,7 +448,28 @@ class TranspiledStep:
         if self._sharded is not None:   # the state the trace made, cut to shards
             self._sharded.shard(step_args.optimizers)
         sharded_params.guard_forward(step_args.modules, built.sharded_params, self._guarded)
+        if self._cache.builds == 0 and backend != "eager" and self._cache.may_turn_symbolic:
+            log.info("transpiler: the first call runs the step's programs op by op; they "
+                     "compile at the next call if its batch has the same shapes, else the "
+                     "step is traced with symbolic batch dimensions and that compiles instead")
+            self._pending = built
         return built
+
+    def _decide_pending(self, call_args) -> None:
+        """The second call, after a first build that ran op by op: if every
+        rank runs it again, it compiles now on every rank together (once per
+        node); if none does (the batch's shapes changed everywhere), every
+        rank builds again together, symbolic, and compiles that once; else
+        each rank compiles alone what it runs."""
+        pending, self._pending = self._pending, None
+        fits = self._cache.find(call_args) is pending
+        everyone = [fits] if world()[0] == 1 else \
+            [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(fits))]
+        if all(everyone):
+            return
+        for runnable in pending.programs.values():
+            runnable.compile_alone = True
+        self._everyone_rebuilds = not any(everyone)
 
     def _programs(self, captured: Captured, ctx: PassContext, backend: str, world_size: int):
         """Each program of the schedule after its passes, the startup program
