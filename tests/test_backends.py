@@ -178,7 +178,7 @@ def rank_compile_fails_on(failing):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make("mlp")
     opt = M.make_optimizer("sgd", model)
-    step = transpile(M.classify_step, mode="fuse_all_reduce", backend="inductor")
+    step = transpile(M.classify_step, mode="fuse_all_reduce", backend="inductor", dynamic=False)
     batch = M.shard(M.batches("mlp", 1, BATCH)[0], rank, world_size)
     before = copy.deepcopy(model.state_dict())
     real = inductor.compile_fx

@@ -199,3 +199,48 @@ def test_a_symbolic_program_is_compiled_once_per_node(ranks2, tmp_path):
     assert ranks2.run(compiled_once_per_node_for_every_size, str(tmp_path), timeout=400) == [
         (1, 1, {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}),
         (1, 1, {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0})]
+
+
+def first_call_then_decided(change_on: tuple[int, ...]):
+    """backend inductor, dynamic=None: the first call runs op by op; at the
+    second the ranks in `change_on` bring a new batch size. Trains as DDP
+    (within inductor's rounding); returns what each rank compiled and whether
+    it built alone."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("transpiler")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("sgd", m) for m in (model, reference)]
+    step, ddp = transpile(M.classify_step, mode="fuse_all_reduce", backend="inductor"), \
+        DDP(reference)
+    compiled = []
+    try:
+        for i, batch in enumerate(M.batches("mlp", 4, 16)):
+            x, y = M.shard(batch, rank, world_size)
+            if i >= 1 and rank in change_on:
+                x, y = x[:5], y[:5]
+            step(model, opts[0], x, y)
+            M.classify_step(ddp, opts[1], x, y)
+            compiled.append(step.compiles)
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    alone = any("running on without an exchange" in line for line in lines)
+    return step.traces, compiled, alone, M.max_rel_error(
+        M.state_of(model, opts[0]), M.state_of(reference, opts[1]))
+
+
+@pytest.mark.parametrize("change_on, expected", [
+    ((), [(1, [0, 1, 1, 1], False)] * 2),            # compiled together at the 2nd call
+    ((0, 1), [(2, [0, 1, 1, 1], False)] * 2),        # only the symbolic program, together
+    ((0,), [(2, [0, 1, 1, 1], True), (1, [0, 1, 1, 1], False)]),   # each its own, alone
+])
+def test_the_first_program_compiles_at_the_second_call(change_on, expected, ranks2):
+    results = ranks2.run(first_call_then_decided, change_on, timeout=400)
+    assert [r[:3] for r in results] == expected
+    assert all(r[3] <= 1e-5 for r in results), results
