@@ -39,6 +39,13 @@ What is reported, per configuration:
   first call and each call during which traces or compiles grew (on rank 0),
   each counted whole, its step included (a step at these shapes costs about
   step_ms, not subtracted).
+- static_setup_s (transpiler only): the build seconds (trace, passes,
+  compile; the slowest rank's) of the static step described under static_ms:
+  one build of the same program for one shape; vs_one_build = setup_s /
+  static_setup_s.
+- loss_diff: the largest absolute difference of rank 0's 12 losses from
+  ddp's: the results, which the parameters below a noise gradient (next) do
+  not move.
 - max_diff: the largest absolute difference of rank 0's parameters after the
   12 calls from ddp's (0.0: equal bit for bit); max_diff_at: the parameter
   it is in. Adam divides each gradient by its own magnitude, so a gradient that
@@ -85,6 +92,7 @@ REFERENCE = "ddp"
 TIMEOUT_S = 3600
 FIXED_BATCHES = 4   # distinct batches the fixed-shape timing cycles through
 COLUMNS = (("traces", "d"), ("compiles", "d"), ("calls_s", ".2f"), ("setup_s", ".2f"),
+           ("static_setup_s", ".2f"), ("vs_one_build", ".2f"), ("loss_diff", ".2g"),
            ("max_diff", ".2g"), ("step_ms", ".2f"), ("static_ms", ".2f"), ("vs_static", ".3f"),
            ("max_diff_at", "s"))
 
@@ -156,12 +164,14 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
         nonlocal step
         if step is None:   # building the step is part of the first call
             step = build(train_step, model, optimizer)
-        step(*batch)
+        return step(*batch)
 
-    calls_s, built = [], []
+    calls_s, built, losses = [], [], []
     for batch in workload.batches(workload.shapes, rank, world_size):
         before = counts(step) if step is not None else None
-        calls_s.append(_between_barriers(call, batch)[1])
+        loss, seconds = _between_barriers(call, batch)
+        calls_s.append(seconds)
+        losses.append(float(loss))
         built.append(before is None or counts(step) != before)
     traces, compiles = counts(step)
     params = ({name: p.detach().clone() for name, p in model.named_parameters()}
@@ -184,7 +194,9 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
                 if i >= job.warmup:
                     times[name].append(elapsed)
     return {"calls_s": calls_s, "built": built, "traces": traces, "compiles": compiles,
-            "params": params, "step_s": times["step"], "static_s": times["static"]}
+            "params": params, "losses": losses, "step_s": times["step"],
+            "static_s": times["static"],
+            "static_setup_s": transpiled(static).build_seconds if static else None}
 
 
 def _slowest_median_ms(per_rank: list[list[float]]) -> float | None:
@@ -198,12 +210,14 @@ def combine(per_rank: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
     step_ms = _slowest_median_ms([r["step_s"] for r in per_rank])
     static_ms = _slowest_median_ms([r["static_s"] for r in per_rank])
     first = per_rank[0]
+    setup_s = sum(t for t, b in zip(slowest, first["built"]) if b)
+    one = max(r["static_setup_s"] for r in per_rank) if first["static_setup_s"] else None
     return {"traces": first["traces"], "compiles": first["compiles"],
-            "calls_s": sum(slowest),
-            "setup_s": sum(t for t, b in zip(slowest, first["built"]) if b),
+            "calls_s": sum(slowest), "setup_s": setup_s, "static_setup_s": one,
+            "vs_one_build": setup_s / one if one else None, "loss_diff": None,
             "max_diff": None, "step_ms": step_ms, "static_ms": static_ms,
             "vs_static": step_ms / static_ms if static_ms else None,
-            "max_diff_at": None}, first["params"]
+            "max_diff_at": None, "losses": first["losses"]}, first["params"]
 
 
 def max_difference(params: dict[str, torch.Tensor],
@@ -242,6 +256,11 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
         for config, p in params.items():
             out[config]["max_diff"], out[config]["max_diff_at"] = max_difference(
                 p, params[REFERENCE])
+            out[config]["loss_diff"] = max(abs(a - b) for a, b in zip(
+                out[config]["losses"], out[REFERENCE]["losses"]))
+    for fields in out.values():
+        if isinstance(fields, dict):
+            fields.pop("losses")
     return out
 
 
@@ -264,8 +283,12 @@ def definitions(workload: Workload, world_size: int, steps: int, warmup: int) ->
         "calls_s: the calls, each between dist.barrier()s, slowest rank per call, summed (the "
         "first builds the step); setup_s: those of them that traced or compiled (the first "
         "included), each whole, its step included",
-        "max_diff: largest absolute difference of rank 0's parameters after the calls from "
-        f"{REFERENCE}'s (0: bit for bit), in parameter max_diff_at",
+        "static_setup_s: what building the static step below cost (its trace, passes and "
+        "compile, rank's longest): one build; vs_one_build = setup_s / static_setup_s",
+        f"loss_diff: largest absolute difference of rank 0's losses over the calls from "
+        f"{REFERENCE}'s; max_diff: of its parameters after the calls (0: bit for bit), in "
+        "parameter max_diff_at (Adam moves a parameter whose gradient is rounding noise, such "
+        "as attention's key bias, by about lr in a direction rounding decides)",
         f"step_ms: then at {'x'.join(map(str, workload.fixed_shape))} (the last call's shape), "
         f"median over {steps} timed steps (after {warmup} warm-up) of the slowest rank's time; "
         "static_ms: a fresh step of the same config that only saw that shape, interleaved; "
