@@ -116,7 +116,7 @@ def split(runnable: Runnable, start: int, per: int) -> Loop:
                 continue
             if a in carried:
                 if carried[a] not in in_body:
-                    raise NotRollable(f"the loop body reads {a.name} ({a.meta[CARRY].what} "
+                    raise NotRollable(f"the loop body reads {a.name} ({a.meta[CARRY].what.value} "
                                       f"{a.meta[CARRY].name}) but does not update it")
             elif a in loopy:
                 raise NotRollable(f"the loop body reads {a.name}, a value of the first "

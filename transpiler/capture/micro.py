@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 from collections import OrderedDict
 from typing import Callable
@@ -43,12 +44,19 @@ class NotRollable(Exception):
     is traced again over the whole list."""
 
 
+class Carried(enum.Enum):
+    """What a loop carries from one micro-batch to the next."""
+
+    GRAD = "grad"       # a parameter's accumulated .grad
+    BUFFER = "buffer"   # a buffer the forward writes (BatchNorm's statistics)
+
+
 @dataclasses.dataclass(frozen=True)
 class Carry:
     """On the node holding per-micro-batch state where micro-batch `micro`
-    ends (-1: where the loop begins): `what` ("grad" or "buffer") of `name`."""
+    ends (-1: where the loop begins): `what` of `name`."""
 
-    what: str
+    what: Carried
     name: str
     micro: int
 
@@ -124,7 +132,7 @@ class _Watch:
 
     def _mark_ends(self, micro: int) -> None:
         for name, node in self.grads_now().items():
-            node.meta.setdefault(CARRY, Carry("grad", name, micro))
+            node.meta.setdefault(CARRY, Carry(Carried.GRAD, name, micro))
         self._clone_buffers(micro)
 
     def _clone_buffers(self, micro: int) -> None:
@@ -133,7 +141,7 @@ class _Watch:
             clone = module._buffers[key].clone()
             for module, key in places:
                 module._buffers[key] = clone
-            node_of(clone).meta[CARRY] = Carry("buffer", name, micro)
+            node_of(clone).meta[CARRY] = Carry(Carried.BUFFER, name, micro)
 
 
 @contextlib.contextmanager
@@ -183,7 +191,7 @@ def drop_unwritten_clones(graph: fx.Graph) -> None:
     chains: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         carry = node.meta.get(CARRY)
-        if isinstance(carry, Carry) and carry.what == "buffer":
+        if isinstance(carry, Carry) and carry.what is Carried.BUFFER:
             chains.setdefault(carry.name, []).append(node)
     written = _written_bases(graph)
     for clones in chains.values():
