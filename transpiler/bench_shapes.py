@@ -171,7 +171,7 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
         before = counts(step) if step is not None else None
         loss, seconds = _between_barriers(call, batch)
         calls_s.append(seconds)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         built.append(before is None or counts(step) != before)
     traces, compiles = counts(step)
     params = ({name: p.detach().clone() for name, p in model.named_parameters()}
