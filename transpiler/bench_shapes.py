@@ -10,7 +10,7 @@ output layer tied to the embedding; d_model 128, vocab 1000), AdamW (lr 0.01),
 the bench's train_step, 12 calls over 10 distinct (batch per rank, length)
 shapes (SHAPES). At each call every rank has the same shape and its own
 tokens (its shard of a seeded global batch). Every configuration runs in
-fresh rank processes of its own, as in the bench, with a cold inductor cache.
+fresh rank processes of its own with a cold inductor cache of its own.
 The configurations (VARYING_CONFIGS, by default; any of the bench's CONFIGS
 with --configs; ddp always runs, as the reference):
 
@@ -39,9 +39,10 @@ What is reported, per configuration:
   first call and each call during which traces or compiles grew (on rank 0),
   each counted whole, its step included (a step at these shapes costs about
   step_ms, not subtracted).
-- static_setup_s (transpiler only): the build seconds (trace, passes,
-  compile; the slowest rank's) of the static step described under static_ms:
-  one build of the same program for one shape; vs_one_build = setup_s /
+- static_setup_s (transpiler only): one build, cold: the same configuration
+  in fresh rank processes with a cold inductor cache, called only ever at the
+  fixed shape (three calls), setup_s as above (the calls that built its
+  static program: traced, and compiled); vs_one_build = setup_s /
   static_setup_s.
 - loss_diff: the largest absolute difference of rank 0's 12 losses from
   ddp's: the results, which the parameters below a noise gradient (next) do
@@ -133,6 +134,7 @@ class ShapesJob:
     warmup: int
     steps: int
     device: str = "cpu"   # bench._rank_main reads it
+    static_only: bool = False   # only the calls at the fixed shape: one cold build
 
 
 def transpiled(step) -> TranspiledStep | None:
@@ -167,12 +169,15 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
         return step(*batch)
 
     calls_s, built, losses = [], [], []
-    for batch in workload.batches(workload.shapes, rank, world_size):
+    shapes = [workload.fixed_shape] * 3 if job.static_only else workload.shapes
+    for batch in workload.batches(shapes, rank, world_size):
         before = counts(step) if step is not None else None
         loss, seconds = _between_barriers(call, batch)
         calls_s.append(seconds)
         losses.append(float(loss.detach()))
         built.append(before is None or counts(step) != before)
+    if job.static_only:
+        return {"calls_s": calls_s, "built": built}
     traces, compiles = counts(step)
     params = ({name: p.detach().clone() for name, p in model.named_parameters()}
               if rank == 0 else None)
@@ -195,8 +200,7 @@ def measure_shapes(job: ShapesJob, rank: int, world_size: int) -> dict:
                     times[name].append(elapsed)
     return {"calls_s": calls_s, "built": built, "traces": traces, "compiles": compiles,
             "params": params, "losses": losses, "step_s": times["step"],
-            "static_s": times["static"],
-            "static_setup_s": transpiled(static).build_seconds if static else None}
+            "static_s": times["static"]}
 
 
 def _slowest_median_ms(per_rank: list[list[float]]) -> float | None:
@@ -204,17 +208,22 @@ def _slowest_median_ms(per_rank: list[list[float]]) -> float | None:
     return statistics.median(slowest) * 1e3 if slowest else None
 
 
-def combine(per_rank: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The configuration's fields (max_diff still None) and rank 0's parameters."""
+def setup_seconds(per_rank: list[dict]) -> tuple[list[float], float]:
+    """The slowest rank's time of each call, and the sum of those that built."""
     slowest = [max(ts) for ts in zip(*(r["calls_s"] for r in per_rank))]
+    return slowest, sum(t for t, b in zip(slowest, per_rank[0]["built"]) if b)
+
+
+def combine(per_rank: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The configuration's fields (max_diff, static_setup_s still None) and
+    rank 0's parameters."""
+    slowest, setup_s = setup_seconds(per_rank)
     step_ms = _slowest_median_ms([r["step_s"] for r in per_rank])
     static_ms = _slowest_median_ms([r["static_s"] for r in per_rank])
     first = per_rank[0]
-    setup_s = sum(t for t, b in zip(slowest, first["built"]) if b)
-    one = max(r["static_setup_s"] for r in per_rank) if first["static_setup_s"] else None
     return {"traces": first["traces"], "compiles": first["compiles"],
-            "calls_s": sum(slowest), "setup_s": setup_s, "static_setup_s": one,
-            "vs_one_build": setup_s / one if one else None, "loss_diff": None,
+            "calls_s": sum(slowest), "setup_s": setup_s, "static_setup_s": None,
+            "vs_one_build": None, "loss_diff": None,
             "max_diff": None, "step_ms": step_ms, "static_ms": static_ms,
             "vs_static": step_ms / static_ms if static_ms else None,
             "max_diff_at": None, "losses": first["losses"]}, first["params"]
@@ -235,23 +244,29 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
     configs = [REFERENCE] + [c for c in configs if c != REFERENCE]
     out: dict[str, dict | str] = {}
     params: dict[str, dict[str, torch.Tensor]] = {}
-    with _cold_inductor_cache():
-        for i, config in enumerate(configs, 1):
-            tag = f"[{i}/{len(configs)}] {workload.name} varying shapes {config}"
-            log.info("%s ...", tag)
-            start = time.perf_counter()
-            try:
+    for i, config in enumerate(configs, 1):
+        tag = f"[{i}/{len(configs)}] {workload.name} varying shapes {config}"
+        log.info("%s ...", tag)
+        start = time.perf_counter()
+        try:
+            with _cold_inductor_cache():   # each run compiles cold
                 out[config], params[config] = combine(run_ranks(
                     ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
                     TIMEOUT_S))
-            except BenchError as exc:
-                log.error("%s FAILED: %s", tag, exc)
-                lines = str(exc).strip().splitlines()
-                out[config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
-                continue
-            log.info("%s: %d traces, %d compiles, setup %.2fs (%.1fs in all)", tag,
-                     out[config]["traces"], out[config]["compiles"], out[config]["setup_s"],
-                     time.perf_counter() - start)
+        except BenchError as exc:
+            log.error("%s FAILED: %s", tag, exc)
+            lines = str(exc).strip().splitlines()
+            out[config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
+            continue
+        if out[config]["static_ms"] is not None:   # the transpiler's: one cold build
+            with _cold_inductor_cache():
+                _, one = setup_seconds(run_ranks(ShapesJob(config, workload, warmup, steps,
+                                                           static_only=True),
+                                                 world_size, measure_shapes, TIMEOUT_S))
+            out[config].update(static_setup_s=one, vs_one_build=out[config]["setup_s"] / one)
+        log.info("%s: %d traces, %d compiles, setup %.2fs (%.1fs in all)", tag,
+                 out[config]["traces"], out[config]["compiles"], out[config]["setup_s"],
+                 time.perf_counter() - start)
     if REFERENCE in params:
         for config, p in params.items():
             out[config]["max_diff"], out[config]["max_diff_at"] = max_difference(
@@ -283,8 +298,9 @@ def definitions(workload: Workload, world_size: int, steps: int, warmup: int) ->
         "calls_s: the calls, each between dist.barrier()s, slowest rank per call, summed (the "
         "first builds the step); setup_s: those of them that traced or compiled (the first "
         "included), each whole, its step included",
-        "static_setup_s: what building the static step below cost (its trace, passes and "
-        "compile, rank's longest): one build; vs_one_build = setup_s / static_setup_s",
+        "static_setup_s: one cold build: setup_s of the same config in fresh ranks with a cold "
+        "inductor cache, called only at the fixed shape; vs_one_build = setup_s / "
+        "static_setup_s",
         f"loss_diff: largest absolute difference of rank 0's losses over the calls from "
         f"{REFERENCE}'s; max_diff: of its parameters after the calls (0: bit for bit), in "
         "parameter max_diff_at (Adam moves a parameter whose gradient is rounding noise, such "
