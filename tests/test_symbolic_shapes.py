@@ -178,8 +178,9 @@ def test_varying_shapes_equal_ddp(mode, ranks2):
 
 def compiled_once_per_node_for_every_size(cache_dir):
     """dynamic=True under inductor, rank 1 with a shorter batch than rank 0 at
-    every call: one program, compiled by rank 0 for its symbols and loaded
-    from inductor's cache by rank 1, serves every call on both ranks."""
+    every call, a view into the global batch at an offset: one program,
+    compiled by rank 0 for its symbols and loaded from inductor's cache by
+    rank 1, serves every call on both ranks."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     rank = dist.get_rank()
     model = make_lm()
@@ -189,7 +190,9 @@ def compiled_once_per_node_for_every_size(cache_dir):
     before = counters["inductor"].copy()
     with temporary_cache_dir(cache_dir):
         for i, (b, t) in enumerate(SHAPES[:3]):
-            step(model, opt, *tokens(b - rank, t, seed=10 * i + rank))
+            # this rank's rows of a global batch: rank 1's a view at an offset
+            x, y = tokens(2 * b, t, seed=i)
+            step(model, opt, x[rank * b:(rank + 1) * b - rank], y[rank * b:(rank + 1) * b - rank])
     return (step.traces, step.compiles,
             {k: counters["inductor"][k] - before[k] for k in ("fxgraph_cache_hit",
                                                                "fxgraph_cache_miss")})

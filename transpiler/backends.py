@@ -212,8 +212,13 @@ def _examples(gm: fx.GraphModule, inputs: list) -> list:
     """What inductor compiles the program for: the real inputs, but for a
     batch input with symbolic dimensions (capture/shapes.py) its fake tensor
     from the trace, so that the code is generated for every size its guards
-    allow, not for this call's."""
-    return [v if is_symbolic(v) else x for v, x in zip(_placeholder_values(gm), inputs)]
+    allow, not for this call's; and for a view into a larger tensor (a rank's
+    chunk of a global batch) a stand-in of its layout at offset 0, so that
+    every rank compiles the same code (one compile per node)."""
+    return [v if is_symbolic(v)
+            else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            if isinstance(x, torch.Tensor) and x.storage_offset() else x
+            for v, x in zip(_placeholder_values(gm), inputs)]
 
 
 def _with_outputs(gm: fx.GraphModule, written: list[bool], compile_graph, **options) -> Executable:

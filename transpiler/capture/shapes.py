@@ -46,7 +46,12 @@ def symbolic_inputs(inputs, dynamic: dict[int, frozenset[int]]) -> list:
             context = StatelessSymbolicContext(dynamic_sizes=[
                 DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC
                 for d in range(value.dim())])
-            fakes.append(mode.from_tensor(value, symbolic_context=context,
+            # A stand-in of the batch's layout at offset 0: a batch that is a
+            # view (a rank's chunk of a global batch) would otherwise give each
+            # rank a program of its own (inductor's cache key differs).
+            stand_in = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                           device=value.device)
+            fakes.append(mode.from_tensor(stand_in, symbolic_context=context,
                                           source=LocalSource(spec.name)))
         elif isinstance(value, torch.Tensor):
             fakes.append(mode.from_tensor(value, static_shapes=True))
