@@ -215,7 +215,8 @@ def first_call_then_decided(change_on: tuple[int, ...]):
     handler.emit = lambda record: lines.append(record.getMessage())
     logger = logging.getLogger("transpiler")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)   # setLevel: it clears the logger's cached isEnabledFor
     model = M.make("mlp")
     reference = copy.deepcopy(model)
     opts = [M.make_optimizer("sgd", m) for m in (model, reference)]
@@ -232,7 +233,7 @@ def first_call_then_decided(change_on: tuple[int, ...]):
             compiled.append(step.compiles)
     finally:
         logger.removeHandler(handler)
-        logger.level = level
+        logger.setLevel(level)
     alone = any("running on without an exchange" in line for line in lines)
     return step.traces, compiled, alone, M.max_rel_error(
         M.state_of(model, opts[0]), M.state_of(reference, opts[1]))
