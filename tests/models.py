@@ -149,6 +149,16 @@ def state_of(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def states_compared(pairs, sharded: bool) -> list[dict[str, torch.Tensor]]:
+    """state_of each (model, optimizer); without the optimizer's entries where
+    a rank keeps only its shard of them (modes zero, fsdp): the parameters,
+    updated from that state, stand for it."""
+    states = [state_of(m, o) for m, o in pairs]
+    if sharded:
+        states = [{k: v for k, v in d.items() if k.startswith("model.")} for d in states]
+    return states
+
+
 def max_rel_error(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     worst = 0.0

@@ -125,12 +125,7 @@ def numbers_vs_ddp(mode: str):
         x, y = M.shard(batch, rank, world)
         step(model, opts[0], x, y, *_values(i))
         weighted_step(ddp, opts[1], x, y, *_values(i))
-    # Mode zero keeps each rank's shard of the optimizer state: the parameters,
-    # updated from it for five steps, stand for it.
-    ours, theirs = (M.state_of(m, o) for m, o in zip((model, reference), opts))
-    if mode == "zero":
-        ours, theirs = ({k: v for k, v in d.items() if k.startswith("model.")}
-                        for d in (ours, theirs))
+    ours, theirs = M.states_compared(zip((model, reference), opts), sharded=mode == "zero")
     return step._cache.builds, M.max_rel_error(ours, theirs)
 
 

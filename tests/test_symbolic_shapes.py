@@ -116,6 +116,24 @@ def test_a_failed_symbolic_trace_falls_back_to_one_program_per_shape(monkeypatch
     assert caplog.text.count("with symbolic batch dimensions failed") == 1
 
 
+def dict_step(model, opt, batch):
+    """A container as the batch, as a tokenizer's output is."""
+    return M.lm_step(model, opt, batch["input_ids"], batch["labels"])
+
+
+def test_a_dict_batch_of_varying_shapes():
+    model = make_lm()
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step = transpile(dict_step)
+    for i, (b, t) in enumerate(SHAPES):
+        x, y = tokens(b, t, seed=i)
+        batch = {"input_ids": x, "labels": y}
+        assert torch.equal(step(model, opts[0], batch), dict_step(reference, opts[1], batch))
+    assert M.max_rel_error(M.state_of(model, opts[0]), M.state_of(reference, opts[1])) == 0.0
+    assert step.traces == 2
+
+
 @pytest.mark.parametrize("dynamic, message", [
     ({"tokens": {0}}, "names 'tokens', which is not a batch tensor among the step's "
                       "arguments; those are: inputs, targets"),
@@ -164,10 +182,8 @@ def varying_vs_ddp(mode: str):
         ours, theirs = step(model, opts[0], x, y), M.lm_step(ddp, opts[1], x, y)
         assert torch.equal(ours, theirs), (i, ours, theirs)
     with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
-        ours, theirs = (M.state_of(m, o) for m, o in zip((model, reference), opts))
-    if mode in ("zero", "fsdp"):   # each rank keeps a shard of the optimizer state
-        ours, theirs = ({k: v for k, v in d.items() if k.startswith("model.")}
-                        for d in (ours, theirs))
+        ours, theirs = M.states_compared(zip((model, reference), opts),
+                                         sharded=mode in ("zero", "fsdp"))
     return step._cache.builds, M.max_rel_error(ours, theirs)
 
 
