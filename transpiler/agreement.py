@@ -6,9 +6,8 @@ exchanges run on the control plane's gloo group (control.py)."""
 from __future__ import annotations
 
 import hashlib
-import pickle
 
-from .control import all_gather_bytes
+from .control import all_gather_values
 from .errors import TranspileError
 from .program import InputKind, Program
 from .roles import COMM
@@ -52,7 +51,7 @@ def agree(programs: list[Program], error: BaseException | None) -> None:
     """Exchange each rank's programs (or its error) and raise the same error on
     every rank if one failed or if they differ."""
     mine = outcome(programs, error)
-    compare([pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))], error)
+    compare(all_gather_values(mine), error)
 
 
 def compare(everyone: list[tuple], error: BaseException | None) -> None:
@@ -86,7 +85,7 @@ def agree_on_settings(settings: dict[str, str]) -> None:
     """Before the first collective of a transpiled step (and before its rings
     are created, which every rank must do alike): the ranks compare how they
     transpiled it; a difference raises on every rank."""
-    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(settings))]
+    everyone = all_gather_values(settings)
     for rank, theirs in enumerate(everyone):
         for key in everyone[0]:
             if theirs.get(key) != everyone[0][key]:

@@ -17,7 +17,6 @@ import dataclasses
 import enum
 import hashlib
 import logging
-import pickle
 import time
 from typing import Callable
 
@@ -25,7 +24,7 @@ import torch
 
 from .agreement import raise_first_failure
 from .capture.shapes import is_symbolic
-from .control import all_gather_bytes
+from .control import all_gather_values
 from .program import Program
 from .rings import world
 
@@ -75,17 +74,17 @@ def compiled_on_every_rank(compile: Callable[[], bool], program: str, plan: Plan
     if world_size == 1:
         compile()
         return
-    plans = _exchange(plan)
+    plans = all_gather_values(plan)
     waits = [r != p.node_first and p.digest is not None and p.digest == plans[p.node_first].digest
              for r, p in enumerate(plans)]
     doing = f"compile program {program!r}"
     error, mine = (None, None) if waits[rank] else _attempt(compile)
-    outcomes = _exchange(mine)
+    outcomes = all_gather_values(mine)
     raise_first_failure([c and c.failed for c in outcomes], error, doing)
     if any(waits):
         if waits[rank]:
             error, mine = _attempt(compile)
-        later = _exchange(mine if waits[rank] else None)
+        later = all_gather_values(mine if waits[rank] else None)
         raise_first_failure([c and c.failed for c in later], error, doing)
         outcomes = [a or b for a, b in zip(outcomes, later)]
     if rank == 0:
@@ -132,11 +131,6 @@ def _attempt(compile: Callable[[], bool]) -> tuple[Exception | None, Compiled]:
     except Exception as exc:  # noqa: BLE001 - shown to every rank, then raised
         return exc, Compiled(f"{type(exc).__name__}: {exc}", False, time.perf_counter() - start)
     return None, Compiled(None, loaded, time.perf_counter() - start)
-
-
-def _exchange(mine):
-    """Every rank's `mine` (a Plan, a Compiled, or None: it has not compiled)."""
-    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(mine))]
 
 
 def _ranks(ranks: list[int]) -> str:

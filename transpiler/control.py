@@ -12,11 +12,12 @@ gloo run creates are the same as before the control plane had its own.
 from __future__ import annotations
 
 import logging
+import pickle
 
 import torch
 import torch.distributed as dist
 
-from .rings import world_timeout
+from .rings import world, world_timeout
 
 log = logging.getLogger("transpiler")
 
@@ -44,6 +45,14 @@ def control_group() -> dist.ProcessGroup:
                   group.group_name, dist.get_backend())
         _control = (world, group)
     return _control[1]
+
+
+def all_gather_values(value) -> list:
+    """Every rank's `value` (anything pickle takes), by rank, over the control
+    group; [value] without a process group of several ranks."""
+    if world()[0] == 1:
+        return [value]
+    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(value))]
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:

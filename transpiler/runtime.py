@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import pickle
 import time
 import weakref
 from typing import Callable
@@ -28,7 +27,7 @@ from . import (agreement, consensus, consistency, micro_loop, reduce_groups, sha
                verify)
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
-from .control import all_gather_bytes
+from .control import all_gather_values
 from .capture import Captured, HeldSlot, flatten_args, trace_step
 from .capture.micro import NotRollable, cut_arguments
 from .capture.optimizer_state import forget_state
@@ -463,8 +462,7 @@ class TranspiledStep:
         each rank compiles alone what it runs."""
         pending, self._pending = self._pending, None
         fits = self._cache.find(call_args) is pending
-        everyone = [fits] if world()[0] == 1 else \
-            [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(fits))]
+        everyone = all_gather_values(fits)
         if all(everyone):
             return
         for runnable in pending.programs.values():

@@ -33,14 +33,13 @@ program run without in-place updates.
 from __future__ import annotations
 
 import copy
-import pickle
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from .capture import StepArgs, intercepted_schedulers
-from .control import all_gather_bytes
+from .control import all_gather_values
 from .errors import VerificationError
 from .rings import world
 
@@ -243,8 +242,7 @@ def first_difference(names: list[str], ours: list, theirs: list, tolerance: floa
 
 def agree_on_verdict(verdict: str | None, step: int) -> None:
     """Raise the same VerificationError on every rank if any rank found a difference."""
-    everyone = ([verdict] if world()[0] == 1
-                else [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(verdict))])
+    everyone = all_gather_values(verdict)
     for rank, theirs in enumerate(everyone):
         if theirs is not None:
             raise VerificationError(
