@@ -28,7 +28,7 @@ import torch.fx as fx
 from .capture.shapes import is_symbolic
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
-from .program import InputKind, OutputKind, Program, graph_module
+from .program import InputKind, OutputKind, Program, graph_module, same_layout
 from .reinplace import reinplace
 from .rings import backend_for
 from .roles import INPUT
@@ -216,7 +216,7 @@ def _examples(gm: fx.GraphModule, inputs: list) -> list:
     chunk of a global batch) a stand-in of its layout at offset 0, so that
     every rank compiles the same code (one compile per node)."""
     return [v if is_symbolic(v)
-            else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            else same_layout(x)
             if isinstance(x, torch.Tensor) and x.storage_offset() else x
             for v, x in zip(_placeholder_values(gm), inputs)]
 

@@ -149,6 +149,12 @@ class HistoryEntry:
     fn: Callable | None = None   # the pass itself (None for capture)
 
 
+
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor of t's shape, strides, dtype and device, at
+    storage offset 0 (under a fake mode: a fake one)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
 class Program:
     def __init__(self, name: str, gm: fx.GraphModule, inputs: list[InputSpec],
                  outputs: list[OutputSpec]):
@@ -204,8 +210,7 @@ class Program:
             node = self.graph.placeholder(name)
         val = like.meta["val"]
         with val.fake_mode:
-            node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
-                                                   device=val.device)
+            node.meta["val"] = same_layout(val)
         node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
         node.meta[INPUT] = spec
         self.inputs.append(spec)

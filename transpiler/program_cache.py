@@ -168,7 +168,7 @@ class ProgramCache:
         """Leaf index -> the dimensions of that batch tensor to trace as symbols."""
         dims = {}
         for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
-            if isinstance(leaf, torch.Tensor) or is_ndarray(leaf):
+            if _is_batch(leaf):
                 these = frozenset(range(leaf.ndim)) if self.every_dim else self.declared.get(name)
                 if these:
                     dims[i] = these
@@ -197,10 +197,15 @@ class ProgramCache:
         return "".join(f"; lifting {step_args.names[i]} to a program input" for i in sorted(lifting))
 
 
+def _is_batch(leaf) -> bool:
+    """A tensor or a numpy array among the step's arguments."""
+    return isinstance(leaf, torch.Tensor) or is_ndarray(leaf)
+
+
 def _check_declared(declared: dict[str, frozenset[int]], step_args: StepArgs) -> None:
     """transpile(dynamic={name: dims}) must name batch tensors and their dimensions."""
     batch = {name: leaf.ndim for name, leaf in zip(step_args.names, step_args.leaves)
-             if isinstance(leaf, torch.Tensor) or is_ndarray(leaf)}
+             if _is_batch(leaf)}
     for name, dims in declared.items():
         if name not in batch:
             raise TranspileError(

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ..optimizers import formulation_of
-from ..program import Hyper, InputKind, InputSpec
+from ..program import Hyper, InputKind, InputSpec, same_layout
 from ..scaler import scaler_slots
 from .arguments import StepArgs
 from .optimizer_state import opt_params
@@ -59,7 +59,7 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
             # view of a reduced bucket, cast since by module.to(), is a view of a
             # tensor of another dtype, which fake tensors refuse.
             g, name = p.grad, inputs.param_names[id(p)]
-            stand_in = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
+            stand_in = same_layout(g)
             inputs.add(InputSpec(InputKind.GRAD, f"{name}.grad", param=name), GradSlot(p),
                        stand_in)
     for oi, opt in enumerate(optimizers):

@@ -27,7 +27,7 @@ from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from ..program import InputKind
+from ..program import InputKind, same_layout
 from .slots import ArraySlot, DataSlot
 
 
@@ -49,9 +49,7 @@ def symbolic_inputs(inputs, dynamic: dict[int, frozenset[int]]) -> list:
             # A stand-in of the batch's layout at offset 0: a batch that is a
             # view (a rank's chunk of a global batch) would otherwise give each
             # rank a program of its own (inductor's cache key differs).
-            stand_in = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                           device=value.device)
-            fakes.append(mode.from_tensor(stand_in, symbolic_context=context,
+            fakes.append(mode.from_tensor(same_layout(value), symbolic_context=context,
                                           source=LocalSource(spec.name)))
         elif isinstance(value, torch.Tensor):
             fakes.append(mode.from_tensor(value, static_shapes=True))
