@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from .capture.shapes import is_symbolic
+from .compiler_graph import packs_as_cat, reshapes_in_steps, views_as_reshapes
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
 from .program import InputKind, OutputKind, Program, graph_module, same_layout
@@ -293,56 +294,8 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
                 kept.append(value)
             written.append(spec.kind is OutputKind.UPDATE)
     out.args = (tuple(kept),)
-    _packs_as_cat(graph)
-    _views_as_reshapes(graph)
+    packs_as_cat(graph)
+    views_as_reshapes(graph)
+    reshapes_in_steps(graph)
     graph.lint()
     return graph_module(program.gm, graph), written
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def _views_as_reshapes(graph: fx.Graph) -> None:
-    """view(x, shape) -> reshape(x, shape). Capture recorded a view wherever
-    x's strides, as eager computes them, allowed one (matmul's and reshape's
-    own decompositions choose between a view and a copy from the strides).
-    A compiler retraces the program through its own decompositions, which
-    may lay a value out differently: inductor's cat drops an empty 1-D input
-    (an empty KV cache) and clones the other one with its strides, where
-    eager's cat is contiguous, and the view after it no longer exists.
-    reshape makes the same choice again from the strides the compiler gets.
-    The program is functional (no value is written through a view), so both
-    compute the same values; inductor turns its own views into reshapes too
-    (post_grad.view_to_reshape), but only after that retrace."""
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in _VIEWS:
-            node.target = torch.ops.aten.reshape.default
-
-
-def _packs_as_cat(graph: fx.Graph) -> None:
-    """new_empty, then slice_scatter of each value into its slice (how
-    coalesce_tensors packs a bucket, which runs well op by op) -> one cat of
-    the values, which a compiler lowers to one write per value into its slice
-    (a chain of slice_scatters compiles to a select per element among all of them)."""
-    scatter = torch.ops.aten.slice_scatter.default
-    for node in list(graph.nodes):
-        if node.target is not scatter or any(u.target is scatter for u in node.users):
-            continue
-        chain = [node]
-        while chain[-1].args[0].target is scatter:
-            chain.append(chain[-1].args[0])
-        chain.reverse()
-        base = chain[0].args[0]
-        ends = [0] + [n.args[4] for n in chain]
-        if (base.target is not torch.ops.aten.new_empty.default
-                or any(n.args[2] != 0 or n.args[3] != start for n, start in zip(chain, ends))
-                or ends[-1] != base.meta["val"].numel()
-                or any(len(n.users) > 1 for n in chain[:-1])):
-            continue
-        with graph.inserting_before(node):
-            cat = graph.call_function(torch.ops.aten.cat.default, ([n.args[1] for n in chain],))
-        cat.meta.update(node.meta)
-        node.replace_all_uses_with(cat)
-        for n in reversed(chain):
-            graph.erase_node(n)
-        graph.erase_node(base)

@@ -1,0 +1,90 @@
+"""The program's graph as a compiler gets it (transpiler/compiler_graph.py):
+reshapes that split and merge dimensions at once go in two steps, so that
+inductor's kernels index a symbolic batch as it indexes a static one."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sympy
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tests import models as M
+from tests.test_symbolic_shapes import SHAPES, make_lm, tokens
+from transpiler import compiler_graph, transpile
+
+B, S = sympy.symbols("B S", integer=True, positive=True)
+RESHAPE = torch.ops.aten.reshape.default
+
+
+@pytest.mark.parametrize("source, target, finest", [
+    ([S, B, 128], [S, 4 * B, 32], [S, B, 4, 32]),     # heads split off the features
+    ([S, 4 * B, 32], [S, B, 128], [S, B, 4, 32]),     # and merged back
+    ([S * B, 384], [S, B, 3, 128], [S, B, 3, 128]),   # only splits: the target itself
+    ([S, B, 3, 128], [S * B, 384], [S, B, 3, 128]),   # only merges: the source itself
+    ([24, 32], [6, 128], [6, 4, 32]),
+    ([6, 4], [4, 6], None),
+    ([S, B], [B, S], None),                           # equal products that do not nest
+])
+def test_finest_common_shape(source, target, finest):
+    as_sizes = lambda shape: [sympy.sympify(s) for s in shape]   # noqa: E731
+    assert compiler_graph._finest_common(as_sizes(source), as_sizes(target)) == finest
+
+
+def heads(x):
+    """(S, B, 128) -> (S, 4*B, 32) -> (4*B, S, 32) -> back: attention's heads."""
+    s, b, _ = x.shape
+    h = (x * 2).reshape(s, 4 * b, 32).transpose(0, 1).contiguous()
+    return h.transpose(0, 1).reshape(s, b, 128).sin()
+
+
+def test_reshape_in_steps_computes_the_same_values_and_adds_no_guard():
+    gm = make_fx(heads, tracing_mode="symbolic")(torch.randn(5, 3, 128))
+    x = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
+    shape_env = x.fake_mode.shape_env
+    guards = len(shape_env.guards)
+    compiler_graph.views_as_reshapes(gm.graph)
+    compiler_graph.reshapes_in_steps(gm.graph)
+    gm.recompile()
+    assert len(shape_env.guards) == guards
+    steps = [[str(s) for s in n.meta["val"].shape] for n in gm.graph.nodes if n.target is RESHAPE]
+    s, b = map(str, x.shape[:2])
+    assert steps == [[s, b, "4", "32"], [s, f"4*{b}", "32"], [s, b, "4", "32"], [s, b, "128"]]
+    for shape in [(5, 3, 128), (7, 2, 128), (1, 9, 128)]:
+        x = torch.randn(shape)
+        assert torch.equal(gm(x), heads(x))
+
+
+def _unvectorized_kernels(monkeypatch, in_steps: bool) -> tuple[int, list[str]]:
+    """Inductor's kernels for the LM's symbolic program (dynamic=True), from a
+    cold cache, with or without reshapes_in_steps: how many, and the names of
+    those that do not use at::vec (one element per loop iteration)."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+    if not in_steps:
+        monkeypatch.setattr("transpiler.backends.reshapes_in_steps", lambda graph: None)
+    model = make_lm()
+    opt = M.make_optimizer("sgd", model)
+    step = transpile(M.lm_step, backend="inductor", dynamic=True)
+    with fresh_cache():
+        _, code = run_and_get_code(step, model, opt, *tokens(*SHAPES[0], seed=0))
+    monkeypatch.undo()
+    kernels = KERNEL.findall("\n".join(code))
+    return len(kernels), [name for name, body in kernels if "at::vec::" not in body]
+
+
+# A C++ kernel of inductor's generated module: its name and its source.
+KERNEL = re.compile(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\((.*?)^\'\'\'\)",
+                    re.M | re.S)
+
+
+@pytest.mark.slow
+def test_symbolic_attention_kernels_are_vectorized(monkeypatch):
+    """Every kernel of the LM's symbolic program is vectorized, as the static
+    program's are; without the rewrite, the kernel that reads attention's
+    gradients through the mixed reshape is not."""
+    count, scalar = _unvectorized_kernels(monkeypatch, in_steps=True)
+    assert count > 10 and scalar == []
+    count, scalar = _unvectorized_kernels(monkeypatch, in_steps=False)
+    assert count > 10 and len(scalar) == 1 and "select_backward" in scalar[0]

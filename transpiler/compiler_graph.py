@@ -1,0 +1,163 @@
+"""The program's graph as a compiler gets it (backends.py): the same values, in
+forms the compiler lowers well. Each rewrite edits a copy of the program's
+graph, never the program (its listing stays as traced).
+
+    packs_as_cat        a bucket's pack (new_empty, slice_scatter per value) -> one cat
+    views_as_reshapes   view -> reshape, chosen again from the compiler's strides
+    reshapes_in_steps   a reshape that splits and merges dimensions at once ->
+                        a split, then a merge (symbolic batch dimensions)
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_RESHAPE = torch.ops.aten.reshape.default
+
+
+def views_as_reshapes(graph: fx.Graph) -> None:
+    """view(x, shape) -> reshape(x, shape). Capture recorded a view wherever
+    x's strides, as eager computes them, allowed one (matmul's and reshape's
+    own decompositions choose between a view and a copy from the strides).
+    A compiler retraces the program through its own decompositions, which
+    may lay a value out differently: inductor's cat drops an empty 1-D input
+    (an empty KV cache) and clones the other one with its strides, where
+    eager's cat is contiguous, and the view after it no longer exists.
+    reshape makes the same choice again from the strides the compiler gets.
+    The program is functional (no value is written through a view), so both
+    compute the same values; inductor turns its own views into reshapes too
+    (post_grad.view_to_reshape), but only after that retrace."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = _RESHAPE
+
+
+def packs_as_cat(graph: fx.Graph) -> None:
+    """new_empty, then slice_scatter of each value into its slice (how
+    coalesce_tensors packs a bucket, which runs well op by op) -> one cat of
+    the values, which a compiler lowers to one write per value into its slice
+    (a chain of slice_scatters compiles to a select per element among all of them)."""
+    scatter = torch.ops.aten.slice_scatter.default
+    for node in list(graph.nodes):
+        if node.target is not scatter or any(u.target is scatter for u in node.users):
+            continue
+        chain = [node]
+        while chain[-1].args[0].target is scatter:
+            chain.append(chain[-1].args[0])
+        chain.reverse()
+        base = chain[0].args[0]
+        ends = [0] + [n.args[4] for n in chain]
+        if (base.target is not torch.ops.aten.new_empty.default
+                or any(n.args[2] != 0 or n.args[3] != start for n, start in zip(chain, ends))
+                or ends[-1] != base.meta["val"].numel()
+                or any(len(n.users) > 1 for n in chain[:-1])):
+            continue
+        with graph.inserting_before(node):
+            cat = graph.call_function(torch.ops.aten.cat.default, ([n.args[1] for n in chain],))
+        cat.meta.update(node.meta)
+        node.replace_all_uses_with(cat)
+        for n in reversed(chain):
+            graph.erase_node(n)
+        graph.erase_node(base)
+
+
+def reshapes_in_steps(graph: fx.Graph) -> None:
+    """reshape(x, shape) that splits one dimension and merges it with another
+    at once -> a reshape to the finest shape both are made of (only splits),
+    then a reshape to `shape` (only merges). Attention's heads do this:
+    (S, B, 128) <-> (S, 4*B, 32) goes through (S, B, 4, 32). Inductor indexes
+    a pure split or a pure merge dimension by dimension; the mixed reshape it
+    indexes through the flat offset, (x3 + 128*x0) // 32 % (4*B) and so on,
+    which it simplifies back to a linear index only where it can bound the
+    loop variables by numbers. With a symbolic batch size B it cannot, and
+    the kernel that reads the reshape runs unvectorized, several times slower
+    than the static program's. The values are the same: every step is a
+    reshape of the same elements in the same order."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _RESHAPE:
+            continue
+        source, target = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(source, torch.Tensor) and isinstance(target, torch.Tensor)):
+            continue
+        finest = _finest_common(_exprs(source.shape), _exprs(target.shape))
+        if finest is None or finest in (_exprs(source.shape), _exprs(target.shape)):
+            continue
+        sizes = _size_args(graph, node, finest)
+        if sizes is None:
+            continue
+        with graph.inserting_before(node):
+            split = graph.call_function(_RESHAPE, (node.args[0], sizes))
+        split.meta["val"] = source.reshape(
+            [a.meta["val"] if isinstance(a, fx.Node) else a for a in sizes])
+        node.args = (split, *node.args[1:])
+
+
+def _expr(size) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def _exprs(shape) -> list[sympy.Expr]:
+    """A shape's sizes as expressions, size 1 left out (compared as
+    expressions: comparing SymInts would add guards to the trace's shapes)."""
+    return [e for e in map(_expr, shape) if e != 1]
+
+
+def _finest_common(source: list[sympy.Expr], target: list[sympy.Expr]) -> list | None:
+    """The shape both `source` and `target` are merges of (sizes as
+    expressions, none of them 1); None where the two do not nest
+    (6 x 4 against 4 x 6)."""
+    source, target = list(source), list(target)
+    finest: list = []
+    a = b = None
+    while True:
+        a = a if a is not None else (source.pop() if source else None)
+        b = b if b is not None else (target.pop() if target else None)
+        if a is None or b is None:
+            return finest[::-1] if a is None and b is None else None
+        if a == b:
+            finest.append(a)
+            a = b = None
+        elif (q := _quotient(a, b)) is not None:
+            finest.append(b)
+            a, b = q, None
+        elif (q := _quotient(b, a)) is not None:
+            finest.append(a)
+            a, b = None, q
+        else:
+            return None
+
+
+def _quotient(size: sympy.Expr, factor: sympy.Expr) -> sympy.Expr | None:
+    """size / factor where it is a whole size (4*B / B = 4, 4*B / 4 = B), else None."""
+    numerator, denominator = sympy.fraction(sympy.cancel(size / factor))
+    return numerator if denominator == 1 else None
+
+
+def _size_args(graph: fx.Graph, node: fx.Node, sizes: list[sympy.Expr]) -> list | None:
+    """`sizes` as a reshape's shape argument: numbers as they are, a symbolic
+    size as a node of the graph that holds it (an element of `node`'s own
+    shape argument, or a sym_size of its input, inserted); None where a size
+    is held by neither."""
+    held = {_expr(a.meta["val"]): a for a in node.args[1]
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)}
+    source = node.args[0]
+    for dim, size in enumerate(source.meta["val"].shape):
+        held.setdefault(_expr(size), (source, dim, size))
+    args = []
+    for size in sizes:
+        if size.is_Integer:
+            args.append(int(size))
+            continue
+        found = held.get(size)
+        if found is None:
+            return None
+        if isinstance(found, tuple):
+            with graph.inserting_before(node):
+                sym_size = graph.call_function(torch.ops.aten.sym_size.int, found[:2])
+            sym_size.meta["val"] = found[2]
+            found = held[size] = sym_size
+        args.append(found)
+    return args
