@@ -2,7 +2,8 @@
 to call, as when each batch is padded to its own longest sequence.
 
     python -m transpiler.bench --varying-shapes [--configs a,b,...] [--world-size 2]
-                               [--steps 20] [--warmup 5] [--json PATH] [--report PATH]
+                               [--steps 20] [--warmup 5] [--repeat 1]
+                               [--json PATH] [--report PATH]
 
 The workload (WORKLOAD): a 2-layer GPT from torch's own layers (bench.GPT:
 token and position embeddings, causal pre-norm nn.TransformerEncoderLayers, an
@@ -60,6 +61,10 @@ What is reported, per configuration:
   configuration (its own model, from the same initial weights) that only ever
   saw that shape, its calls interleaved with step_ms's (alternating which goes
   first); vs_static = step_ms / static_ms: what serving every shape costs at one.
+- With --repeat R, the whole list of configurations runs R times, each time
+  in fresh ranks with cold caches: step_ms, static_ms and vs_static are the
+  medians over the rounds (vs_static of each round's own ratio: the two steps
+  of a round share their processes); every other field is the first round's.
 
 It reports; it asserts nothing about speed or counts.
 """
@@ -238,35 +243,51 @@ def max_difference(params: dict[str, torch.Tensor],
 
 
 def run_varying(workload: Workload, configs: list[str], *, world_size: int, steps: int,
-                warmup: int) -> dict[str, dict | str]:
-    """Every configuration (the reference first) in fresh ranks: its fields,
-    or the error text of its failure."""
+                warmup: int, repeat: int = 1) -> dict[str, dict | str]:
+    """Every configuration (the reference first) in fresh ranks, `repeat`
+    rounds of the whole list: its fields (the first round's, but step_ms,
+    static_ms and vs_static: their medians over the rounds), or the error
+    text of its failure."""
     configs = [REFERENCE] + [c for c in configs if c != REFERENCE]
     out: dict[str, dict | str] = {}
     params: dict[str, dict[str, torch.Tensor]] = {}
-    for i, config in enumerate(configs, 1):
-        tag = f"[{i}/{len(configs)}] {workload.name} varying shapes {config}"
-        log.info("%s ...", tag)
-        start = time.perf_counter()
-        try:
-            with _cold_inductor_cache():   # each run compiles cold
-                out[config], params[config] = combine(run_ranks(
-                    ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
-                    TIMEOUT_S))
-        except BenchError as exc:
-            log.error("%s FAILED: %s", tag, exc)
-            lines = str(exc).strip().splitlines()
-            out[config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
-            continue
-        if out[config]["static_ms"] is not None:   # the transpiler's: one cold build
-            with _cold_inductor_cache():
-                _, one = setup_seconds(run_ranks(ShapesJob(config, workload, warmup, steps,
-                                                           static_only=True),
-                                                 world_size, measure_shapes, TIMEOUT_S))
-            out[config].update(static_setup_s=one, vs_one_build=out[config]["setup_s"] / one)
-        log.info("%s: %d traces, %d compiles, setup %.2fs (%.1fs in all)", tag,
-                 out[config]["traces"], out[config]["compiles"], out[config]["setup_s"],
-                 time.perf_counter() - start)
+    rounds: dict[str, list[dict]] = {c: [] for c in configs}
+    for r in range(1, repeat + 1):
+        for i, config in enumerate(configs, 1):
+            if isinstance(out.get(config), str):
+                continue   # failed in an earlier round
+            tag = (f"[{i}/{len(configs)}]" + (f" round {r}/{repeat}" if repeat > 1 else "")
+                   + f" {workload.name} varying shapes {config}")
+            log.info("%s ...", tag)
+            start = time.perf_counter()
+            try:
+                with _cold_inductor_cache():   # each run compiles cold
+                    fields, final = combine(run_ranks(
+                        ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
+                        TIMEOUT_S))
+            except BenchError as exc:
+                log.error("%s FAILED: %s", tag, exc)
+                lines = str(exc).strip().splitlines()
+                out[config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
+                continue
+            rounds[config].append(fields)
+            if r == 1:
+                out[config], params[config] = dict(fields), final
+                if fields["static_ms"] is not None:   # the transpiler's: one cold build
+                    with _cold_inductor_cache():
+                        _, one = setup_seconds(run_ranks(
+                            ShapesJob(config, workload, warmup, steps, static_only=True),
+                            world_size, measure_shapes, TIMEOUT_S))
+                    out[config].update(static_setup_s=one, vs_one_build=fields["setup_s"] / one)
+            log.info("%s: %d traces, %d compiles, setup %.2fs, step %.2f ms%s (%.1fs in all)",
+                     tag, fields["traces"], fields["compiles"], fields["setup_s"],
+                     fields["step_ms"], "" if fields["vs_static"] is None
+                     else f" ({fields['vs_static']:.3f}x static)", time.perf_counter() - start)
+    for config, measured in rounds.items():
+        if isinstance(out.get(config), dict):
+            out[config].update({name: statistics.median(m[name] for m in measured)
+                                if measured[0][name] is not None else None
+                                for name in ("step_ms", "static_ms", "vs_static")})
     if REFERENCE in params:
         for config, p in params.items():
             out[config]["max_diff"], out[config]["max_diff_at"] = max_difference(
@@ -287,7 +308,8 @@ def table(workload: Workload, results: dict[str, dict | str]) -> Table:
     return Table(("model", "config") + tuple(name for name, _ in COLUMNS), 2, rows)
 
 
-def definitions(workload: Workload, world_size: int, steps: int, warmup: int) -> list[str]:
+def definitions(workload: Workload, world_size: int, steps: int, warmup: int,
+                repeat: int = 1) -> list[str]:
     """What the fields are (printed above the table, listed in the report)."""
     return [
         f"workload: {workload.name}, AdamW, {world_size} ranks (gloo, CPU, 1 thread/rank), "
@@ -308,11 +330,13 @@ def definitions(workload: Workload, world_size: int, steps: int, warmup: int) ->
         f"step_ms: then at {'x'.join(map(str, workload.fixed_shape))} (the last call's shape), "
         f"median over {steps} timed steps (after {warmup} warm-up) of the slowest rank's time; "
         "static_ms: a fresh step of the same config that only saw that shape, interleaved; "
-        "vs_static = step_ms / static_ms",
+        "vs_static = step_ms / static_ms"
+        + (f"; each the median of {repeat} rounds (fresh ranks, cold caches; the other fields "
+           "from the first)" if repeat > 1 else ""),
     ]
 
 
-NOT_APPLICABLE = ("models", "optimizer", "micro_batches", "nodes", "device", "repeat", "plot")
+NOT_APPLICABLE = ("models", "optimizer", "micro_batches", "nodes", "device", "plot")
 
 
 def main(args: argparse.Namespace, argv: list[str], workload: Workload = WORKLOAD) -> int:
@@ -326,8 +350,9 @@ def main(args: argparse.Namespace, argv: list[str], workload: Workload = WORKLOA
                              f"{', '.join(given)} do not apply to it")
         configs = (_names(args.configs, [c for c in CONFIGS if c not in CUDA_ONLY], "config")
                    if args.configs else list(VARYING_CONFIGS))
-        if args.world_size < 1 or args.steps < 1 or args.warmup < 0:
-            raise BenchError("need --world-size >= 1, --steps >= 1 and --warmup >= 0")
+        if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+            raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0 and "
+                             "--repeat >= 1")
         check_writable(args.json, args.report)
     except BenchError as exc:
         log.error("error: %s", exc)
@@ -335,9 +360,9 @@ def main(args: argparse.Namespace, argv: list[str], workload: Workload = WORKLOA
     start = time.perf_counter()
     info = run_info(argv, args.world_size, 1, "adamw", "cpu")
     results = run_varying(workload, configs, world_size=args.world_size, steps=args.steps,
-                          warmup=args.warmup)
+                          warmup=args.warmup, repeat=args.repeat)
     elapsed_s = time.perf_counter() - start
-    lines = definitions(workload, args.world_size, args.steps, args.warmup)
+    lines = definitions(workload, args.world_size, args.steps, args.warmup, args.repeat)
     shown = table(workload, results)
     print("\n".join([f"# transpiler.bench --varying-shapes  {info.date}  torch {info.torch}  "
                      f"{info.machine_text()}"] + [f"# {line}" for line in lines]
