@@ -11,7 +11,9 @@ wait: that of its collective; nothing: -1). A foreach op (the optimizers'
 updates, clipping's norms) whose elements depend on different collectives is
 split into one foreach op per readiness, each reading only its elements; then
 the nodes are sorted by readiness, keeping program order among equals (a valid
-order: nothing is ready before what it reads). So the update of the bucket
+order: nothing is ready before what it reads). A random op (gradient noise)
+is ready no earlier than the random ops before it, so the generator's draws
+keep the program's order. So the update of the bucket
 reduced first runs while the later buckets are still in flight, and a
 collective fed by an update (mode zero's all-gathers) is issued as soon as its
 bucket's update is done. What depends on every bucket (a global gradient norm)
@@ -27,7 +29,7 @@ import torch.fx as fx
 
 from transpiler.collectives import WAIT
 from transpiler.pipeline import PassContext, requires
-from transpiler.program import Program, new_node
+from transpiler.program import Program, draws_random, new_node
 from transpiler.roles import COMM, ROLE, Role
 
 
@@ -39,8 +41,11 @@ def schedule_updates(program: Program, ctx: PassContext) -> None:
         return
     issued = {n: i for i, n in enumerate(program.collectives())}
     keys: dict[fx.Node, int | list[int]] = {}
+    drawn = -1   # the latest readiness of a random op so far
     for node in region:
         keys[node] = _readiness(node, keys, issued)
+        if draws_random(node):   # random ops draw in program order (eager's numbers)
+            keys[node] = drawn = max(drawn, keys[node])
         if isinstance(keys[node], list) and len(set(keys[node])) > 1:
             _split(graph, node, keys)
     region = _after_backward(graph)

@@ -39,7 +39,8 @@ import torch.fx as fx
 
 from transpiler.collectives import ALL_GATHER
 from transpiler.pipeline import PassContext, requires
-from transpiler.program import Held, InputKind, InputSpec, OutputKind, OutputSpec, Program, held_name
+from transpiler.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
+                                draws_random, held_name)
 from transpiler.roles import BUCKET, COMM, GATHERED, INPUT, PARAM_SHARD, ROLE, Role
 
 
@@ -137,8 +138,7 @@ def _recomputable(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     return isinstance(node.target, torch._ops.OpOverload) \
-        and not node.target._schema.is_mutable \
-        and torch.Tag.nondeterministic_seeded not in node.target.tags
+        and not node.target._schema.is_mutable and not draws_random(node)
 
 
 def _derived(graph: fx.Graph, full: set[fx.Node]) -> list[fx.Node]:

@@ -170,6 +170,34 @@ def test_trace_does_not_grow_with_k():
     assert sizes[0] == sizes[1]
 
 
+def draws_before_the_loop(model, opt, batches):
+    """A number drawn before the loop and read only after it, dropout in the
+    loop: eager draws the number first, then each micro-batch's mask."""
+    jitter = torch.rand(())
+    for x, y in batches:
+        loss = F.cross_entropy(F.dropout(model(x), 0.5), y) / 4
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach() + jitter
+
+
+def test_random_draws_keep_eager_order():
+    results = []
+    for step in (draws_before_the_loop, transpile(draws_before_the_loop,
+                                                   micro_batches="batches")):
+        model = M.make("bn", seed=0)
+        opt = M.make_optimizer("adamw", model)
+        torch.manual_seed(7)
+        outs = [step(model, opt, _batches(k, i)) for i, k in enumerate((5, 5, 3))]
+        results.append((M.state_of(model, opt), outs, torch.rand(())))
+    (eager, eager_out, eager_next), (ours, our_out, our_next) = results
+    assert _equal(ours, eager) == []
+    assert all(torch.equal(a, b) for a, b in zip(our_out, eager_out))
+    assert torch.equal(our_next, eager_next)   # the generator left where eager leaves it
+    assert "micro-batch loop" in str(step.program)
+
+
 def test_len_of_the_list_falls_back_to_unrolled(caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
         step = _eager_and_ours(mean_over_len, (3, 5))

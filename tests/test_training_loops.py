@@ -136,9 +136,23 @@ def scaled(model, opt, x, y, scaler):
     return norm, scaler._scale.clone()   # get_scale() would read it with .item()
 
 
+def random_draws(model, opt, x, y):
+    """Dropout in the forward, a number drawn that nothing differentiates (a
+    sampled logging decision), noise added to each gradient: the generator's
+    draws in eager's order, whatever the schedule moves."""
+    opt.zero_grad()
+    sampled = torch.rand(())
+    loss = F.cross_entropy(F.dropout(model(x), 0.2), y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad.add_(torch.randn_like(p.grad), alpha=1e-3)
+    opt.step()
+    return loss, sampled
+
+
 STEP_FNS = {f.__name__: f for f in (clip, clip_value, zero_grad_after_step,
                                      zero_grad_keep_tensors, scheduler_inside, accumulate,
-                                     everything, across_calls, scaled)}
+                                     everything, across_calls, scaled, random_draws)}
 
 
 def _extra_args(fn, i: int, opt) -> tuple:
@@ -153,6 +167,7 @@ def _extra_args(fn, i: int, opt) -> tuple:
 
 
 def _run(step, model, opt, world_size, rank):
+    torch.manual_seed(100)   # the same draws for the transpiled step and the reference
     outputs = []
     for i, batch in enumerate(M.batches("mlp", STEPS, BATCH)):
         extra = _extra_args(getattr(step, "step_fn", step), i, opt)
@@ -239,7 +254,7 @@ def test_adamw_equals_ddp_bit_for_bit(fn_name, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "adamw", "fuse_all_reduce", "eager"), 0.0)
 
 
-@pytest.mark.parametrize("fn_name", ["everything", "scaled"])
+@pytest.mark.parametrize("fn_name", ["everything", "scaled", "random_draws"])
 def test_inductor(fn_name, ranks2):
     _compare(ranks2.run(rank_vs_ddp, fn_name, "sgd", "fuse_all_reduce", "inductor"), 1e-5)
 

@@ -1,8 +1,10 @@
 """A program traced over a cut list of micro-batches (capture/micro.py), run
 as a loop: cut after the passes into three programs, each compiled once.
 
-- first: what the second micro-batch's region depends on outside it, and the
-  first micro-batch's region (the nodes before the loop and micro-batch 0);
+- first: what the second micro-batch's region depends on outside it, the
+  first micro-batch's region (the nodes before the loop and micro-batch 0),
+  and every random op before the loop (so the generator's draws keep eager's
+  order: the op's number, then each micro-batch's masks);
 - body: micro-batch 1's region, run k-1 times, micro-batch i's tensors where
   the trace had the second element's, the values it carries (each parameter's
   accumulated .grad, each buffer) fed back from the run before;
@@ -30,7 +32,8 @@ import torch.fx as fx
 from .capture.micro import Carry, CutArgs, NotRollable
 from .capture.slots import ArraySlot, DataSlot
 from .executor import Runnable
-from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program, graph_module
+from .program import (InputKind, InputSpec, OutputKind, OutputSpec, Program, draws_random,
+                      graph_module)
 from .roles import CARRY, COMM, INPUT, MICRO
 
 
@@ -104,8 +107,12 @@ def split(runnable: Runnable, start: int, per: int) -> Loop:
     for n in nodes:
         if MICRO in n.meta or any(a in loopy for a in n.all_input_nodes):
             loopy.add(n)
+    looping = next(i for i, n in enumerate(nodes) if MICRO in n.meta)
+    # A random op traced before the loop draws before it (eager's order of the
+    # generator's draws), even where only the nodes after the loop read it.
     first = _ancestors([a for n in body for a in n.all_input_nodes if a not in in_body]
-                       + [n for n in nodes if n.meta.get(MICRO) == 0], in_body)
+                       + [n for n in nodes if n.meta.get(MICRO) == 0]
+                       + [n for n in nodes[:looping] if draws_random(n)], in_body)
     last = [n for n in nodes if n.op == "call_function" and n not in first and n not in in_body]
     data = _data_leaves(program, slots, start, per)
     for n in body:

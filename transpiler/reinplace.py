@@ -11,7 +11,8 @@ a no-op).
 State inputs (parameters, buffers, optimizer state) are only written after the
 backward pass and every collective have finished, so an error there (a failed
 collective, a bad index in the forward pass) never leaves the state half
-updated; ops that feed neither are moved after them for that purpose.
+updated; ops that feed neither are moved after them for that purpose (but
+random ops, which keep their place in the generator's sequence of draws).
 Intermediates may be reused anywhere: an all-reduce of a buffer nothing else
 reads reduces it in place instead of cloning it. Only ops from an allowlist of
 elementwise, foreach and collective ops whose in-place form computes the same
@@ -36,7 +37,7 @@ import torch.fx as fx
 
 from .collectives import ALL_REDUCE
 from .functionalize import mutated_index
-from .program import OutputKind, Program, graph_module
+from .program import OutputKind, Program, draws_random, graph_module
 from .roles import ROLE, Role
 
 aten = torch.ops.aten
@@ -97,7 +98,8 @@ def _is_base(node: fx.Node) -> bool:
 def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
     """Move the nodes that feed neither the backward pass nor a collective after
     the last node that does, keeping their order; return that node (None if
-    there is none)."""
+    there is none). A random op stays (and what it reads): moved, it would draw
+    after the backward pass's random ops, other numbers than eager's."""
     nodes = list(graph.nodes)
     ends = [i for i, n in enumerate(nodes) if n.op == "call_function"
             and n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM)]
@@ -105,7 +107,8 @@ def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
         return None
     feeds: set[fx.Node] = set()
     for n in reversed(nodes[:ends[-1] + 1]):
-        if n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM) or any(u in feeds for u in n.users):
+        if (n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM) or draws_random(n)
+                or any(u in feeds for u in n.users)):
             feeds.add(n)
     end = anchor = nodes[ends[-1]]
     for n in nodes[:ends[-1]]:
