@@ -307,3 +307,22 @@ def test_max_difference_names_the_parameter_it_is_in():
     ours = {"a": torch.tensor([0.0, 1e-3, 0.0]), "b": torch.tensor([0.0, -0.5])}
     assert bench_shapes.max_difference(ours, reference) == (0.5, "b")
     assert bench_shapes.max_difference(reference, reference) == (0.0, None)
+
+
+def test_rounds_run_the_whole_list_each_round_without_what_failed():
+    failed = set()
+    seen = []
+    for r, item, tag in bench.rounds(["a", "b", "c"], 2, str.upper, failed.__contains__):
+        seen.append((r, item, tag))
+        if item == "b":
+            failed.add("b")     # fails in round 1: not run again
+    assert seen == [(1, "a", "[1/3] round 1/2 A"), (1, "b", "[2/3] round 1/2 B"),
+                    (1, "c", "[3/3] round 1/2 C"), (2, "a", "[1/3] round 2/2 A"),
+                    (2, "c", "[3/3] round 2/2 C")]
+    assert [tag for _, _, tag in bench.rounds(["a"], 1, str, lambda _: False)] == ["[1/1] a"]
+
+
+def test_failure_text_is_the_first_and_last_line_once():
+    assert bench.failure_text(bench.BenchError("rank 1 failed:\n  trace\nValueError: x")) == \
+        "rank 1 failed: ValueError: x"
+    assert bench.failure_text(bench.BenchError("one line")) == "one line"

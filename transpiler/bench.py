@@ -116,7 +116,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -694,6 +694,24 @@ def _max_or_none(values) -> float | None:
     return None if None in values else max(values)
 
 
+def rounds(items: list, repeat: int, label: Callable[[Any], str],
+           failed: Callable[[Any], bool]) -> Iterator[tuple[int, Any, str]]:
+    """`repeat` rounds of the whole list of `items` (so that a machine whose
+    speed drifts affects every one alike): (round, item, the tag of its log
+    lines), an item that failed in an earlier round left out."""
+    for r in range(1, repeat + 1):
+        for i, item in enumerate(items, 1):
+            if not failed(item):
+                yield r, item, (f"[{i}/{len(items)}]" + (f" round {r}/{repeat}" if repeat > 1
+                                                         else "") + f" {label(item)}")
+
+
+def failure_text(exc: BenchError) -> str:
+    """A failed configuration's cell: the first and the last line of its error."""
+    lines = str(exc).strip().splitlines()
+    return " ".join(dict.fromkeys((lines[0], lines[-1])))
+
+
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
               warmup: int, repeat: int = 1, nodes: int = 1, optimizer: str = "sgd",
               device: str = "cpu", micro_batches: int = 1) -> dict[str, dict[str, Measurement | str]]:
@@ -705,29 +723,24 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
     that many nodes (LOCAL_WORLD_SIZE), which only hierarchical reductions read."""
     jobs = [Job(m, c, warmup, steps, optimizer, device, micro_batches)
             for m in models for c in configs]
-    rounds: dict[Job, list[Measurement]] = {job: [] for job in jobs}
+    measured: dict[Job, list[Measurement]] = {job: [] for job in jobs}
     out: dict[str, dict[str, Measurement | str]] = {m: {} for m in models}
     local = str(world_size // nodes) if nodes > 1 else None
     with _cold_inductor_cache(), _environment("LOCAL_WORLD_SIZE", local):
-        for r in range(1, repeat + 1):
-            for i, job in enumerate(jobs, 1):
-                if isinstance(out[job.model].get(job.config), str):
-                    continue   # failed in an earlier round
-                tag = (f"[{i}/{len(jobs)}]" + (f" round {r}/{repeat}" if repeat > 1 else "")
-                       + f" {job.model} {job.config}")
-                log.info("%s ...", tag)
-                start = time.perf_counter()
-                try:
-                    m = combine(run_ranks(job, world_size))
-                except BenchError as exc:
-                    log.error("%s FAILED: %s", tag, exc)
-                    lines = str(exc).strip().splitlines()
-                    out[job.model][job.config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
-                    continue
-                rounds[job].append(m)
-                log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
-                         m.setup_s, time.perf_counter() - start)
-    for job, ms in rounds.items():
+        for _, job, tag in rounds(jobs, repeat, lambda job: f"{job.model} {job.config}",
+                                  lambda job: isinstance(out[job.model].get(job.config), str)):
+            log.info("%s ...", tag)
+            start = time.perf_counter()
+            try:
+                m = combine(run_ranks(job, world_size))
+            except BenchError as exc:
+                log.error("%s FAILED: %s", tag, exc)
+                out[job.model][job.config] = failure_text(exc)
+                continue
+            measured[job].append(m)
+            log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
+                     m.setup_s, time.perf_counter() - start)
+    for job, ms in measured.items():
         if ms and job.config not in out[job.model]:
             out[job.model][job.config] = Measurement(
                 step_ms=statistics.median(m.step_ms for m in ms), setup_s=ms[0].setup_s,

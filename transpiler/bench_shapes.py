@@ -82,8 +82,8 @@ import torch.nn as nn
 
 from transpiler.bench import (CONFIGS, CUDA_ONLY, GPT, SEED_DATA, SEED_WEIGHTS, BenchError,
                               _between_barriers, _cold_inductor_cache, _names, _optimizer,
-                              _tokens, _transpiled_step, check_writable, parse_args,
-                              run_info, run_ranks, train_step, write_json)
+                              _tokens, _transpiled_step, check_writable, failure_text,
+                              parse_args, rounds, run_info, run_ranks, train_step, write_json)
 from transpiler.bench_report import Row, Table, text, write_report
 from transpiler.runtime import TranspiledStep
 
@@ -251,42 +251,37 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
     configs = [REFERENCE] + [c for c in configs if c != REFERENCE]
     out: dict[str, dict | str] = {}
     params: dict[str, dict[str, torch.Tensor]] = {}
-    rounds: dict[str, list[dict]] = {c: [] for c in configs}
-    for r in range(1, repeat + 1):
-        for i, config in enumerate(configs, 1):
-            if isinstance(out.get(config), str):
-                continue   # failed in an earlier round
-            tag = (f"[{i}/{len(configs)}]" + (f" round {r}/{repeat}" if repeat > 1 else "")
-                   + f" {workload.name} varying shapes {config}")
-            log.info("%s ...", tag)
-            start = time.perf_counter()
-            try:
-                with _cold_inductor_cache():   # each run compiles cold
-                    fields, final = combine(run_ranks(
-                        ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
-                        TIMEOUT_S))
-            except BenchError as exc:
-                log.error("%s FAILED: %s", tag, exc)
-                lines = str(exc).strip().splitlines()
-                out[config] = " ".join(dict.fromkeys((lines[0], lines[-1])))
-                continue
-            rounds[config].append(fields)
-            if r == 1:
-                out[config], params[config] = dict(fields), final
-                if fields["static_ms"] is not None:   # the transpiler's: one cold build
-                    with _cold_inductor_cache():
-                        _, one = setup_seconds(run_ranks(
-                            ShapesJob(config, workload, warmup, steps, static_only=True),
-                            world_size, measure_shapes, TIMEOUT_S))
-                    out[config].update(static_setup_s=one, vs_one_build=fields["setup_s"] / one)
-            log.info("%s: %d traces, %d compiles, setup %.2fs, step %.2f ms%s (%.1fs in all)",
-                     tag, fields["traces"], fields["compiles"], fields["setup_s"],
-                     fields["step_ms"], "" if fields["vs_static"] is None
-                     else f" ({fields['vs_static']:.3f}x static)", time.perf_counter() - start)
-    for config, measured in rounds.items():
+    measured: dict[str, list[dict]] = {c: [] for c in configs}
+    for r, config, tag in rounds(configs, repeat, lambda c: f"{workload.name} varying shapes {c}",
+                                 lambda c: isinstance(out.get(c), str)):
+        log.info("%s ...", tag)
+        start = time.perf_counter()
+        try:
+            with _cold_inductor_cache():   # each run compiles cold
+                fields, final = combine(run_ranks(
+                    ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
+                    TIMEOUT_S))
+        except BenchError as exc:
+            log.error("%s FAILED: %s", tag, exc)
+            out[config] = failure_text(exc)
+            continue
+        measured[config].append(fields)
+        if r == 1:
+            out[config], params[config] = dict(fields), final
+            if fields["static_ms"] is not None:   # the transpiler's: one cold build
+                with _cold_inductor_cache():
+                    _, one = setup_seconds(run_ranks(
+                        ShapesJob(config, workload, warmup, steps, static_only=True),
+                        world_size, measure_shapes, TIMEOUT_S))
+                out[config].update(static_setup_s=one, vs_one_build=fields["setup_s"] / one)
+        log.info("%s: %d traces, %d compiles, setup %.2fs, step %.2f ms%s (%.1fs in all)",
+                 tag, fields["traces"], fields["compiles"], fields["setup_s"],
+                 fields["step_ms"], "" if fields["vs_static"] is None
+                 else f" ({fields['vs_static']:.3f}x static)", time.perf_counter() - start)
+    for config, rounds_of in measured.items():
         if isinstance(out.get(config), dict):
-            out[config].update({name: statistics.median(m[name] for m in measured)
-                                if measured[0][name] is not None else None
+            out[config].update({name: statistics.median(m[name] for m in rounds_of)
+                                if rounds_of[0][name] is not None else None
                                 for name in ("step_ms", "static_ms", "vs_static")})
     if REFERENCE in params:
         for config, p in params.items():
