@@ -155,6 +155,7 @@ def same_layout(t: torch.Tensor) -> torch.Tensor:
     storage offset 0 (under a fake mode: a fake one)."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
+
 def draws_random(node: fx.Node) -> bool:
     """Whether the op draws from torch's random generator (dropout's bernoulli,
     rand, randn_like): every schedule keeps such ops in the program's order,
