@@ -88,3 +88,18 @@ def test_symbolic_attention_kernels_are_vectorized(monkeypatch):
     assert count > 10 and scalar == []
     count, scalar = _unvectorized_kernels(monkeypatch, in_steps=False)
     assert count > 10 and len(scalar) == 1 and "select_backward" in scalar[0]
+
+
+def regroup(x):
+    """(B, S, 6) -> (B*S, 6) -> (B, 3*S, 2): the finest common shape of the
+    second reshape, (B, S, 3, 2), needs S, which neither of its shapes holds."""
+    b, s, _ = x.shape
+    return x.reshape(b * s, 6).sin().reshape(b, 3 * s, 2)
+
+
+def test_reshape_left_whole_where_a_size_has_no_node():
+    gm = make_fx(regroup, tracing_mode="symbolic")(torch.randn(4, 5, 6))
+    compiler_graph.views_as_reshapes(gm.graph)
+    before = [n.format_node() for n in gm.graph.nodes]
+    compiler_graph.reshapes_in_steps(gm.graph)
+    assert [n.format_node() for n in gm.graph.nodes] == before

@@ -146,14 +146,11 @@ def _size_args(graph: fx.Graph, node: fx.Node, sizes: list[sympy.Expr]) -> list 
     source = node.args[0]
     for dim, size in enumerate(source.meta["val"].shape):
         held.setdefault(_expr(size), (source, dim, size))
+    if any(not size.is_Integer and size not in held for size in sizes):
+        return None
     args = []
     for size in sizes:
-        if size.is_Integer:
-            args.append(int(size))
-            continue
-        found = held.get(size)
-        if found is None:
-            return None
+        found = int(size) if size.is_Integer else held[size]
         if isinstance(found, tuple):
             with graph.inserting_before(node):
                 sym_size = graph.call_function(torch.ops.aten.sym_size.int, found[:2])
