@@ -193,6 +193,33 @@ def test_node_without_role_is_rejected():
         run_passes(_captured().program, [roleless], CTX)
 
 
+def dropout_then_rand(model, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(torch.nn.functional.dropout(model(x), 0.5), y)
+    (loss * torch.rand(())).backward()
+    opt.step()
+
+
+def test_pass_that_reorders_random_ops_is_rejected():
+    """Random ops draw in eager's order: a pass that moves one before another
+    (here rand, which reads nothing, before dropout's bernoulli) is an error."""
+    def reorders(program, ctx):
+        bernoulli, rand = [n for n in program.graph.nodes if n.target in (
+            torch.ops.aten.bernoulli.p, torch.ops.aten.rand.default)]
+        bernoulli.prepend(rand)
+
+    torch.manual_seed(0)
+    model = M.MLP([4, 3])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = (model, opt, torch.randn(2, 4), torch.tensor([0, 2]))
+    program = trace_step(dropout_then_rand, flatten_args(dropout_then_rand, args, {})).program
+    run_passes(program, ["average_grads"], CTX)   # a pass that keeps them passes
+    with pytest.raises(PassError, match=r"pass reorders failed .*changed the program's random "
+                                        r"ops or their order \(bernoulli, rand -> rand, "
+                                        r"bernoulli\)"):
+        run_passes(program, [reorders], CTX)
+
+
 def test_inputs_say_what_they_hold_in_typed_fields():
     program = _captured().program
     hypers = [spec.hyper for spec in program.inputs if spec.kind is InputKind.HYPER]

@@ -13,7 +13,7 @@ import torch
 
 from .errors import PassError
 from .mesh import Dim, Mesh, Over
-from .program import HistoryEntry, Program
+from .program import HistoryEntry, Program, draws_random
 from .roles import REDUCE, ROLE, Role
 from .topology import Gossip
 
@@ -194,9 +194,24 @@ def _applied(program: Program) -> list[Pass]:
     return [h.fn for h in program.history if h.fn is not None]
 
 
+def _draws(program: Program) -> list[str]:
+    return [n.name for n in program.graph.nodes if draws_random(n)]
+
+
+def _check_draws(program: Program, before: list[str]) -> None:
+    """A pass keeps the program's random ops, in their order: they draw from
+    torch's generator the numbers the eager step draws, in its order."""
+    after = _draws(program)
+    if after != before:
+        raise PassError(f"it changed the program's random ops or their order ({', '.join(before)} "
+                        f"-> {', '.join(after)}): they would draw other numbers than the eager "
+                        "step's; a pass must keep them, in their order")
+
+
 def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -> Program:
     """Run the passes in order on the program, in place. After each: the graph is
-    linted, every node must have a role, the module's code is marked stale
+    linted, every node must have a role, the random ops are the same in the
+    same order, the module's code is marked stale
     (program.graph_module: generated when it first runs) and the history gets
     a provenance line (and, at DEBUG, a listing). Errors name the pass and the
     passes run before it."""
@@ -207,10 +222,12 @@ def run_passes(program: Program, passes: Sequence[PassLike], ctx: PassContext) -
         _check_requirements(fn, before)
         _check_marks(_applied(program) + [fn], complete=False)
         n_before = len(program.graph.nodes)
+        draws = _draws(program)
         try:
             fn(program, ctx)
             program.graph.lint()
             check_roles(program)
+            _check_draws(program, draws)
             program.gm.recompile()
         except Exception as exc:
             raise PassError(f"pass {name} failed on program {program.name!r} "
