@@ -82,8 +82,9 @@ def reshapes_in_steps(graph: fx.Graph) -> None:
         source, target = node.args[0].meta.get("val"), node.meta.get("val")
         if not (isinstance(source, torch.Tensor) and isinstance(target, torch.Tensor)):
             continue
-        finest = _finest_common(_exprs(source.shape), _exprs(target.shape))
-        if finest is None or finest in (_exprs(source.shape), _exprs(target.shape)):
+        sizes_from, sizes_to = _exprs(source.shape), _exprs(target.shape)
+        finest = _finest_common(sizes_from, sizes_to)
+        if finest is None or finest in (sizes_from, sizes_to):
             continue
         sizes = _size_args(graph, node, finest)
         if sizes is None:
