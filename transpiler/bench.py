@@ -119,6 +119,7 @@ import traceback
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -584,11 +585,26 @@ def _rank_main(rank: int, world_size: int, store: str, job, results,
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size)
         try:
-            results.put((rank, None, work(job, rank, world_size)))
+            results.put((rank, None, _by_value(work(job, rank, world_size))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - sent to the parent, which reports it
         results.put((rank, traceback.format_exc(), None))
+
+
+def _by_value(result):
+    """The result with its tensors as numpy arrays: a tensor put on a queue is
+    shared through a file descriptor that dies with the rank, which exits
+    right after (the parent could read it too late)."""
+    return pytree.tree_map(lambda v: ("tensor", v.detach().cpu().numpy())
+                           if isinstance(v, torch.Tensor) else v, result)
+
+
+def _tensors(result):
+    return pytree.tree_map(lambda v: torch.from_numpy(v[1])
+                           if isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor" else v,
+                           result, is_leaf=lambda v: isinstance(v, tuple) and len(v) == 2
+                           and v[0] == "tensor")
 
 
 # ------------------------------------------------------------ launching ranks
@@ -605,7 +621,7 @@ def _collect(results, world_size: int, timeout_s: float) -> list[dict]:
                              f"{timeout_s:.0f}s") from None
         if error is not None:
             raise BenchError(f"rank {rank} failed:\n{error}")
-        got[rank] = value
+        got[rank] = _tensors(value)
     return [got[r] for r in range(world_size)]
 
 

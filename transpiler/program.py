@@ -38,6 +38,7 @@ class InputKind(enum.Enum):
     SCALER = "scaler"   # a GradScaler's scale or growth tracker
     DATA = "data"       # a tensor among the step's arguments (the batch)
     NUMBER = "number"   # a Python float or int argument, lifted after its value changed
+    REACHED = "reached"  # a tensor the step reads outside its arguments, through a host path
     HELD = "held"       # a tensor the transpiled step itself keeps between calls
     LOOP = "loop"       # a value passed between the programs of a micro-batch loop (micro_loop.py)
 
@@ -50,6 +51,7 @@ class OutputKind(enum.Enum):
     STATE = "state"     # an optimizer state entry the step created or replaced
     GRAD = "grad"       # the .grad the step leaves on a parameter
     HELD = "held"       # a value the transpiled step keeps, for its schedule or its next calls
+    ASSIGNED = "assigned"  # a tensor the step assigns to a host attribute (self.aux = loss)
 
 
 class Held(enum.Enum):

@@ -49,6 +49,8 @@ class Built:
     # (name, parameter) of those kept as shards between steps (mode fsdp)
     sharded_params: list = dataclasses.field(default_factory=list)
     shape_guards: ShapeGuards | None = None   # what it assumes of symbolic batch sizes
+    # host values the step wrote while traced, written again after every run
+    host_writes: list = dataclasses.field(default_factory=list)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

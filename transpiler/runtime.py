@@ -300,6 +300,8 @@ class TranspiledStep:
         self._compiles += fresh - runnable.uncompiled()
         for _, param in built.cleared:
             param.grad = None
+        for write in built.host_writes:   # what the step's Python wrote on the host
+            write.redo()
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
         self._last, self._last_run = built, name
@@ -414,7 +416,7 @@ class TranspiledStep:
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
-                           captured.shape_guards)
+                           captured.shape_guards, captured.host_writes)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -443,6 +445,8 @@ class TranspiledStep:
         except BaseException:
             if captured is not None:   # nothing of a failed build stays behind
                 forget_state(captured.made_state)
+                for w in reversed(captured.host_writes):
+                    w.undo()
             raise
         if self._sharded is not None:   # the state the trace made, cut to shards
             self._sharded.shard(step_args.optimizers)
@@ -533,7 +537,7 @@ class TranspiledStep:
     def _bind(self, program: Program, captured: Captured) -> tuple[list, list]:
         """The slot each input is read from and each output written to."""
         by_name = {spec.name: slot for spec, slot in zip(captured.program.inputs, captured.slots)}
-        own = (OutputKind.STATE, OutputKind.GRAD)   # targets capture made for the step's outputs
+        own = (OutputKind.STATE, OutputKind.GRAD, OutputKind.ASSIGNED)   # targets capture made
         captured_targets = {(spec.kind, spec.target): target for spec, target
                             in zip(captured.program.outputs, captured.targets) if spec.kind in own}
         # A pass's hyperparameter input of a later update (Hyper.ahead) reads as

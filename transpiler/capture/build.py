@@ -28,7 +28,7 @@ def identifier(prefix: str, name: str) -> str:
 
 _PREFIX = {InputKind.PARAM: "p_", InputKind.BUFFER: "b_", InputKind.GRAD: "g_",
            InputKind.STATE: "s_", InputKind.HYPER: "h_", InputKind.SCALER: "sc_",
-           InputKind.DATA: "", InputKind.NUMBER: ""}
+           InputKind.DATA: "", InputKind.NUMBER: "", InputKind.REACHED: "r_"}
 
 
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
@@ -41,7 +41,7 @@ def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
 
 
 def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
-                left: list[torch.Tensor]) -> tuple[Program, list, list]:
+               left: list[torch.Tensor], assigned: list) -> tuple[Program, list, list]:
     """Turn the functionalized graph into a Program: name and annotate the
     placeholders, drop detaches, make the trailing write-backs outputs and drop
     the gradients and optimizer state the step starts with where it does not
@@ -83,6 +83,9 @@ def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
     for p in left:   # the .grad the step leaves (its output covers any write-back)
         specs.append(OutputSpec(OutputKind.GRAD, inputs.param_names[id(p)]))
         targets.append(GradSlot(p))
+    for name, slot in assigned:
+        specs.append(OutputSpec(OutputKind.ASSIGNED, name))
+        targets.append(slot)
     for i in sorted(updates):
         if inputs.specs[i].kind is not InputKind.GRAD:
             results.append(updates[i])
@@ -92,7 +95,7 @@ def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
     graph.eliminate_dead_code()
     kept = []
     for node, spec, slot in zip(placeholders, inputs.specs, inputs.slots):
-        if spec.kind in (InputKind.GRAD, InputKind.STATE) and not node.users:
+        if spec.kind in (InputKind.GRAD, InputKind.STATE, InputKind.REACHED) and not node.users:
             graph.erase_node(node)
         else:
             kept.append((spec, slot))

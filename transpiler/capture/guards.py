@@ -1,290 +1,317 @@
-"""Guards: the plain Python values a step can read that are not program inputs.
+"""Guards: the host values a program was traced with, checked on every call.
 
-A trace reads such values once and bakes them into the program: a module's
-float attribute (a temperature, nn.Dropout's p), a config object a module holds,
-a global or a closure cell the step function (or a function it calls, or a
-module's forward) reads. Each is recorded when the step is traced and checked on
-every call, as torch.compile's guards are: a change traces again, and the log
-names the value. What is recorded is everything the step *can* read, found
-without running it: every submodule's attributes (public and private) and those
-of the plain objects they hold, and the globals and closure cells named by the
-code of the step, of the functions it reaches through them and of each
-submodule's forward. Values of torch's own code are left out (they do not
-change), and so are tensors, which are inputs or refused (trace.py).
+Each guard names one place the traced step read (an entry of an object's
+`__dict__`, of a class's namespace, of a function's globals, a closure cell, an
+item of a container: a `holder` with `.get(key, default)`, reads.py) and what
+was there: a plain value (compared by type and value), an object (by identity),
+a container of objects or tensors (item by item), a tensor read as a program
+input (by layout), or nothing (the read found no such attribute). The check of
+a whole program's guards is one generated Python function, so a call pays a
+few tens of nanoseconds per guard; only a failed check looks for the guard that
+failed, to name it in the log.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
-import functools
-import operator
-import os
 import sys
-import types
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
+
+MISSING = object()
 
 # Types whose values a guard compares; containers of them are compared by value.
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-            enum.Enum)
-_CONTAINERS = (tuple, list, frozenset, set)
-# Code under these directories is not the user's: torch's own and the standard library.
-_LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.__file__))
-_MISSING = object()
-# The attributes through which torch.nn.Module keeps its parameters, buffers,
-# submodules and hooks: torch's bookkeeping, not values a forward reads (what
-# they hold is compared by the signature), and mutated in place, never rebound.
-MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
+            enum.Enum, range, slice)
+_CONTAINERS = (tuple, list, frozenset, set, dict)
+# A container with more elements than this is guarded by identity and length.
+LARGE = 1024
 
 
-def snapshot(value) -> Any:
-    """A comparable copy of a plain value, or _MISSING for anything else."""
-    if isinstance(value, _SCALARS):
+def _numpy_scalar(value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic)
+
+
+def snapshot(value, budget: list | None = None) -> Any:
+    """A comparable copy of a plain value (scalars, numpy scalars, and tuples,
+    lists, sets and dicts of them), or MISSING for anything else."""
+    if isinstance(value, _SCALARS) or _numpy_scalar(value):
         return value
-    if isinstance(value, _CONTAINERS) and len(value) <= 64:
-        items = tuple(snapshot(v) for v in value)
-        if all(v is not _MISSING for v in items):
-            return (type(value), items)
-    return _MISSING
+    if isinstance(value, _CONTAINERS):
+        budget = [LARGE] if budget is None else budget
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            return MISSING
+        items = value.items() if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            flat = tuple((snapshot(k, budget), snapshot(v, budget)) for k, v in items)
+            ok = all(k is not MISSING and v is not MISSING for k, v in flat)
+        else:
+            flat = tuple(snapshot(v, budget) for v in items)
+            ok = all(v is not MISSING for v in flat)
+        return (type(value), flat) if ok else MISSING
+    return MISSING
 
 
-class _Cell:
-    """A closure cell read like a dict of one entry."""
+def saved(value) -> list:
+    """The items of every list, dict and set in a value (nested ones
+    included), as references: restore() puts them back after an in-place
+    change, and they keep the objects a container held alive."""
+    found, seen, todo = [], set(), [value]
+    while todo and len(found) < LARGE:
+        v = todo.pop()
+        if id(v) in seen or not isinstance(v, _CONTAINERS):
+            continue
+        seen.add(id(v))
+        if isinstance(v, (list, dict, set)):
+            found.append((v, v.copy() if not isinstance(v, list) else list(v)))
+        todo.extend(v.values() if isinstance(v, dict) else v)
+    return found
 
-    __slots__ = ("cell",)
 
-    def __init__(self, cell):
-        self.cell = cell
+def restore(found: list) -> None:
+    """Put back what saved() found."""
+    for container, items in found:
+        if isinstance(container, list):
+            container[:] = items
+        else:
+            container.clear()
+            container.update(items)
 
-    def get(self, key, default=None):
+
+def copy_containers(value, budget: list | None = None):
+    """A copy of the containers in a value, sharing everything else, or MISSING
+    if it holds a tensor or an array (which `==` cannot compare) or is large.
+    Comparing a container with its copy by `==` runs in C, element by element,
+    each first by identity."""
+    budget = [LARGE] if budget is None else budget
+    if isinstance(value, torch.Tensor) or layout(value) is not MISSING:
+        return MISSING
+    if not isinstance(value, _CONTAINERS):
+        return value
+    budget[0] -= len(value)
+    if budget[0] < 0:
+        return MISSING
+    if isinstance(value, dict):
+        items = [(k, copy_containers(v, budget)) for k, v in value.items()]
+        if any(v is MISSING for _, v in items):
+            return MISSING
         try:
-            return self.cell.cell_contents
-        except ValueError:   # an empty cell
-            return default
+            return type(value)(items)
+        except TypeError:   # a dict subclass that takes other arguments
+            return dict(items)
+    items = [copy_containers(v, budget) for v in value]
+    if any(v is MISSING for v in items):
+        return MISSING
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*items)
+    try:
+        return type(value)(items)
+    except TypeError:
+        return list(items)
 
 
-@dataclasses.dataclass(frozen=True)
+def mutable(value) -> bool:
+    """Whether the value can change in place (so that identity says nothing)."""
+    if isinstance(value, (list, set, dict)):
+        return True
+    return isinstance(value, (tuple, frozenset)) and any(mutable(v) for v in value)
+
+
+def layout(value) -> Any:
+    """What a program input read through a path depends on: its tensor layout."""
+    if isinstance(value, torch.Tensor):
+        return (type(value), tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return (numpy.ndarray, value.shape, value.dtype.str)
+    return MISSING
+
+
+def contents(value, budget: list | None = None) -> Any:
+    """A container item by item: plain values by value, tensors by layout,
+    other objects by identity (the guard keeps them alive)."""
+    budget = [LARGE] if budget is None else budget
+    plain = snapshot(value, budget)
+    if plain is not MISSING:
+        return plain
+    if isinstance(value, _CONTAINERS):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            return ("large", id(value), len(value))
+        if isinstance(value, dict):
+            return (type(value), tuple((contents(k, budget), contents(v, budget))
+                                       for k, v in value.items()))
+        return (type(value), tuple(contents(v, budget) for v in value))
+    found = layout(value)
+    return found if found is not MISSING else ("object", id(value))
+
+
+class Check(enum.Enum):
+    """How a guard compares what is at its place now with what was read."""
+
+    VALUE = "value"          # a plain value: same type and value
+    EQUAL = "equal"          # a container: equal to a copy of it (==, in C)
+    ABSENT = "absent"        # nothing there (the read raised AttributeError)
+    IDENTITY = "identity"    # the same object
+    CONTENTS = "contents"    # a container: contents() equal
+    LAYOUT = "layout"        # a tensor read as a program input: same layout
+
+
+@dataclasses.dataclass(eq=False)
 class Guard:
-    name: str          # as the log shows it: "model.drop.p", "global LOSS_WEIGHT"
-    holder: Any        # a dict (an object's __dict__, a function's globals) or a _Cell
-    key: str
-    value: Any         # snapshot() of the value when the step was traced
-    original: Any      # the value itself
-    identity: bool = False   # value is an object that must stay the same one
-    # a list or set (or a tuple holding one): compared with a copy taken now,
-    # since the same object may have been changed in place
-    copied: Any = dataclasses.field(init=False, default=_MISSING)
+    name: str        # as the log shows it: "model.drop.p", "global 'LOSS_WEIGHT' of train"
+    holder: Any      # a dict or an accessor with .get(key, default)
+    key: Any
+    check: Check
+    original: Any    # the value read (kept alive: identity and contents compare with it)
+    expected: Any = dataclasses.field(init=False)
+    # the objects in a container guarded by identity, kept alive so that no
+    # other object can take their ids
+    kept: Any = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
-        if not self.identity and _mutable(self.original):
-            object.__setattr__(self, "copied", copy.deepcopy(self.original))
+        if self.check is Check.CONTENTS or (self.check is Check.VALUE and mutable(self.original)):
+            self.kept = saved(self.original)
+            copied = copy_containers(self.original)
+            if copied is not MISSING:   # compared by == with a copy, in C
+                self.check, self.expected = Check.EQUAL, copied
+                return
+        self.expected = {Check.VALUE: lambda v: v,
+                         Check.ABSENT: lambda v: MISSING,
+                         Check.IDENTITY: lambda v: v,
+                         Check.CONTENTS: contents,
+                         Check.LAYOUT: layout}[self.check](self.original)
 
-    def current(self):
-        now = self.holder.get(self.key, _MISSING)
-        return now if self.identity else snapshot(now)
+    def current(self) -> Any:
+        return self.holder.get(self.key, MISSING)
 
-    def unchanged(self) -> bool:
-        now = self.holder.get(self.key, _MISSING)
-        if self.copied is not _MISSING:
-            return type(now) is type(self.copied) and now == self.copied
-        if self.identity or now is self.original:
+    def holds(self) -> bool:
+        now = self.current()
+        if self.check is Check.VALUE:
+            return now is self.original or (type(now) is type(self.original)
+                                            and now == self.original)
+        if self.check is Check.EQUAL:
+            return type(now) is type(self.original) and now == self.expected
+        if self.check is Check.ABSENT:
+            return now is MISSING
+        if self.check is Check.IDENTITY:
             return now is self.original
-        return now is not _MISSING and snapshot(now) == self.value
+        if self.check is Check.CONTENTS:
+            return contents(now) == self.expected
+        return layout(now) == self.expected
+
+    def expression(self, i: int) -> str:
+        """This guard's check as a Python expression over the names H{i}
+        (holder), K{i} (key), O{i} (original) and E{i} (expected)."""
+        get = f"H{i}.get(K{i}, MISSING)"
+        if self.check is Check.VALUE:
+            return f"((_v := {get}) is O{i} or (type(_v) is T{i} and _v == O{i}))"
+        return {Check.EQUAL: f"(type(_v := {get}) is T{i} and _v == E{i})",
+                Check.ABSENT: f"{get} is MISSING",
+                Check.IDENTITY: f"{get} is O{i}",
+                Check.CONTENTS: f"contents({get}) == E{i}",
+                Check.LAYOUT: f"layout({get}) == E{i}"}[self.check]
 
     def describe(self) -> str:
-        now = self.holder.get(self.key, _MISSING)
-        if self.identity:
-            return f"{self.name}: another {type(now).__name__} object"
-        new = "deleted" if now is _MISSING else show(snapshot(now))
-        return f"{self.name}: {show(self.value)} -> {new}"
+        now = self.current()
+        if self.check is Check.IDENTITY or (self.check in (Check.CONTENTS, Check.EQUAL)
+                                            and snapshot(self.original) is MISSING):
+            what = "absent" if now is MISSING else f"another {type(now).__name__} object"
+            if self.check is not Check.IDENTITY and now is self.original:
+                what = "changed in place"
+            return f"{self.name}: {what}"
+        if self.check is Check.LAYOUT:
+            return f"{self.name}: {_show_layout(self.original)} -> {_show_layout(now)}"
+        before = "absent" if self.check is Check.ABSENT else show(self.original)
+        return f"{self.name}: {before} -> {'absent' if now is MISSING else show(now)}"
 
-    def restore(self) -> None:
-        if self.copied is not _MISSING:   # changed in place: put back
-            _refill(self.original, _unsnap(self.value))
-        if isinstance(self.holder, _Cell):
-            self.holder.cell.cell_contents = self.original
-        elif isinstance(self.holder, dict):   # a class's namespace is read-only here
-            self.holder[self.key] = self.original
+
+def _show_layout(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)} on {value.device}"
+    return "absent" if value is MISSING else f"a {type(value).__name__}"
+
+
+@dataclasses.dataclass(eq=False)
+class HookGuard:
+    """The hooks the traced step ran: each hooks dict it read (a module's
+    forward and backward hooks, torch's global module hooks, a parameter's
+    tensor hooks) with the handles it held. Every registration anywhere bumps
+    RemovableHandle.next_id, so while that is unchanged only a removal can
+    have changed a dict, and only the dicts that held hooks are compared;
+    after a registration, all of them are, once."""
+
+    places: list = dataclasses.field(default_factory=list)   # (name, get the dict, handles)
+    next_id: int = -1
+
+    def add(self, name: str, get, hooks) -> None:
+        self.places.append((name, get, _handles(hooks)))
+
+    def seal(self) -> None:
+        """Record the registration counter as the trace leaves it."""
+        self.next_id = RemovableHandle.next_id
+        self._held = [p for p in self.places if p[2]]
+
+    def changed(self) -> str | None:
+        places = self.places if RemovableHandle.next_id != self.next_id else self._held
+        for name, get, handles in places:
+            now = _handles(get())
+            if now != handles:
+                return f"{name}: {len(handles)} -> {len(now)} hooks"
+        self.next_id = RemovableHandle.next_id
+        return None
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+
+# Hooks the transpiler registers itself (mode fsdp's guard on released
+# parameters) carry this attribute: they are not the step's.
+INTERNAL = "_transpiler_internal"
+
+
+def _handles(hooks) -> tuple:
+    if not hooks:
+        return ()
+    return tuple(k for k, h in hooks.items() if not getattr(h, INTERNAL, False))
 
 
 class Guards:
-    """The guards of one program. The check reads each holder's values with one
-    itemgetter and compares them with the recorded objects as a tuple (which
-    compares each element by identity first, then by value); values that can
-    change in place (lists, sets) and objects guarded by identity are checked
-    one by one."""
+    """The guards of one program, checked with one generated function."""
 
-    def __init__(self, guards: list[Guard]):
+    def __init__(self, guards: list[Guard], hooks: HookGuard | None = None):
         self.guards = guards
-        by_holder: dict[int, list[Guard]] = {}
-        self._each = []
-        for g in guards:
-            if g.identity or isinstance(g.holder, _Cell) or _mutable(g.original):
-                self._each.append(g)
-            else:
-                by_holder.setdefault(id(g.holder), []).append(g)
-        self._grouped = [(gs[0].holder, operator.itemgetter(*[g.key for g in gs]),
-                          tuple(g.original for g in gs) if len(gs) > 1 else gs[0].original)
-                         for gs in by_holder.values()]
+        self.hooks = hooks or HookGuard()
+        if self.hooks.next_id < 0:
+            self.hooks.seal()
+        namespace = {"MISSING": MISSING, "snapshot": snapshot, "contents": contents,
+                     "layout": layout}
+        terms = []
+        for i, g in enumerate(guards):
+            # an accessor backed by a mapping is checked on the mapping (C's .get)
+            namespace.update({f"H{i}": getattr(g.holder, "mapping", g.holder), f"K{i}": g.key, f"O{i}": g.original,
+                              f"E{i}": g.expected, f"T{i}": type(g.original)})
+            terms.append(g.expression(i))
+        source = "def check():\n    return " + (" and ".join(terms) or "True") + "\n"
+        exec(compile(source, "<guards>", "exec"), namespace)   # noqa: S102 - our own code
+        self._check = namespace["check"]
 
     def changed(self) -> str | None:
         """None while every value is as recorded, else one line naming the first
         that is not."""
-        for holder, get, expected in self._grouped:
-            try:
-                if get(holder) == expected:
-                    continue
-            except KeyError:
-                pass
-            return next(g.describe() for g in self.guards if not g.unchanged())
-        for g in self._each:
-            if not g.unchanged():
-                return g.describe()
-        return None
+        if not self._check():
+            return next((g.describe() for g in self.guards if not g.holds()), "a guarded value")
+        return self.hooks.changed()
 
     def __len__(self) -> int:
-        return len(self.guards)
-
-
-def _refill(container, items) -> None:
-    """Give a list or set (or those inside a tuple) the recorded items again."""
-    if isinstance(container, list):
-        container[:] = items
-    elif isinstance(container, set):
-        container.clear()
-        container.update(items)
-    elif isinstance(container, (tuple, frozenset)):
-        for inner, item in zip(container, items):
-            _refill(inner, item)
-
-
-def _mutable(value) -> bool:
-    return isinstance(value, (list, set)) or (
-        isinstance(value, (tuple, frozenset)) and any(_mutable(v) for v in value))
+        return len(self.guards) + len(self.hooks)
 
 
 def show(value) -> str:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] in _CONTAINERS:
-        return repr(value[0](_unsnap(v) for v in value[1]))
-    return repr(value)
-
-
-def _unsnap(value):
-    if isinstance(value, tuple) and len(value) == 2 and value[0] in _CONTAINERS:
-        return value[0](_unsnap(v) for v in value[1])
-    return value
-
-
-def record(step_fn, modules) -> Guards:
-    """The guards of a step on these modules, with their values now."""
-    guards: dict[tuple[int, str], Guard] = {}
-
-    def add(name, holder, key, value):
-        snap = snapshot(value)
-        if snap is not _MISSING:
-            guards.setdefault((id(holder), key), Guard(name, holder, key, snap, value))
-
-    for mi, module in enumerate(modules):
-        root = f"model{mi}" if len(modules) > 1 else "model"
-        for prefix, sub in module.named_modules():
-            for name, holder in _objects_of(f"{root}.{prefix}" if prefix else root, sub):
-                for key, value in vars(holder).items():
-                    if holder is sub and key in MODULE_BOOKKEEPING:
-                        continue
-                    add(f"{name}.{key}", vars(holder), key, value)
-                    if _is_plain_object(value):   # the object held, and its class's values
-                        guards.setdefault((id(vars(holder)), key),
-                                          Guard(f"{name}.{key}", vars(holder), key, value, value,
-                                                True))
-                if holder is not sub and not _is_library_module(type(holder).__module__):
-                    for key, value in vars(type(holder)).items():
-                        if not key.startswith("__"):
-                            add(f"{name}.{key} (class {type(holder).__name__})",
-                                vars(type(holder)), key, value)
-    for name, holder, key, value in _code_values(step_fn, modules):
-        add(name, holder, key, value)
-    return Guards(list(guards.values()))
-
-
-def _objects_of(name: str, module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
-    """The module and the plain objects it holds in its attributes (a config)."""
-    yield name, module
-    for key, value in vars(module).items():
-        if _is_plain_object(value):
-            yield f"{name}.{key}", value
-
-
-def _is_plain_object(value) -> bool:
-    return (hasattr(value, "__dict__") and not isinstance(
-        value, (torch.nn.Module, torch.Tensor, torch.optim.Optimizer, type, types.ModuleType,
-                types.FunctionType, types.MethodType, types.BuiltinFunctionType))
-            and not callable(getattr(type(value), "__get__", None)))
-
-
-def _code_values(step_fn, modules) -> Iterator[tuple[str, Any, str, Any]]:
-    """(name, holder, key, value) of each global, closure cell and attribute of
-    an imported module that the code reachable from the step names."""
-    todo = [_function_of(step_fn)]
-    todo += [getattr(type(m), "forward", None) for module in modules for m in module.modules()]
-    seen: set[int] = set()
-    while todo:
-        fn = todo.pop()
-        if not isinstance(fn, types.FunctionType) or id(fn.__code__) in seen \
-                or _is_library(fn.__code__.co_filename):
-            continue
-        seen.add(id(fn.__code__))
-        names = _names(fn.__code__)
-        if fn.__closure__:
-            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
-                holder = _Cell(cell)
-                value = holder.get(var, _MISSING)
-                yield f"closure variable {var!r} of {fn.__qualname__}", holder, var, value
-                todo.append(_function_of(value))
-        for name in names:
-            value = fn.__globals__.get(name, _MISSING)
-            if value is _MISSING:
-                continue
-            where = f"global {name!r} of {fn.__module__}"
-            if isinstance(value, types.ModuleType):
-                attrs = vars(value)
-                for attr in names & attrs.keys():
-                    yield f"{name}.{attr} ({value.__name__})", attrs, attr, attrs[attr]
-                continue
-            yield where, fn.__globals__, name, value
-            todo.append(_function_of(value))
-            if _is_plain_object(value) and not _is_library_module(type(value).__module__):
-                for attr, v in vars(value).items():
-                    if attr in names:
-                        yield f"{name}.{attr} ({where})", vars(value), attr, v
-
-
-def _function_of(value):
-    """The Python function behind a function, a bound method or a partial."""
-    while True:
-        if isinstance(value, types.MethodType):
-            value = value.__func__
-        elif isinstance(value, functools.partial):
-            value = value.func
-        else:
-            return value
-
-
-def _names(code: types.CodeType) -> set[str]:
-    """Every global and attribute name the code and its nested code read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
-
-
-def _is_library_module(name: str) -> bool:
-    module = sys.modules.get(name)
-    return module is not None and _is_library(getattr(module, "__file__", None) or "")
-
-
-def _is_library(filename: str) -> bool:
-    return not filename or filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,37 +1,40 @@
-"""Host-side Python state the step writes while it is traced: the program runs
-without the step's Python, so such a write would happen once, at the trace, and
-never again. Every value a guard watches (guards.py: attributes of the modules
-and the objects they hold, globals, closure cells), every attribute of a module
-the step rebinds (a tensor stored in forward, `self.n += 1`) and the optimizers'
-param-group entries are compared before and after the trace; a change is undone
-and refused, naming the value. (A buffer or a parameter the step reassigns is
-state the program writes back: trace.py turns it into an in-place write.)"""
+"""Host-side Python state the step reads and writes while it is traced.
+
+The program runs without the step's Python, so what the step read on the host
+is guarded (reads.py records it) and what it wrote would happen once, at the
+trace, and never again. The writes the recorder saw are sorted here:
+
+- a tensor the step computed and assigned to a host attribute (`self.aux =
+  loss`, pruning's `module.weight = weight_orig * mask`) is an output of the
+  program, assigned to that attribute after every call (trace.py);
+- any other write (a flag set, a config value filled in, `model.train()`, a
+  hook installed) is kept, and replayed on the host after every run of the
+  program: a program traced after reading a value the step then wrote is only
+  chosen while that value is as it was read, so the replay writes exactly what
+  the step would. trace.py traces once more from the written state: a step
+  that writes again there (a counter) changes the host on every call, which no
+  program can replay, and is refused, naming the value, with every write undone;
+- a tensor the step computed left in a container or another object's state,
+  a parameter group changed, a parameter, buffer or submodule registered: refused
+  and undone. (A buffer or a parameter the step reassigns is state the program
+  writes back: state_writes.py.)
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
 
 from ..errors import TranspileError
-from .guards import MODULE_BOOKKEEPING, record, show
 from .optimizer_state import TRACE_GROUP_OPTIONS
+from .reads import MISSING, Recorder, Write, recording
+from .signature import registrations
 from .user_code import step_name
 
-
-def _attributes(modules) -> dict[tuple[int, str], tuple[str, torch.nn.Module, Any]]:
-    """(id(submodule), attribute) -> (name, submodule, value) of every
-    attribute of every submodule but torch's bookkeeping."""
-    found = {}
-    for mi, module in enumerate(modules):
-        root = f"model{mi}" if len(modules) > 1 else "model"
-        for prefix, sub in module.named_modules():
-            for key, value in vars(sub).items():
-                if key not in MODULE_BOOKKEEPING:
-                    found[(id(sub), key)] = (f"{root}.{prefix + '.' if prefix else ''}{key}",
-                                             sub, value)
-    return found
+log = logging.getLogger("transpiler")
 
 
 def _group_values(optimizers) -> dict[str, Any]:
@@ -40,51 +43,113 @@ def _group_values(optimizers) -> dict[str, Any]:
             for key, value in group.items() if key != "params" and key not in TRACE_GROUP_OPTIONS}
 
 
-@contextlib.contextmanager
-def host_state_unchanged(step_fn, modules, optimizers):
-    """Yield the step's guards as they stand before the trace; refuse (and undo
-    on the modules and globals; the optimizers' groups are restored by
-    redirect_optimizer) what the traced step changed on the host."""
-    guards = record(step_fn, modules)
-    attributes = _attributes(modules)
-    groups = _group_values(optimizers)
-    yield guards
-    changed = []
-    for g in guards.guards:
-        if not g.unchanged():
-            changed.append((g.name, show(g.value), show(g.current())))
-            g.restore()
-    after = _attributes(modules)
-    for key, (name, sub, value) in after.items():
-        if key not in attributes:
-            changed.append((name, "absent", _text(value)))
-            object.__delattr__(sub, key[1])
-        elif attributes[key][2] is not value and all(name != c[0] for c in changed):
-            changed.append((name, _text(attributes[key][2]), _text(value)))
-            object.__setattr__(sub, key[1], attributes[key][2])
-    new_groups = _group_values(optimizers)
-    changed += [(name, repr(value), repr(new_groups.get(name, "deleted")))
-                for name, value in groups.items() if repr(new_groups.get(name)) != repr(value)]
-    if not changed:
-        return
-    first, old, new = changed[0]
-    if first.startswith("optimizer"):
-        advice = ("set hyperparameters outside the step, or step a torch.optim.lr_scheduler "
-                  "after optimizer.step() inside it (the transpiled step runs it on the host "
-                  "after every call)")
-    else:
-        advice = ("call model.train()/eval() and change such values outside the step; keep "
-                  "a counter or a value forward computes in a tensor buffer "
-                  "(register_buffer) that the step updates, or return it from the step")
-    raise TranspileError(
-        f"{step_name(step_fn)} changes host-side state: {first} {old} -> {new}"
-        + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
-        + ". The program runs without the step's Python, so this change would happen once, "
-        f"while the step is traced, and never again: {advice}")
+class HostState:
+    """What one trace read and wrote on the host: `guards` (reads.Guards),
+    `assigned` (tensor writes: program outputs) and `kept` (other writes,
+    left in place and replayed after each run). Filled by finish()."""
+
+    def __init__(self, recorder: Recorder, step_fn, modules, optimizers):
+        self.recorder = recorder
+        self.step_fn = step_fn
+        self.modules, self.optimizers = modules, optimizers
+        self.groups = _group_values(optimizers)
+        self.registrations = registrations()
+        self.structure = _structure(modules)
+        self.guards = None
+        self.assigned: list[Write] = []
+        self.kept: list[Write] = []
+
+    def finish(self) -> None:
+        """Inside the trace, once the step returned: stop recording and sort the
+        writes (refusing what cannot be kept, with every write undone)."""
+        self.guards, writes = self.recorder.finish()
+        refused = self._refused(writes)
+        if refused is not None:
+            for w in reversed(writes):
+                w.undo()
+            raise refused
+        self.assigned = [w for w in writes if w.assigns_traced_tensor]
+        for w in self.assigned:   # the host keeps its value until the program assigns one
+            w.undo()
+        self.kept = [w for w in writes if not w.assigns_traced_tensor and w.changes()]
+
+    def _refused(self, writes: list[Write]) -> TranspileError | None:
+        name = step_name(self.step_fn)
+        stored = next((w for w in writes if not w.assigns_traced_tensor
+                       and _holds_traced(w.values()[1])), None)
+        if stored is not None:
+            return TranspileError(
+                f"{name} leaves a tensor it computed in {stored.name}: the program runs without "
+                "the step's Python, so the host cannot hold the program's own tensors; return "
+                "the tensor from the step, or assign it to an attribute (self.aux = loss)")
+        if registrations() != self.registrations and _structure(self.modules) != self.structure:
+            return TranspileError(
+                f"{name} registers a parameter, a buffer or a submodule while it runs: a "
+                "transpiled step's state is fixed when it is traced; create them before the "
+                "first call (for a lazy module, run one forward pass first)")
+        groups = _group_values(self.optimizers)
+        changed = [(n, v) for n, v in self.groups.items() if repr(groups.get(n)) != repr(v)]
+        if changed:
+            first, old = changed[0]
+            return TranspileError(
+                f"{name} changes host-side state: {first} {old!r} -> "
+                f"{groups.get(first, 'deleted')!r}. The program runs without the step's Python, "
+                "so this change would happen once, while the step is traced, and never again: "
+                "set hyperparameters outside the step, or step a torch.optim.lr_scheduler after "
+                "optimizer.step() inside it (the transpiled step runs it on the host after every "
+                "call)")
+        return None
+
+    def abandon(self) -> None:
+        """The trace failed: undo whatever the step wrote (once)."""
+        if self.guards is None:
+            self.guards, self.kept = self.recorder.finish()
+        for w in reversed(self.kept):
+            w.undo()
+        self.kept = []
 
 
-def _text(value) -> str:
-    """How a rebound attribute's value is shown: a tensor by its layout."""
+def _structure(modules) -> tuple:
+    """The names of every parameter, buffer and submodule of the step's modules."""
+    return tuple((id(m), tuple(m._parameters), tuple(m._buffers), tuple(m._modules))
+                 for module in modules for m in module.modules())
+
+
+def _holds_traced(value, depth: int = 0) -> bool:
+    from .reads import _traced
     if isinstance(value, torch.Tensor):
-        return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}"
-    return repr(value)
+        return _traced(value)
+    if depth > 4 or value is MISSING:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_traced(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_traced(v, depth + 1) for v in value.values())
+    return False
+
+
+@contextlib.contextmanager
+def host_state_recorded(state: HostState):
+    """Record while the step runs; on a failure, undo what it wrote."""
+    with recording(state.recorder):
+        try:
+            yield state
+        except BaseException:
+            state.abandon()
+            raise
+
+
+def refuse_repeated(step_fn, first: list[Write], again: list[Write]) -> TranspileError:
+    """The error for a step that writes the host again when traced from the
+    state its first trace left."""
+    w = again[0]
+    before = next((f for f in first if f.holder is w.holder and f.key == w.key), None)
+    return TranspileError(
+        f"{step_name(step_fn)} changes host-side state on every call: "
+        f"{(before or w).describe()}"
+        + (f", then {w.change()}" if before is not None else "")
+        + (f" (and {len(again) - 1} more)" if len(again) > 1 else "")
+        + ". The program runs without the step's Python, so such a change would happen "
+        "once, while the step is traced, and never again: change such values outside the step; "
+        "keep a counter or a value forward computes in a tensor buffer (register_buffer) "
+        "that the step updates, or return it from the step")

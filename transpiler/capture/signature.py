@@ -37,6 +37,12 @@ for _register in (torch.nn.modules.module.register_module_parameter_registration
     _register(_bump_epoch)
 
 
+def registrations() -> int:
+    """How many parameters, buffers and submodules have been registered (on
+    any module) so far."""
+    return _epoch[0]
+
+
 def _walk(module) -> tuple[list, list]:
     """(name, tensor) of every parameter (tied ones once) and buffer, and every
     submodule; cached."""

@@ -10,6 +10,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..optimizers import hyper_value
+from .outside import is_ndarray
+from .reads import Place, put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,34 @@ class ArraySlot:
 
     def read(self, leaves):
         return torch.from_numpy(leaves[self.leaf])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReachedSlot:
+    """A tensor (or numpy array) the step reads outside its arguments, through
+    a host path (a global, a closure cell, an object's attribute): read through
+    that path again on every call, its layout guarded (capture/reads.py)."""
+
+    place: Place
+
+    def read(self, leaves):
+        value = self.place.read()
+        return torch.from_numpy(value) if is_ndarray(value) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignSlot:
+    """A host attribute the step assigns a tensor it computed to: the
+    program's output is assigned to it after every call, as the step would."""
+
+    holder: Any
+    key: Any
+
+    def write(self, value):
+        put(self.holder, self.key, value)
+
+    def mirror(self, memo: dict):
+        return None   # the eager step's copy assigns its own
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import operator
 from collections import defaultdict
@@ -15,20 +16,20 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx, track_tensor_tree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import functionalize
 from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
-from ..program import InputKind, Program
+from ..program import InputKind, InputSpec, Program
 from ..roles import CARRY, GRAD_AT, MICRO, PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
-from .build import to_program
+from .build import identifier, to_program
 from .guards import Guards
-from .host_state import host_state_unchanged
+from .host_state import HostState, host_state_recorded, refuse_repeated
 from .inputs import collect_inputs
 from .markers import (
     Markers,
@@ -50,10 +51,11 @@ from .optimizer_state import (
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
-from .outside import outside_tensors
+from .outside import is_ndarray, outside_tensors
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
-from .slots import ArraySlot, DataSlot, ParamSlot, Returned, StateSlot
+from .reads import Recorder, Write
+from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .user_code import step_name, trace_error
 
@@ -104,6 +106,9 @@ class Captured:
     # traced over a cut list of micro-batches (micro.py): its first leaf and
     # leaves per micro-batch; the runtime runs the programs as loops
     rolled: tuple[int, int] | None = None
+    # host values the step wrote while traced (host_state.py): kept, and
+    # replayed on the host after every run of the program
+    host_writes: list[Write] = dataclasses.field(default_factory=list)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -131,22 +136,9 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
     made = make_first_state(step_args.optimizers)
     try:
-        while True:
-            try:
-                captured = _trace(step_fn, step_args, state_stand_in)
-                break
-            except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
-                if isinstance(exc, NotRollable):
-                    raise
-                if step_args.dynamic:
-                    log.warning("transpiler: tracing %s with symbolic batch dimensions failed, so "
-                                "it is traced once per batch shape from now on: %s",
-                                step_name(step_fn), exc)
-                    step_args.dynamic = {}
-                elif step_args.lifted:
-                    _drop_lifted(step_args, exc)
-                else:
-                    raise
+        captured = _trace_until_it_traces(step_fn, step_args, state_stand_in)
+        if captured.host_writes:
+            _check_converges(step_fn, step_args, state_stand_in, captured)
     except BaseException:
         forget_state(made)
         raise
@@ -159,6 +151,49 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     return captured
 
 
+
+
+def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in) -> Captured:
+    """Trace; after a failure, again with the batch's dimensions static or
+    with fewer numbers lifted, where that is what failed."""
+    while True:
+        try:
+            return _trace(step_fn, step_args, state_stand_in)
+        except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
+            if isinstance(exc, NotRollable):
+                raise
+            if step_args.dynamic:
+                log.warning("transpiler: tracing %s with symbolic batch dimensions failed, so "
+                            "it is traced once per batch shape from now on: %s",
+                            step_name(step_fn), exc)
+                step_args.dynamic = {}
+            elif step_args.lifted:
+                _drop_lifted(step_args, exc)
+            else:
+                raise
+
+
+def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Captured) -> None:
+    """The step wrote host values while traced (a flag set once, a config value
+    filled in): trace it again from the written state. If it writes nothing
+    more, the writes were a lazy initialization: kept (and replayed after each
+    run). If it writes again (a counter), refuse, with every write undone."""
+    writes = captured.host_writes
+    log.info("transpiler: %s writes host state while it is traced (%s%s); tracing it again "
+             "from the written state to check that it writes nothing more", step_name(step_fn),
+             writes[0].describe(), f" and {len(writes) - 1} more" if len(writes) > 1 else "")
+    try:
+        again = _trace_until_it_traces(step_fn, step_args, state_stand_in)
+    except BaseException:
+        for w in reversed(writes):
+            w.undo()
+        raise
+    for w in reversed(again.host_writes):
+        w.undo()
+    if again.host_writes:
+        for w in reversed(writes):
+            w.undo()
+        raise refuse_repeated(step_fn, writes, again.host_writes)
 
 
 def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
@@ -183,7 +218,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     markers = Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []
-    guards: list[Guards] = []
+    hosts: list[HostState] = []
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
@@ -214,6 +249,12 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             else:
                 leaves[slot.leaf] = value
         formulated = formulated_groups(optimizers, traced, hypers)
+        late.begin(traced, torch._guards.detect_fake_mode(values))
+        host = HostState(Recorder(late.stand_in, {id(m) for module in modules
+                                                  for m in module.modules()}),
+                         step_fn, modules, optimizers)
+        hosts.append(host)
+        _copy_tensor_hooks(inputs, traced, host.recorder)
 
         def grads_now():
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
@@ -233,12 +274,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
-            guards.append(stack.enter_context(host_state_unchanged(step_fn, modules, optimizers)))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
                                                step_name(step_fn)))
             if isinstance(step_args, CutArgs):
                 watches.append(stack.enter_context(loop_marker(modules, grads_now)))
+            stack.enter_context(host_state_recorded(host))
+            _reach_roots(host.recorder, step_fn, step_args)
             result = step_args.call(step_fn, leaves)
+            host.finish()
+            late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
             out_leaves, spec = pytree.tree_flatten(result)
             returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
@@ -269,11 +313,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     cleared.append((inputs.param_names[id(p)], p))
                 if tp.requires_grad and id(tp) not in markers.reset:
                     kept.append(p)
-            return tuple(out_leaves) + tuple(new_state) + tuple(grads)
+            return (tuple(out_leaves) + tuple(new_state) + tuple(grads)
+                    + tuple(w.after for w in host.assigned))
 
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
-                            if step_args.dynamic else (inputs.values, "fake"))
+                            if step_args.dynamic else (list(inputs.values), "fake"))
+    late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic")
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
     try:
@@ -285,6 +331,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
+        if hosts:
+            hosts[0].abandon()
         error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers)
         guarded = guarded_numbers(exc, symbols)
         if guarded:
@@ -293,45 +341,143 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             raise
         raise error from exc
 
-    check_outside(gm)
-    if step_args.lifted:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
-                          if spec.kind is InputKind.NUMBER})
-    _check_matmul_dtypes(step_fn, gm, step_args)
-    if watches:
-        check_rolled(watches[0], gm.graph)
-        drop_unwritten_clones(gm.graph)
-    elif len(markers.backwards) > MANY_BACKWARDS:
-        log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
-                    "micro-batch, so it grows and traces in proportion; for many micro-batches "
-                    "pass transpile(micro_batches=...) the list it loops over, or accumulate "
-                    "across calls (README, Training loops)",
-                    step_name(step_fn), len(markers.backwards))
-    assign_roles(gm.graph, markers)
-    # Every backward() comes before the first optimizer.step() (markers refuse
-    # one after it): all but the last may be averaged where they end.
-    mark_backward_ends(markers.ends[:-1] if markers.steps else [])
-    _drop_profiler_nodes(gm.graph)
+    host = hosts[0]
     try:
-        functionalize.rewrite(gm.graph)
-        fgm = gm
-    except functionalize.Unsupported as why:
-        log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
-        fgm = _functionalize(gm, values, tracing_mode)
-    if watches:   # the getitems of a multi-output op rewritten out of place
-        for node in fgm.graph.nodes:
-            if node.target is operator.getitem and MICRO in node.args[0].meta:
-                node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
-    program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
-    _check_arguments_unwritten(step_fn, program, targets)
-    guard_skipped_steps(program, _optimizer_of(targets, optimizers))
-    reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
-    return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
-                    reads_grads, guards[0], ShapeGuards.of(program, slots),
-                    rolled=(step_args.start, step_args.per) if watches else None)
+        check_outside(gm)
+        if step_args.lifted:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
+                              if spec.kind is InputKind.NUMBER})
+        _check_matmul_dtypes(step_fn, gm, step_args)
+        if watches:
+            check_rolled(watches[0], gm.graph)
+            drop_unwritten_clones(gm.graph)
+        elif len(markers.backwards) > MANY_BACKWARDS:
+            log.warning("transpiler: %s calls backward() %d times: the program unrolls every "
+                        "micro-batch, so it grows and traces in proportion; for many micro-batches "
+                        "pass transpile(micro_batches=...) the list it loops over, or accumulate "
+                        "across calls (README, Training loops)",
+                        step_name(step_fn), len(markers.backwards))
+        assign_roles(gm.graph, markers)
+        # Every backward() comes before the first optimizer.step() (markers refuse
+        # one after it): all but the last may be averaged where they end.
+        mark_backward_ends(markers.ends[:-1] if markers.steps else [])
+        _drop_profiler_nodes(gm.graph)
+        try:
+            functionalize.rewrite(gm.graph)
+            fgm = gm
+        except functionalize.Unsupported as why:
+            log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
+            fgm = _functionalize(gm, values + late.values, tracing_mode)
+        if watches:   # the getitems of a multi-output op rewritten out of place
+            for node in fgm.graph.nodes:
+                if node.target is operator.getitem and MICRO in node.args[0].meta:
+                    node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
+        program, slots, targets = to_program(
+            fgm, inputs, returned[0].num_tensors, created, left,
+            [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned])
+        _check_arguments_unwritten(step_fn, program, targets)
+        guard_skipped_steps(program, _optimizer_of(targets, optimizers))
+        reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
+        return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
+                        reads_grads, host.guards, ShapeGuards.of(program, slots),
+                        rolled=(step_args.start, step_args.per) if watches else None,
+                        host_writes=host.kept)
+    except BaseException:
+        host.abandon()
+        raise
 
 
+
+
+# torch.from_numpy itself: outside.py converts arrays through it while tracing.
+_FROM_NUMPY = torch.from_numpy
+
+
+class _LateInputs:
+    """Program inputs found while the step runs: the tensors (and numpy
+    arrays) it reads outside its arguments through a host path (reads.py).
+    Each becomes a placeholder added to the graph being built, read through
+    that path on every call; the step gets a fake tensor of the trace's mode
+    in its place (for an array, torch.from_numpy gives it: outside.py)."""
+
+    def __init__(self, inputs, arrays: dict, symbolic: bool):
+        self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
+        self.values: list[torch.Tensor] = []   # what a second trace is given for them
+        self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
+
+    def begin(self, traced: dict[int, torch.Tensor], fake_mode) -> None:
+        self.traced, self.fake_mode = traced, fake_mode
+
+    def stand_in(self, real, name: str, place):
+        if isinstance(real, torch.Tensor) and id(real) in self.traced:
+            return self.traced[id(real)]   # a parameter or buffer of the step's modules
+        found = self._by_id.get(id(real))
+        if found is None:
+            tensor = _FROM_NUMPY(real) if is_ndarray(real) else real
+            fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
+            tracer = get_proxy_mode().tracer
+            short = self._unique(name)
+            proxy = tracer.create_proxy("placeholder", identifier("r_", short), (), {})
+            proxy.node.meta["val"] = fake
+            track_tensor_tree(fake, proxy, constant=None, tracer=tracer)
+            placeholders = [n for n in tracer.graph.nodes if n.op == "placeholder"]
+            placeholders[-2].append(proxy.node)   # inputs come first
+            self.inputs.specs.append(InputSpec(InputKind.REACHED, short))
+            self.inputs.slots.append(ReachedSlot(place))
+            self.inputs.values.append(tensor)
+            self.values.append(fake if self.symbolic else tensor)
+            found = self._by_id[id(real)] = (real, fake, name)
+            if is_ndarray(real):
+                self.arrays[id(real)] = fake
+        return real if is_ndarray(real) else found[1]
+
+    def _unique(self, name: str) -> str:
+        taken = {spec.name for spec in self.inputs.specs}
+        n, candidate = 1, name
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}_{n}"
+        return candidate
+
+    def check_no_grads(self, step_fn) -> None:
+        """A gradient computed for a tensor read outside the arguments would be
+        accumulated into its .grad by the eager step: refused."""
+        for real, fake, name in self._by_id.values():
+            if isinstance(fake, torch.Tensor) and fake.grad is not None:
+                raise TranspileError(
+                    f"{step_name(step_fn)} computes a gradient for {name}, a tensor it reads "
+                    "outside its arguments and its optimizers' parameters: pass the module that "
+                    "holds it as an argument of the step (its parameters are then trained and "
+                    "reduced), or read it under torch.no_grad() (or detach it)")
+
+
+def _copy_tensor_hooks(inputs, traced: dict[int, torch.Tensor], recorder: Recorder) -> None:
+    """A parameter's own hooks (register_hook, register_post_accumulate_grad_hook)
+    run on its traced stand-in as on it: on the local gradient, before the
+    reduction, as under DDP. They are guarded like module hooks."""
+    for p in inputs.params:
+        name = inputs.param_names[id(p)]
+        for attr, register in (("_backward_hooks", "register_hook"),
+                               ("_post_accumulate_grad_hooks",
+                                "register_post_accumulate_grad_hook")):
+            hooks = getattr(p, attr, None)
+            recorder.hooks.add(f"{name}.{attr}", functools.partial(getattr, p, attr, None), hooks)
+            for key, hook in (hooks or {}).items():
+                getattr(traced[id(p)], register)(hook)
+                recorder.reach(hook, f"{name}.{attr}[{key}]")
+
+
+def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
+    """What the step can read from: its modules, its arguments that are
+    objects, and the step itself (its globals and closure; the self of a
+    bound method; a callable object; a partial's arguments)."""
+    modules = step_args.modules
+    for mi, module in enumerate(modules):
+        recorder.root_module(module, f"model{mi}" if len(modules) > 1 else "model")
+    for name, leaf in zip(step_args.names, step_args.leaves):
+        recorder.reach(leaf, name)
+    recorder.reach(step_fn, step_name(step_fn))
 
 
 def _group_tensors(optimizers) -> set[int]:
@@ -371,6 +517,12 @@ def _check_arguments_unwritten(step_fn, program: Program, targets: list) -> None
     """An in-place op on a batch tensor would change the caller's tensor in
     eager; the program writes only state: refused before anything runs."""
     for spec, target in zip(program.outputs, targets):
+        if isinstance(target, ReachedSlot):
+            raise TranspileError(
+                f"{step_name(step_fn)} modifies {spec.target!r} in place, a tensor it reads "
+                "outside its arguments: a transpiled step writes back only the state of its "
+                "modules and optimizers; register it as a buffer of a module passed to the step "
+                "(register_buffer), or compute out of place")
         if isinstance(target, (DataSlot, ArraySlot)):
             raise TranspileError(
                 f"{step_name(step_fn)} modifies its argument {spec.target!r} in place (an "

@@ -1,0 +1,239 @@
+"""Tensors the step reads outside its arguments, through a host path (a
+global, a closure cell, an object's attribute, a loss module's buffer, a
+teacher model, a list, a numpy table): program inputs read through that path
+on every call, their layout guarded. Changed between calls, in place or
+rebound, the step uses the new values as the eager step does, without tracing
+again. A tensor the step writes in place, or gives a gradient, is refused."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def _against_eager(step_fn, between=lambda i, models: None, calls=4,
+                   make=lambda: M.make("mlp")):
+    torch.manual_seed(0)
+    ours = make()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
+        between(i, (ours, theirs))
+        assert torch.equal(step(ours, opts[0], x, y), step_fn(theirs, opts[1], x, y)), i
+        assert _equal(ours, theirs), i
+    return step
+
+
+def test_class_weights_in_a_closure_and_a_loss_module():
+    weights = torch.tensor([1.0, 2.0, 0.5, 1.0])
+    criterion = nn.CrossEntropyLoss(weight=weights.clone(), label_smoothing=0.1)
+
+    def weighted(model, opt, x, y):
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out, y, weight=weights) + criterion(out, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i, models):
+        if i == 2:
+            weights.mul_(2.0)
+            criterion.weight.fill_(0.5)
+    step = _against_eager(weighted, between)
+    assert step.traces == 1
+
+
+class NoiseSchedule:
+    """What diffusers' DDPMScheduler keeps and add_noise reads: a table of
+    cumulative alphas on a plain object, indexed by each sample's timestep."""
+
+    def __init__(self, steps: int = 10):
+        betas = torch.linspace(1e-4, 0.02, steps)
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+
+    def add_noise(self, original, noise, timesteps):
+        alphas = self.alphas_cumprod.to(original.device)[timesteps]
+        sqrt_alpha = alphas.sqrt().flatten()
+        while sqrt_alpha.ndim < original.ndim:
+            sqrt_alpha = sqrt_alpha.unsqueeze(-1)
+        sqrt_one_minus = (1 - alphas).sqrt().flatten()
+        while sqrt_one_minus.ndim < original.ndim:
+            sqrt_one_minus = sqrt_one_minus.unsqueeze(-1)
+        return sqrt_alpha * original + sqrt_one_minus * noise
+
+
+SCHEDULE = NoiseSchedule()
+
+
+class Denoiser(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(17, 32), nn.SiLU(), nn.Linear(32, 16))
+
+    def forward(self, x, t):
+        return self.net(torch.cat([x, t[:, None].float() / 10], dim=1))
+
+
+def ddpm_step(model, opt, clean, noise, timesteps):
+    """diffusers' examples/unconditional_image_generation/train_unconditional.py:
+    noise the batch with the scheduler, predict the noise, MSE."""
+    opt.zero_grad()
+    noisy = SCHEDULE.add_noise(clean, noise, timesteps)
+    loss = F.mse_loss(model(noisy, timesteps), noise)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _ddpm_batches(n, size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 16, generator=g), torch.randn(size, 16, generator=g),
+             torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
+
+
+def test_a_noise_schedule_held_in_a_global():
+    torch.manual_seed(0)
+    ours = Denoiser()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs)]
+    step = transpile(ddpm_step)
+    original = SCHEDULE.alphas_cumprod
+    try:
+        for i, batch in enumerate(_ddpm_batches(4, 8)):
+            if i == 2:   # another schedule of the same length
+                SCHEDULE.alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-3, 0.05, 10), 0)
+            assert torch.equal(step(ours, opts[0], *batch), ddpm_step(theirs, opts[1], *batch))
+            assert _equal(ours, theirs)
+    finally:
+        SCHEDULE.alphas_cumprod = original
+    assert step.traces == 1 and "r_SCHEDULE_alphas_cumprod" in str(step.program)
+
+
+TEACHER = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+ANCHORS = [torch.randn(4), torch.randn(4)]
+TABLE = np.linspace(0.5, 1.5, 4).astype(np.float32)
+
+
+def distill_step(model, opt, x, y):
+    """Knowledge distillation with a frozen teacher held in a global, a
+    list of tensors and a numpy table."""
+    opt.zero_grad()
+    with torch.no_grad():
+        soft = F.softmax(TEACHER(x), dim=-1)
+    out = model(x) + ANCHORS[0] * ANCHORS[1]
+    loss = F.cross_entropy(out * torch.from_numpy(TABLE), y) \
+        + F.kl_div(F.log_softmax(out, dim=-1), soft, reduction="batchmean")
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_teacher_model_a_list_of_tensors_and_a_numpy_table_in_globals():
+    def between(i, models):
+        if i == 1:   # the teacher updated between calls, as an EMA teacher is
+            with torch.no_grad():
+                for p in TEACHER.parameters():
+                    p.mul_(0.5)
+        if i == 2:
+            ANCHORS[1] = torch.ones(4)
+            TABLE[0] = 3.0
+    state = copy.deepcopy(TEACHER.state_dict())
+    anchors, table = list(ANCHORS), TABLE.copy()
+    try:
+        step = _against_eager(distill_step, between)
+    finally:
+        TEACHER.load_state_dict(state)
+        ANCHORS[:] = anchors
+        TABLE[:] = table
+    assert step.traces == 1
+
+
+class Masked(nn.Module):
+    """A plain tensor attribute (not a registered buffer) read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_plain_tensor_attribute_of_a_module():
+    def between(i, models):
+        if i == 2:
+            for m in models:
+                m.mask = torch.tensor([0.0, 1.0, 1.0, 0.5])
+    step = _against_eager(M.classify_step, between, make=Masked)
+    assert step.traces == 1
+
+
+LOOKUP = torch.zeros(4)
+
+
+def writes_a_global_tensor(model, opt, x, y):
+    LOOKUP.add_(1.0)
+    return M.classify_step(model, opt, x, y)
+
+
+FREE = nn.Linear(16, 4)
+
+
+def trains_a_module_it_was_not_given(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x) + FREE(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("fn,match", [
+    (writes_a_global_tensor, r"modifies 'LOOKUP' in place, a tensor it reads outside its "
+                             r"arguments"),
+    (trains_a_module_it_was_not_given, r"computes a gradient for FREE.weight, a tensor it "
+                                       r"reads outside its arguments"),
+])
+def test_a_reached_tensor_written_or_given_a_gradient_is_refused(fn, match):
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    lookup, free = LOOKUP.clone(), copy.deepcopy(FREE.state_dict())
+    with pytest.raises(TranspileError, match=match):
+        transpile(fn)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and torch.equal(LOOKUP, lookup) and FREE.weight.grad is None
+    assert all(torch.equal(free[k], v) for k, v in FREE.state_dict().items())
+
+
+def rank_ddpm_vs_ddp(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = Denoiser()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    step, ddp = transpile(ddpm_step, mode=mode), DDP(theirs)
+    for batch in _ddpm_batches(4, 8, seed=rank):
+        if not torch.equal(step(ours, opts[0], *batch), ddpm_step(ddp, opts[1], *batch)):
+            return False
+    return _equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
+def test_a_noise_schedule_in_a_global_equals_ddp(mode, ranks2):
+    assert ranks2.run(rank_ddpm_vs_ddp, mode) == [True, True]

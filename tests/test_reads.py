@@ -1,0 +1,263 @@
+"""Guards from what the trace reads: host values at any depth and through any
+path (an argument that is an object, a bound method's self, a partial's
+keywords, a callable object, a standard-library namespace, a nested config, a
+user's module, a class attribute), each changed between calls, against the
+eager step from the same start, bit for bit, with the log naming the change."""
+
+import argparse
+import copy
+import dataclasses
+import functools
+import logging
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, scale=1.0):
+        return self.fc2(torch.relu(self.fc1(x))) * scale
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def _against_eager(step_fn, change, calls: int = 4, make=Net, caplog=None, args=()):
+    """Run the step transpiled and eager from the same start; change(i) edits
+    the host between calls. Returns the transpiled step."""
+    torch.manual_seed(0)
+    ours = make()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
+        change(i)
+        a = step(ours, opts[0], x, y, *args)
+        b = step_fn(theirs, opts[1], x, y, *args)
+        assert torch.equal(a, b), f"call {i}: {a} != {b}"
+        assert _equal(ours, theirs), f"call {i}"
+    return step
+
+
+@dataclasses.dataclass
+class TextConfig:
+    temperature: float = 1.0
+
+
+class Config:
+    scale = 1.0   # a class attribute, read through instances
+
+    def __init__(self):
+        self.weight = 1.0
+        self.text_config = TextConfig()
+
+    @property
+    def factor(self):
+        return self.weight * 2
+
+
+def config_step(model, opt, x, y, cfg):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x) / cfg.text_config.temperature, y) * cfg.factor * cfg.scale
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_an_argument_object_read_at_depth_is_guarded(caplog):
+    """A config passed as an argument: a field, a nested config's field, a
+    property's field and a class attribute, each changed between calls."""
+    cfg = Config()
+    changes = {1: lambda: setattr(cfg, "weight", 0.5),
+               2: lambda: setattr(cfg.text_config, "temperature", 2.0),
+               3: lambda: setattr(Config, "scale", 3.0),
+               4: lambda: setattr(cfg, "text_config", TextConfig(0.5))}
+    try:
+        with caplog.at_level(logging.INFO, logger="transpiler"):
+            step = _against_eager(config_step, lambda i: changes.get(i, lambda: None)(),
+                                  calls=6, args=(cfg,))
+    finally:
+        Config.scale = 1.0
+    assert step.traces == 5
+    for line in ("cfg.weight: 1.0 -> 0.5", "cfg.text_config.temperature: 1.0 -> 2.0",
+                 "cfg.scale: 1.0 -> 3.0", "cfg.text_config: another TextConfig object"):
+        assert line in caplog.text
+
+
+ARGS = argparse.Namespace(label_smoothing=0.0, loss_scale=1.0)
+
+
+def namespace_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y, label_smoothing=ARGS.label_smoothing) * ARGS.loss_scale
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_an_argparse_namespace_in_a_global_is_guarded(caplog):
+    def change(i):
+        if i == 2:
+            ARGS.label_smoothing = 0.1
+        if i == 3:
+            ARGS.loss_scale = 2.0
+    try:
+        with caplog.at_level(logging.INFO, logger="transpiler"):
+            step = _against_eager(namespace_step, change)
+    finally:
+        ARGS.label_smoothing, ARGS.loss_scale = 0.0, 1.0
+    assert step.traces == 3 and "ARGS.label_smoothing: 0.0 -> 0.1" in caplog.text
+
+
+SETTINGS = types.SimpleNamespace(scale=1.0)
+TABLE = {"scale": 1.0}
+
+
+def namespaces_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * SETTINGS.scale * TABLE["scale"]
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_simple_namespace_and_a_dict_changed_in_place_are_guarded():
+    def change(i):
+        if i == 1:
+            SETTINGS.scale = 2.0
+        if i == 2:
+            TABLE["scale"] = 0.5
+    try:
+        step = _against_eager(namespaces_step, change)
+    finally:
+        SETTINGS.scale, TABLE["scale"] = 1.0, 1.0
+    assert step.traces == 3
+
+
+def scaled_step(model, opt, x, y, scale=1.0):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * scale
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_partial_keyword_changed_in_place_is_guarded():
+    partial = functools.partial(scaled_step, scale=1.0)
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    theirs.load_state_dict(ours.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(partial)
+    for i, (x, y) in enumerate(M.batches("mlp", 3, 8)):
+        if i == 2:
+            partial.keywords["scale"] = 3.0
+        assert torch.equal(step(ours, opts[0], x, y), partial(theirs, opts[1], x, y))
+        assert _equal(ours, theirs)
+    assert step.traces == 2
+
+
+class Trainer:
+    """A training loop as an object: the step is a bound method or the
+    object itself, and reads its own attributes."""
+
+    def __init__(self):
+        self.alpha = 1.0
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def train_step(self, model, opt, x, y):
+        opt.zero_grad()
+        loss = self.loss_fn(model(x), y) * self.alpha
+        loss.backward()
+        opt.step()
+        return loss
+
+    __call__ = train_step
+
+
+@pytest.mark.parametrize("how", ["bound method", "callable object"])
+def test_the_self_of_a_bound_method_or_a_callable_object_is_guarded(how):
+    trainer = Trainer()
+    fn = trainer.train_step if how == "bound method" else trainer
+
+    def change(i):
+        if i == 1:
+            trainer.alpha = 0.25
+        if i == 2:
+            trainer.loss_fn.label_smoothing = 0.2
+    step = _against_eager(fn, change)
+    assert step.traces == 3
+
+
+def test_a_user_module_used_as_a_config_is_guarded():
+    cfg = types.ModuleType("habit_config")
+    cfg.__file__ = __file__.replace("test_reads", "habit_config")
+    cfg.SCALE = 1.0
+    sys.modules["habit_config"] = cfg
+
+    def module_step(model, opt, x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * cfg.SCALE
+        loss.backward()
+        opt.step()
+        return loss
+    try:
+        step = _against_eager(module_step, lambda i: setattr(cfg, "SCALE", 2.0) if i == 2 else None)
+    finally:
+        del sys.modules["habit_config"]
+    assert step.traces == 2 and type(cfg) is types.ModuleType
+
+
+class Stream:
+    """An iterator object of the user's own class."""
+
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def __next__(self):
+        batch = self.batches[self.i]
+        self.i += 1
+        return batch
+
+
+def pulls_from_a_stream(model, opt, stream):
+    x, y = next(stream)
+    return M.classify_step(model, opt, x, y)
+
+
+def test_an_iterator_of_the_users_class_inside_the_step_is_refused_and_undone():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    stream = Stream(M.batches("mlp", 3, 8))
+    with pytest.raises(TranspileError, match=r"changes host-side state on every call: "
+                                             r"stream.i 0 -> 1, then 1 -> 2"):
+        transpile(pulls_from_a_stream)(model, opt, stream)
+    assert stream.i == 0 and all(isinstance(b[0], torch.Tensor) and type(b[0]) is torch.Tensor
+                                 for b in stream.batches)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_the_recording_leaves_classes_and_objects_as_they_were():
+    trainer = Trainer()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(trainer.train_step)
+    step(model, opt, *M.batches("mlp", 1, 8)[0])
+    for cls in (Trainer, Net, nn.Module, nn.Linear, nn.CrossEntropyLoss):
+        assert not any(getattr(v, "_transpiler_records", False) for v in vars(cls).values())
+    assert type(trainer) is Trainer and type(model) is Net

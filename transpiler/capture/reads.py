@@ -1,0 +1,785 @@
+"""Reads and writes of host objects, observed while the step is traced.
+
+A trace bakes into the program every plain Python value the step reads: a
+module's float attribute, a config's field, a global, a closure cell. So each
+read is recorded where it was found and becomes a guard (guards.py). Reads are
+observed, not guessed from the code: for the duration of the trace the classes
+of the objects the step reaches read and write through recording methods
+(installed on the class and removed after, so instances keep their type), and
+every attribute the traced Python reads from a reached object, at any depth and
+whoever reads it (the step, a module's forward, torch's own code, a property),
+is recorded with its value as read. An object is reached when it is a root (the
+step's modules, an argument that is an object, the self of a bound-method step,
+a callable step object, a partial's arguments) or was read from a reached place
+(an attribute, a global, a closure cell, an item of a container read). The
+globals and closure cells of every function reached (one read as a value, a
+method of a reached object, a hook) are recorded from the names its code loads.
+
+What is read decides the guard: a plain value is compared by value, an object
+by identity (and its own reads are recorded), a container item by item; a
+tensor (or numpy array) found on such a path is put back by a traced stand-in,
+a program input read through the same path on every call (`stand_in`, given by
+trace.py) and guarded by its layout. Writes to reached objects are recorded
+too; finish() reports them (host_state.py decides what is kept). Module hooks
+the step runs are recorded in a HookGuard. Code of torch, of the standard
+library, of numpy and of this package is not walked for globals: they do not
+change (torch's global module hooks are recorded explicitly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import functools
+import logging
+import os
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, mutable, restore, saved,
+                     show, snapshot)
+
+_ACTIVE: list = [None]   # the Recorder of the trace in progress
+_RECORDING = "_transpiler_records"   # marks the methods installed on a class
+
+# torch.nn.Module's own attributes: its parameters, buffers and submodules
+# (their layout is the signature's, capture/signature.py), its hooks (a
+# HookGuard) and its other bookkeeping, which no forward reads.
+MODULE_BOOKKEEPING = (frozenset(vars(torch.nn.Module())) - {"training"}) | {"_compiled_call_impl"}
+_MODULE_MEMBERS = ("_parameters", "_buffers", "_modules")
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks")
+
+_LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in
+                      (torch.__file__, os.__file__, os.path.dirname(__file__)))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    numpy = sys.modules.get("numpy")
+    return _LIBRARY_DIRS + ((os.path.dirname(numpy.__file__) + os.sep,) if numpy else ())
+
+
+def is_library(filename: str) -> bool:
+    return not filename or filename.startswith(_library_dirs()) or filename.startswith("<frozen")
+
+
+def _not_reached_into() -> tuple[type, ...]:
+    """Objects whose reads are not recorded: tensors and arrays (inputs or
+    constants), optimizers, schedulers and GradScalers (their values are the
+    signature's and inputs), logging's objects (their caches change as they
+    log), exceptions."""
+    from ..scaler import GradScaler
+    numpy = sys.modules.get("numpy")
+    return (torch.Tensor, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+            GradScaler, logging.Logger, logging.Handler, logging.Manager, BaseException,
+            type, types.ModuleType) + ((numpy.ndarray, numpy.random.RandomState,
+                                        numpy.random.Generator) if numpy else ())
+
+
+# ----- places a value is read from: a dict, or one of these accessors --------
+
+
+class Cell:
+    """A closure cell, read like a dict of one entry."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell):
+        self.cell = cell
+
+    def get(self, key, default=None):
+        try:
+            return self.cell.cell_contents
+        except ValueError:   # an empty cell
+            return default
+
+    def put(self, key, value) -> None:
+        if value is MISSING:
+            del self.cell.cell_contents
+        else:
+            self.cell.cell_contents = value
+
+
+class Attr:
+    """An attribute computed by its object (a slot, a custom __getattr__),
+    read again with getattr."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def get(self, key, default=None):
+        try:
+            return getattr(self.obj, key)
+        except AttributeError:
+            return default
+
+    def put(self, key, value) -> None:
+        if value is MISSING:
+            object.__delattr__(self.obj, key)
+        else:
+            object.__setattr__(self.obj, key, value)
+
+
+class Items:
+    """A list's or a tuple's items by index."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def get(self, key, default=None):
+        return self.seq[key] if -len(self.seq) <= key < len(self.seq) else default
+
+    def put(self, key, value) -> None:
+        self.seq[key] = value
+
+
+class ClassAttrs:
+    """A class's own namespace (a class attribute read through an instance)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    @property
+    def mapping(self):
+        return self.cls.__dict__
+
+    def get(self, key, default=None):
+        return self.cls.__dict__.get(key, default)
+
+    def put(self, key, value) -> None:
+        if value is MISSING:
+            type.__delattr__(self.cls, key)
+        else:
+            type.__setattr__(self.cls, key, value)
+
+
+def put(holder, key, value) -> None:
+    """Write (or, with MISSING, delete) holder[key]."""
+    if isinstance(holder, dict):
+        if value is MISSING:
+            holder.pop(key, None)
+        else:
+            holder[key] = value
+    else:
+        holder.put(key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a tensor the step reads outside its arguments is found: holder[key],
+    then the items `path` of the containers in it. Read again on every call."""
+
+    holder: Any
+    key: Any
+    path: tuple = ()
+
+    def read(self):
+        value = self.holder.get(self.key, MISSING)
+        for k in self.path:
+            value = value[k]
+        return value
+
+
+@dataclasses.dataclass(eq=False)
+class Write:
+    """A value the traced step changed on the host: holder[key] rebound from
+    `before` to `after` (MISSING: absent), or, `in_place`, a container at
+    holder[key] changed in place, `before` and `after` its saved() items."""
+
+    name: str
+    holder: Any
+    key: Any
+    before: Any
+    after: Any
+    in_place: bool = False
+
+    def undo(self) -> None:
+        restore(self.before) if self.in_place else put(self.holder, self.key, self.before)
+
+    def redo(self) -> None:
+        restore(self.after) if self.in_place else put(self.holder, self.key, self.after)
+
+    def values(self) -> tuple[Any, Any]:
+        if self.in_place:
+            return self.before[0][1], self.after[0][1]
+        return self.before, self.after
+
+    def changes(self) -> bool:
+        """Whether it changes a value (not only rebinds it to an equal one)."""
+        before, after = self.values()
+        if before is after:
+            return False
+        if MISSING in (before, after) or isinstance(after, torch.Tensor):
+            return True
+        return contents(before) != contents(after)
+
+    def change(self) -> str:
+        before, after = self.values()
+        return f"{_text(before)} -> {_text(after)}"
+
+    def describe(self) -> str:
+        return f"{self.name} {self.change()}"
+
+    @property
+    def assigns_traced_tensor(self) -> bool:
+        """A tensor the step computed, assigned to the host (self.aux = loss)."""
+        return not self.in_place and isinstance(self.after, torch.Tensor) and _traced(self.after)
+
+
+def _text(value) -> str:
+    """How a written value is shown: a tensor by its layout."""
+    if value is MISSING:
+        return "absent"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    return show(value)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor) or torch._is_functional_tensor(t)
+
+
+@dataclasses.dataclass(eq=False)
+class _Swap:
+    """A tensor put back by its stand-in for the trace."""
+
+    name: str
+    holder: Any
+    key: Any
+    real: Any
+    stand: Any
+
+
+# ----- the recording methods installed on classes ---------------------------
+
+
+def _getattribute(original):
+    def __getattribute__(self, name):
+        rec = _ACTIVE[0]
+        if rec is None or not rec.live:
+            return original(self, name)
+        try:
+            value = original(self, name)
+        except AttributeError:
+            if not hasattr(type(self), "__getattr__"):
+                rec.missing(self, name)
+            raise
+        return rec.attribute(self, name, value)
+    setattr(__getattribute__, _RECORDING, True)
+    return __getattribute__
+
+
+def _getattr(original):
+    def __getattr__(self, name):
+        rec = _ACTIVE[0]
+        if rec is None or not rec.live:
+            return original(self, name)
+        rec.live = False   # what the object does to find it is not the step's read
+        try:
+            value = original(self, name)
+        except AttributeError:
+            rec.live = True
+            rec.missing(self, name)
+            raise
+        finally:
+            rec.live = True
+        return rec.computed(self, name, value)
+    setattr(__getattr__, _RECORDING, True)
+    return __getattr__
+
+
+def _setattr(original):
+    def __setattr__(self, name, value):
+        rec = _ACTIVE[0]
+        if rec is None or not rec.live or id(self) not in rec.known:
+            return original(self, name, value)
+        holder, before = rec.before_write(self, name)
+        rec.live = False
+        try:
+            original(self, name, value)
+        finally:
+            rec.live = True
+        rec.wrote(self, holder, name, before)
+    setattr(__setattr__, _RECORDING, True)
+    return __setattr__
+
+
+def _delattr(original):
+    def __delattr__(self, name):
+        rec = _ACTIVE[0]
+        if rec is None or not rec.live or id(self) not in rec.known:
+            return original(self, name)
+        holder, before = rec.before_write(self, name)
+        rec.live = False
+        try:
+            original(self, name)
+        finally:
+            rec.live = True
+        rec.wrote(self, holder, name, before)
+    setattr(__delattr__, _RECORDING, True)
+    return __delattr__
+
+
+_WRAPPERS = (("__getattribute__", _getattribute), ("__getattr__", _getattr),
+             ("__setattr__", _setattr), ("__delattr__", _delattr))
+
+
+class _Patches:
+    """The recording methods installed on classes, removed by restore()."""
+
+    def __init__(self):
+        self._installed: list[tuple[type, str, Any]] = []
+        self._done: dict[type, bool] = {}
+        self._modules: list[tuple[types.ModuleType, type]] = []
+
+    def ensure(self, cls: type) -> bool:
+        """Make instances of cls record; False where the class cannot be
+        changed (a builtin or extension type)."""
+        ok = self._done.get(cls)
+        if ok is not None:
+            return ok
+        installed = []
+        try:
+            for name, make in _WRAPPERS:
+                current = getattr(cls, name, None)
+                if current is None or getattr(current, _RECORDING, False):
+                    continue
+                entry = cls.__dict__.get(name, MISSING)
+                type.__setattr__(cls, name, make(current))
+                installed.append((cls, name, entry))
+            ok = True
+        except (TypeError, AttributeError):
+            for c, n, entry in reversed(installed):
+                _reset(c, n, entry)
+            installed, ok = [], False
+        self._installed += installed
+        self._done[cls] = ok
+        return ok
+
+    def module(self, module: types.ModuleType) -> None:
+        """Make a module object record: its class becomes a recording subclass
+        (a module's class may be changed to any subclass of ModuleType)."""
+        cls = type(module)
+        recording = _MODULE_CLASSES.get(cls)
+        if recording is None:
+            recording = _MODULE_CLASSES[cls] = type(cls.__name__, (cls,), {
+                name: make(getattr(cls, name)) for name, make in _WRAPPERS
+                if name != "__getattr__" or hasattr(cls, name)})
+        module.__class__ = recording
+        self._modules.append((module, cls))
+
+    def restore(self) -> None:
+        for cls, name, entry in reversed(self._installed):
+            _reset(cls, name, entry)
+        self._installed.clear()
+        for module, cls in reversed(self._modules):
+            module.__class__ = cls
+        self._modules.clear()
+
+
+# A recording subclass per class of module objects (made once).
+_MODULE_CLASSES: dict[type, type] = {}
+
+
+def _reset(cls, name, entry) -> None:
+    if entry is MISSING:
+        type.__delattr__(cls, name)
+    else:
+        type.__setattr__(cls, name, entry)
+
+
+def _instance_dict(obj) -> dict | None:
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The names the code (and the code nested in it) loads or stores as globals."""
+    names = {ins.argval for ins in dis.get_instructions(code)
+             if ins.opname in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return frozenset(names)
+
+
+# ----- the recorder ----------------------------------------------------------
+
+
+class Recorder:
+    """What one trace reads and writes on the host."""
+
+    def __init__(self, stand_in: Callable[[Any, str, Place], Any],
+                 argument_modules: set[int]):
+        self.stand_in = stand_in
+        self.argument_modules = argument_modules   # ids of the step's modules and submodules
+        self.known: dict[int, tuple[Any, str]] = {}   # reached objects: id -> (object, name)
+        self.guards: dict[tuple[int, Any], Guard] = {}
+        self.hooks = HookGuard()
+        self.swaps: list[_Swap] = []
+        self.writes: dict[tuple[int, Any], Write] = {}
+        self.live = True
+        self._read: set[tuple[int, str]] = set()   # (object, attribute) recorded
+        self._scanned: set[int] = set()            # functions whose globals are recorded
+        self._cells: dict[int, Cell] = {}
+        self._patches = _Patches()
+        self._classes: dict[tuple[type, str], Any] = {}
+        self._class_holders: dict[type, ClassAttrs] = {}
+        self._not_reached = _not_reached_into()
+        module_globals = vars(torch.nn.modules.module)
+        for name in _GLOBAL_HOOKS:
+            hooks = module_globals[name]
+            self.hooks.add(f"torch.nn.modules.module.{name}",
+                           functools.partial(module_globals.get, name), hooks)
+            for key, hook in hooks.items():
+                self.reach(hook, f"{name}[{key}]")
+
+    # -- roots and reached objects
+
+    def reach(self, value, name: str) -> None:
+        """Record what can be read from an object the step reaches (no guard
+        on where it came from: that is the caller's)."""
+        if value is None or id(value) in self.known or isinstance(value, (str, bytes)):
+            return
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            self._function(value, name)
+            return
+        if isinstance(value, (list, tuple, dict, set, frozenset)):
+            return
+        if isinstance(value, types.ModuleType):   # a user's module: its attributes
+            if not is_library(getattr(value, "__file__", None) or ""):
+                self.known[id(value)] = (value, name)
+                self._patches.module(value)
+            return
+        if isinstance(value, self._not_reached):
+            return
+        self.known[id(value)] = (value, name)
+        if isinstance(value, torch.nn.Module):
+            self._patches.ensure(torch.nn.Module)
+            for prefix, sub in value.named_modules():   # what its code reaches through _modules
+                if sub is not value:
+                    self.reach(sub, f"{name}.{prefix}")
+        if self._patches.ensure(type(value)):
+            call = getattr(type(value), "__call__", None)
+            if isinstance(call, types.FunctionType):
+                self._function(call, f"{name}.__call__")
+        elif hasattr(value, "__wrapped__"):   # a C wrapper of a function (lru_cache)
+            self.reach(value.__wrapped__, name)
+        elif _instance_dict(value) is not None and not callable(value):
+            # reads not observable (a builtin type's instance): all its attributes
+            self._guard(f"{name} (its attributes)", _Vars(value), "vars", Check.CONTENTS,
+                        dict(_instance_dict(value)))
+            for key, v in list(_instance_dict(value).items()):
+                self.reach(v, f"{name}.{key}")
+
+    def root_module(self, module: torch.nn.Module, name: str) -> None:
+        for prefix, sub in module.named_modules():
+            self.reach(sub, f"{name}.{prefix}" if prefix else name)
+
+    def _function(self, fn, name: str) -> None:
+        """Record the globals and closure cells of a function's code."""
+        while True:
+            if isinstance(fn, types.MethodType):
+                self.reach(fn.__self__, f"{name}.__self__")
+                fn = fn.__func__
+            elif isinstance(fn, functools.partial):
+                self._read_place(_Whole(fn.args), None, fn.args, f"{name} (partial's arguments)")
+                self._read_place(_Whole(fn.keywords), None, fn.keywords,
+                                 f"{name} (partial's keywords)")
+                fn = fn.func
+            else:
+                break
+        if not isinstance(fn, types.FunctionType) or id(fn) in self._scanned \
+                or is_library(fn.__code__.co_filename):
+            return
+        self._scanned.add(id(fn))
+        self.known.setdefault(id(fn), (fn, name))   # kept alive: its id is recorded
+        module = fn.__globals__.get("__name__", "?")
+        for gname in sorted(_global_names(fn.__code__)):
+            if gname in fn.__globals__:
+                value = fn.__globals__[gname]
+                if isinstance(value, types.ModuleType) and is_library(
+                        getattr(value, "__file__", None) or ""):
+                    continue
+                self._read_place(fn.__globals__, gname, value, f"global {gname!r} of {module}",
+                                 label=gname)
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            holder = self._cells.setdefault(id(cell), Cell(cell))
+            self._read_place(holder, var, holder.get(var, MISSING),
+                             f"closure variable {var!r} of {fn.__qualname__}", label=var)
+
+    # -- reads
+
+    def attribute(self, obj, name: str, value):
+        """An attribute read through __getattribute__: the value the reader gets."""
+        known = self.known.get(id(obj))
+        if known is None or (name[:2] == "__" and name[-2:] == "__"):
+            return value
+        seen = (id(obj), name)
+        if seen in self._read:
+            return value
+        self._read.add(seen)
+        self.live = False
+        try:
+            if isinstance(obj, torch.nn.Module) and name in MODULE_BOOKKEEPING:
+                if name in _MODULE_HOOKS:
+                    self._module_hooks(obj, name, value, known[1])
+                return value
+            place = self._place(obj, name)
+            if place is None:   # a method or a property: its code is recorded
+                self._code_of(obj, name, value, known[1])
+                return value
+            return self._read_place(*place, value, f"{known[1]}.{name}")
+        finally:
+            self.live = True
+
+    def computed(self, obj, name: str, value):
+        """An attribute an object's __getattr__ computed: a module's parameter,
+        buffer or submodule, or any other class's computed attribute."""
+        known = self.known.get(id(obj))
+        if known is None or (id(obj), name) in self._read:
+            return value
+        self._read.add((id(obj), name))
+        self.live = False
+        try:
+            if isinstance(obj, torch.nn.Module):
+                if id(obj) in self.argument_modules:
+                    return value   # traced parameters, buffers and submodules
+                members = _instance_dict(obj)
+                holder = next((members[m] for m in _MODULE_MEMBERS
+                               if name in members.get(m, {})), None)
+                if holder is None:
+                    return value
+                return self._read_place(holder, name, value, f"{known[1]}.{name}")
+            return self._read_place(Attr(obj), name, value, f"{known[1]}.{name}")
+        finally:
+            self.live = True
+
+    def missing(self, obj, name: str) -> None:
+        """A read that found no such attribute (hasattr, getattr with a default)."""
+        known = self.known.get(id(obj))
+        if known is None or (name[:2] == "__" and name[-2:] == "__") \
+                or (id(obj), name) in self._read:
+            return
+        self._read.add((id(obj), name))
+        holder = _instance_dict(obj)
+        self._guard(f"{known[1]}.{name}", holder if holder is not None else Attr(obj), name,
+                    Check.ABSENT, MISSING)
+
+    def _place(self, obj, name: str):
+        """(holder, key) of where obj.name was read from; None for a method or
+        a property (recorded by their code's own reads)."""
+        cls = type(obj)
+        found = self._classes.get((cls, name), MISSING)
+        if found is MISSING:
+            found = next(((k, k.__dict__[name]) for k in cls.__mro__ if name in k.__dict__),
+                         None)
+            self._classes[(cls, name)] = found
+        members = _instance_dict(obj)
+        if found is not None and hasattr(type(found[1]), "__set__"):   # a data descriptor
+            return None if isinstance(found[1], property) else (Attr(obj), name)
+        if members is not None and name in members:
+            return members, name
+        if found is None:
+            return Attr(obj), name   # computed by a custom __getattribute__
+        klass, attr = found
+        if hasattr(type(attr), "__get__"):
+            return None
+        if members is not None:   # a class attribute, until the instance has its own
+            self._guard(f"{self.known[id(obj)][1]}.{name}", members, name, Check.ABSENT,
+                        MISSING)
+        holder = self._class_holders.get(klass)
+        if holder is None:
+            holder = self._class_holders[klass] = ClassAttrs(klass)
+        return holder, name
+
+    def _code_of(self, obj, name: str, value, owner: str) -> None:
+        """Record the code behind a method or a property read from obj, and that
+        of the methods of the same name in its classes (super() calls them)."""
+        for klass in type(obj).__mro__:
+            attr = klass.__dict__.get(name)
+            if attr is None:
+                continue
+            fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            self._function(fn, f"{owner}.{name}")
+        if isinstance(value, types.MethodType) and value.__self__ is not obj:
+            self._function(value, f"{owner}.{name}")
+
+    def _module_hooks(self, module, name: str, hooks, owner: str) -> None:
+        members = _instance_dict(module)
+        self.hooks.add(f"{owner}.{name}", functools.partial(members.get, name), hooks)
+        for key, hook in (hooks or {}).items():
+            self.reach(hook, f"{owner}.{name}[{key}]")
+
+    def _read_place(self, holder, key, value, name: str, label: str | None = None):
+        """A value read from holder[key]: guard it (named `name`), reach into it
+        (what it holds named after `label`, by default `name`), put stand-ins in
+        place of the tensors on its path. Returns what the reader gets."""
+        label = label or name
+        gkey = (id(holder), key)
+        if gkey in self.writes or gkey in self.guards:
+            return value
+        if isinstance(value, torch.Tensor) or _is_ndarray(value):
+            return self._tensor(holder, key, (), value, name, label)
+        plain = snapshot(value)
+        if plain is not MISSING:
+            self._guard(name, holder, key, Check.VALUE, value)
+            return value
+        if isinstance(value, (list, tuple, dict, set, frozenset)):
+            self._guard(name, holder, key, Check.CONTENTS, value)
+            replaced = self._items(holder, key, (), value, label)
+            if replaced is not value and not isinstance(holder, _Whole):
+                self._swap(name, holder, key, value, replaced)
+            return replaced
+        self._guard(name, holder, key, Check.IDENTITY, value)
+        self.reach(value, label)
+        return value
+
+    def _items(self, holder, key, path: tuple, value, name: str):
+        """Stand-ins for the tensors in a container (in place in a list or a dict;
+        a tuple is rebuilt), and the objects in it reached."""
+        if isinstance(value, (list, dict)):
+            pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+            for k, v in pairs[:1024]:
+                new = self._items(holder, key, path + (k,), v, f"{name}[{k!r}]")
+                if new is not v:
+                    self._swap(f"{name}[{k!r}]", value if isinstance(value, dict)
+                               else Items(value), k, v, new)
+            return value
+        if isinstance(value, tuple):
+            items = [self._items(holder, key, path + (i,), v, f"{name}[{i}]")
+                     for i, v in enumerate(value)]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, torch.Tensor) or _is_ndarray(value):
+            return self._tensor(holder, key, path, value, name)
+        if snapshot(value) is MISSING and not isinstance(value, (set, frozenset)):
+            self.reach(value, name)
+        return value
+
+    def _tensor(self, holder, key, path: tuple, value, name: str, label: str | None = None):
+        if isinstance(value, torch.Tensor) and _traced(value):
+            return value
+        stand = self.stand_in(value, label or name, Place(holder, key, path))
+        if not path and stand is not value:
+            self._guard(name, holder, key, Check.LAYOUT, value)
+            self._swap(name, holder, key, value, stand)
+        return stand
+
+    def _guard(self, name: str, holder, key, check: Check, value) -> None:
+        self.guards.setdefault((id(holder), key), Guard(name, holder, key, check, value))
+
+    def _swap(self, name: str, holder, key, real, stand) -> None:
+        put(holder, key, stand)
+        self.swaps.append(_Swap(name, holder, key, real, stand))
+
+    # -- writes
+
+    def before_write(self, obj, name: str):
+        members = _instance_dict(obj)
+        holder = members if members is not None else Attr(obj)
+        return holder, holder.get(name, MISSING)
+
+    def wrote(self, obj, holder, name: str, before) -> None:
+        if holder.get(name, MISSING) is before:
+            return   # it went elsewhere: a module's parameter, buffer or submodule
+        key = (id(holder), name)
+        if key not in self.writes:
+            swapped = next((s for s in self.swaps if s.holder is holder and s.key == name), None)
+            self.writes[key] = Write(f"{self.known[id(obj)][1]}.{name}", holder, name,
+                                     swapped.real if swapped and before is swapped.stand
+                                     else before, MISSING)
+
+    def finish(self) -> tuple[Guards, list[Write]]:
+        """Stop recording, put the real tensors back in place of their stand-ins
+        and remove the recording methods. Returns the guards and every host
+        write the step made, each still in place (the caller undoes or keeps it)."""
+        self.live = False
+        self._patches.restore()
+        writes = {}
+        for key, w in self.writes.items():
+            w.after = w.holder.get(w.key, MISSING)
+            if w.after is not w.before:
+                writes[key] = w
+        for swap in reversed(self.swaps):   # the real tensors back where the step left them
+            now = swap.holder.get(swap.key, MISSING)
+            key = (id(swap.holder), swap.key)
+            if now is swap.stand:
+                put(swap.holder, swap.key, swap.real)
+            elif key not in writes:
+                writes[key] = Write(swap.name, swap.holder, swap.key, swap.real, now)
+        for key, g in self.guards.items():
+            if key in writes or g.check is Check.LAYOUT or g.holds():
+                continue
+            now = g.current()
+            if now is g.original and g.kept is not None:   # changed in place
+                writes[key] = Write(g.name, g.holder, g.key, g.kept, saved(now), in_place=True)
+            elif now is not g.original:
+                writes[key] = Write(g.name, g.holder, g.key, g.original, now)
+        self.hooks.seal()
+        return Guards(list(self.guards.values()), self.hooks), list(writes.values())
+
+
+class _Vars:
+    """An object's whole __dict__, for an object whose reads are not observable."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def get(self, key, default=None):
+        members = _instance_dict(self.obj)
+        return dict(members) if members is not None else default
+
+
+class _Whole:
+    """A value guarded as it is (a partial's arguments)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self, key, default=None):
+        return self.value
+
+
+def _is_ndarray(value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+class recording:
+    """Context: `with recording(recorder):` the recorder observes; its
+    classes are restored on exit whatever happens."""
+
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+
+    def __enter__(self) -> Recorder:
+        if _ACTIVE[0] is not None:
+            raise RuntimeError("a trace is already being recorded")
+        _ACTIVE[0] = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE[0] = None
+        self.recorder.live = False
+        self.recorder._patches.restore()
