@@ -39,6 +39,7 @@ class InputKind(enum.Enum):
     DATA = "data"       # a tensor among the step's arguments (the batch)
     NUMBER = "number"   # a Python float or int argument, lifted after its value changed
     REACHED = "reached"  # a tensor the step reads outside its arguments, through a host path
+    DRAW = "draw"        # a value the step draws on the host (random, numpy.random, a clock)
     HELD = "held"       # a tensor the transpiled step itself keeps between calls
     LOOP = "loop"       # a value passed between the programs of a micro-batch loop (micro_loop.py)
 

@@ -19,6 +19,7 @@ import torch
 
 from .capture import Returned, StepArgs, describe_change, grad_signature, signature
 from .capture.guards import Guards
+from .capture.host_random import Draws
 from .capture.numbers import is_number
 from .capture.outside import is_ndarray
 from .capture.shapes import ShapeGuards
@@ -51,6 +52,7 @@ class Built:
     shape_guards: ShapeGuards | None = None   # what it assumes of symbolic batch sizes
     # host values the step wrote while traced, written again after every run
     host_writes: list = dataclasses.field(default_factory=list)
+    draws: Draws | None = None   # values it draws on the host, drawn again before each run
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""
@@ -129,8 +131,13 @@ class ProgramCache:
         if symbolic and not step_args.dynamic:   # its symbolic trace failed (trace.py)
             self.declared, self.every_dim, self.automatic = {}, False, False
         # Building made the optimizers' state the first step would make
-        # (capture.trace_step): the key is the signature later calls have.
+        # (capture.trace_step): the key is the signature later calls have,
+        # of the state the step was traced from (before its host writes).
+        for write in reversed(built.host_writes):
+            write.undo()
         sig = signature(step_args)
+        for write in built.host_writes:
+            write.redo()
         self.last_built = full = sig + grad_signature(step_args)
         if built.reads_grads:
             self._reads_grads.add(sig)

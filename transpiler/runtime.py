@@ -29,6 +29,7 @@ from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .control import all_gather_values
 from .capture import Captured, HeldSlot, flatten_args, trace_step
+from .capture.found import discover
 from .capture.micro import NotRollable, cut_arguments
 from .capture.optimizer_state import forget_state
 from .micro_loop import MicroLeaves
@@ -97,6 +98,7 @@ class TranspiledStep:
         self._compiles = 0   # programs of the step compiled so far (their first run)
         self._last_run: str | None = None
         self.startup_program: Program | None = None
+        self._found: list | None = None   # paths to the step objects it reaches (found.py)
 
     @property
     def build_seconds(self) -> float:
@@ -269,6 +271,14 @@ class TranspiledStep:
 
     def __call__(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
+        if self._found is None:   # what the step reaches outside its arguments (found.py)
+            self._found = discover(self.step_fn, step_args.leaves)
+            if self._found and self.verify_steps:
+                raise TranspileError(
+                    f"verify= runs the eager step on copies of the step's arguments, but the "
+                    f"step uses {self._found[0].name} without taking it as an argument: pass "
+                    "it as an argument to verify the step")
+        step_args.found = [(path.name, path.read()) for path in self._found]
         cut = cut_arguments(self.step_fn, step_args, self.micro_batches) \
             if self.micro_batches is not None else None
         call_args = step_args if cut is None or self._unrolled else cut
@@ -290,8 +300,10 @@ class TranspiledStep:
         self._run_prelude(built, runnable)
         sharded_params.free(built.sharded_params)   # after the startup cut their shards
         fresh = runnable.uncompiled()
+        # what the step draws on the host, drawn for this run
+        states = built.draws.for_run() if built.draws else None
         if self.schedule.step < self.verify_steps:
-            outputs = self._run_verified(runnable, built, step_args, leaves)
+            outputs = self._run_verified(runnable, built, step_args, leaves, states)
         elif built is self._pending:
             outputs = self._executor.run_uncommitted(runnable, leaves)
             self._executor.commit(runnable, outputs)
@@ -416,7 +428,7 @@ class TranspiledStep:
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
-                           captured.shape_guards, captured.host_writes)
+                           captured.shape_guards, captured.host_writes, captured.draws)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -556,11 +568,18 @@ class TranspiledStep:
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
 
-    def _run_verified(self, runnable: Runnable, built: Built, step_args, leaves) -> list:
+    def _run_verified(self, runnable: Runnable, built: Built, step_args, leaves,
+                      states: list | None) -> list:
         """Run the program functionally and compare everything it would write and
         return with the eager step under DDP's semantics (verify.py); write back
-        only if every rank agrees."""
+        only if every rank agrees. The eager step draws the host values the
+        program was given (`states`: the generators' before them)."""
+        drawn = built.draws.states() if built.draws else None
+        if states is not None:
+            built.draws.restore(states)
         memo, expected = self._reference.run(self.step_fn, step_args)
+        if drawn is not None:
+            built.draws.restore(drawn)
         outputs = self._executor.run_uncommitted(runnable, leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]

@@ -27,18 +27,26 @@ class StepArgs:
     lifted: frozenset[int] = frozenset()
     # Leaf index -> the dimensions of that batch tensor traced as symbols (shapes.py).
     dynamic: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    # (name, object) of the modules, optimizers and GradScalers the step
+    # reaches outside its arguments (found.py), read again for this call
+    found: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
-        return _unique(x for x in self.leaves if isinstance(x, torch.nn.Module))
+        return _unique(x for x in self._objects() if isinstance(x, torch.nn.Module))
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return _unique(x for x in self.leaves if isinstance(x, torch.optim.Optimizer))
+        return _unique(x for x in self._objects() if isinstance(x, torch.optim.Optimizer))
 
     @property
     def scalers(self) -> list[GradScaler]:
-        return _unique(x for x in self.leaves if isinstance(x, GradScaler))
+        return _unique(x for x in self._objects() if isinstance(x, GradScaler))
+
+    def _objects(self):
+        yield from self.leaves
+        for _, value in self.found:
+            yield value
 
     def call(self, step_fn, leaves):
         values = pytree.tree_unflatten(leaves, self.spec)

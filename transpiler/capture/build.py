@@ -28,7 +28,8 @@ def identifier(prefix: str, name: str) -> str:
 
 _PREFIX = {InputKind.PARAM: "p_", InputKind.BUFFER: "b_", InputKind.GRAD: "g_",
            InputKind.STATE: "s_", InputKind.HYPER: "h_", InputKind.SCALER: "sc_",
-           InputKind.DATA: "", InputKind.NUMBER: "", InputKind.REACHED: "r_"}
+           InputKind.DATA: "", InputKind.NUMBER: "", InputKind.REACHED: "r_",
+           InputKind.DRAW: "d_"}
 
 
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:

@@ -280,7 +280,8 @@ def cut_arguments(step_fn, step_args: StepArgs, name: str) -> CutArgs | None:
     leaves, spec = pytree.tree_flatten(values, is_leaf=is_leaf)
     leaf_names = step_args.names[:start + 2 * per] + step_args.names[start + k * per:]
     cut_bound = inspect.BoundArguments(bound.signature, OrderedDict(bound.arguments))
-    return CutArgs(leaf_names, leaves, spec, cut_bound, full=step_args, start=start, per=per, k=k)
+    return CutArgs(leaf_names, leaves, spec, cut_bound, found=step_args.found, full=step_args,
+                   start=start, per=per, k=k)
 
 
 def _element_signature(name: str, i: int, element) -> tuple:

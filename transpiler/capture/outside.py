@@ -61,6 +61,12 @@ def outside_tensors(step_fn, arrays: dict[int, torch.Tensor], guarded: set[int],
 
     def converting(name, original):
         def convert(data, *args, **kwargs):
+            if isinstance(data, (torch.SymFloat, torch.SymInt)) and name != "from_numpy":
+                # a number the program computes (a lifted argument, a host draw)
+                dtype = kwargs.get("dtype", args[0] if args else None) or (
+                    torch.get_default_dtype() if isinstance(data, torch.SymFloat)
+                    else torch.int64)
+                return torch.full((), data, dtype=dtype, device=kwargs.get("device"))
             if not is_ndarray(data):
                 return original(data, *args, **kwargs)
             traced = arrays.get(id(data))

@@ -60,8 +60,10 @@ _LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in
 
 
 def _library_dirs() -> tuple[str, ...]:
-    numpy = sys.modules.get("numpy")
-    return _LIBRARY_DIRS + ((os.path.dirname(numpy.__file__) + os.sep,) if numpy else ())
+    """torch, the standard library, this package, and numpy and sympy where
+    they are loaded (sympy works for torch's symbolic shapes)."""
+    found = [sys.modules.get(name) for name in ("numpy", "sympy")]
+    return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
 
 
 def is_library(filename: str) -> bool:
@@ -418,6 +420,16 @@ def _global_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=4096)
+def _attribute_names(code: types.CodeType) -> frozenset[str]:
+    """The names the code (and the code nested in it) uses, attributes included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _attribute_names(const)
+    return frozenset(names)
+
+
 # ----- the recorder ----------------------------------------------------------
 
 
@@ -434,6 +446,8 @@ class Recorder:
         self.swaps: list[_Swap] = []
         self.writes: dict[tuple[int, Any], Write] = {}
         self.live = True
+        # a recording stand-in for a numpy generator the step reaches (host_random.py)
+        self.source: Callable | None = None
         self._read: set[tuple[int, str]] = set()   # (object, attribute) recorded
         self._scanned: set[int] = set()            # functions whose globals are recorded
         self._cells: dict[int, Cell] = {}
@@ -518,10 +532,28 @@ class Recorder:
                     continue
                 self._read_place(fn.__globals__, gname, value, f"global {gname!r} of {module}",
                                  label=gname)
+                if isinstance(value, type) and not is_library(getattr(
+                        sys.modules.get(value.__module__), "__file__", None) or ""):
+                    self._class_values(value, gname, fn.__code__)
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             holder = self._cells.setdefault(id(cell), Cell(cell))
             self._read_place(holder, var, holder.get(var, MISSING),
                              f"closure variable {var!r} of {fn.__qualname__}", label=var)
+
+    def _class_values(self, cls: type, name: str, code: types.CodeType) -> None:
+        """The attributes of a user's class that the code reading it names
+        (`Config.count`): reads and writes through a class are not observable,
+        so those are recorded from the code."""
+        for attr in sorted(_attribute_names(code) & cls.__dict__.keys()):
+            if not (attr[:2] == "__" and attr[-2:] == "__"):
+                self._read_place(self._class_holder(cls), attr, cls.__dict__[attr],
+                                 f"{name}.{attr}")
+
+    def _class_holder(self, klass: type) -> ClassAttrs:
+        holder = self._class_holders.get(klass)
+        if holder is None:
+            holder = self._class_holders[klass] = ClassAttrs(klass)
+        return holder
 
     # -- reads
 
@@ -603,10 +635,7 @@ class Recorder:
         if members is not None:   # a class attribute, until the instance has its own
             self._guard(f"{self.known[id(obj)][1]}.{name}", members, name, Check.ABSENT,
                         MISSING)
-        holder = self._class_holders.get(klass)
-        if holder is None:
-            holder = self._class_holders[klass] = ClassAttrs(klass)
-        return holder, name
+        return self._class_holder(klass), name
 
     def _code_of(self, obj, name: str, value, owner: str) -> None:
         """Record the code behind a method or a property read from obj, and that
@@ -647,6 +676,10 @@ class Recorder:
                 self._swap(name, holder, key, value, replaced)
             return replaced
         self._guard(name, holder, key, Check.IDENTITY, value)
+        if self.source is not None and _is_generator(value):
+            proxy = self.source(value)
+            self._swap(name, holder, key, value, proxy)
+            return proxy
         self.reach(value, label)
         return value
 
@@ -759,6 +792,12 @@ class _Whole:
 
     def get(self, key, default=None):
         return self.value
+
+
+def _is_generator(value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, (numpy.random.Generator,
+                                                    numpy.random.RandomState))
 
 
 def _is_ndarray(value) -> bool:

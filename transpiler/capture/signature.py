@@ -77,6 +77,8 @@ def signature(step_args: StepArgs) -> tuple:
             sig.append((("input", name), (type(leaf).__name__, id(leaf))))
         else:
             sig.append((("input", name), _hashable(leaf)))
+    for name, value in step_args.found:
+        sig.append((("found", name), (type(value).__name__, id(value))))
     for mi, module in enumerate(step_args.modules):
         state, submodules = _walk(module)
         for name, t in state:

@@ -29,6 +29,7 @@ from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
 from .guards import Guards
+from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
 from .inputs import collect_inputs
 from .markers import (
@@ -57,7 +58,7 @@ from .signature import named_state
 from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
-from .user_code import step_name, trace_error
+from .user_code import step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
 
@@ -109,6 +110,8 @@ class Captured:
     # host values the step wrote while traced (host_state.py): kept, and
     # replayed on the host after every run of the program
     host_writes: list[Write] = dataclasses.field(default_factory=list)
+    # values drawn on the host (random, numpy.random, clocks): drawn again before each run
+    draws: Draws = dataclasses.field(default_factory=Draws)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -190,6 +193,7 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
         raise
     for w in reversed(again.host_writes):
         w.undo()
+    again.draws.rewind()
     if again.host_writes:
         for w in reversed(writes):
             w.undo()
@@ -278,6 +282,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                                step_name(step_fn)))
             if isinstance(step_args, CutArgs):
                 watches.append(stack.enter_context(loop_marker(modules, grads_now)))
+            drawing = stack.enter_context(host_draws_recorded(step_fn, draws, late.drawn))
+            host.recorder.source = functools.partial(source_stand_in, drawing)
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
             result = step_args.call(step_fn, leaves)
@@ -320,6 +326,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
                             if step_args.dynamic else (list(inputs.values), "fake"))
     late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic")
+    draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
     try:
@@ -333,6 +340,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
         if hosts:
             hosts[0].abandon()
+        draws.rewind()
+        drawn = guarded_numbers(exc, late.draw_symbols)
+        if drawn:
+            raise TranspileError(
+                f"{step_name(step_fn)} decides on a value it draws on the host "
+                f"({sorted(drawn)[0]}){user_line(step_fn, exc.__traceback__)}: the program "
+                "replays the draw on every call but cannot take another branch for it; draw "
+                "outside the step and pass the value (or the decision) as an argument, or draw "
+                "with torch (torch.rand(()) < p, torch.distributions)") from exc
         error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers)
         guarded = guarded_numbers(exc, symbols)
         if guarded:
@@ -382,7 +398,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
-                        host_writes=host.kept)
+                        host_writes=host.kept, draws=draws)
     except BaseException:
         host.abandon()
         raise
@@ -396,15 +412,17 @@ _FROM_NUMPY = torch.from_numpy
 
 class _LateInputs:
     """Program inputs found while the step runs: the tensors (and numpy
-    arrays) it reads outside its arguments through a host path (reads.py).
-    Each becomes a placeholder added to the graph being built, read through
-    that path on every call; the step gets a fake tensor of the trace's mode
+    arrays) it reads outside its arguments through a host path (reads.py), and
+    the values it draws on the host (host_random.py). Each becomes a
+    placeholder added to the graph being built, read through that path (or
+    drawn again) on every call; the step gets a fake tensor of the trace's mode
     in its place (for an array, torch.from_numpy gives it: outside.py)."""
 
     def __init__(self, inputs, arrays: dict, symbolic: bool):
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
+        self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
 
     def begin(self, traced: dict[int, torch.Tensor], fake_mode) -> None:
         self.traced, self.fake_mode = traced, fake_mode
@@ -415,22 +433,38 @@ class _LateInputs:
         found = self._by_id.get(id(real))
         if found is None:
             tensor = _FROM_NUMPY(real) if is_ndarray(real) else real
-            fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
-            tracer = get_proxy_mode().tracer
-            short = self._unique(name)
-            proxy = tracer.create_proxy("placeholder", identifier("r_", short), (), {})
-            proxy.node.meta["val"] = fake
-            track_tensor_tree(fake, proxy, constant=None, tracer=tracer)
-            placeholders = [n for n in tracer.graph.nodes if n.op == "placeholder"]
-            placeholders[-2].append(proxy.node)   # inputs come first
-            self.inputs.specs.append(InputSpec(InputKind.REACHED, short))
-            self.inputs.slots.append(ReachedSlot(place))
-            self.inputs.values.append(tensor)
-            self.values.append(fake if self.symbolic else tensor)
+            fake = self._placeholder(InputSpec(InputKind.REACHED, self._unique(name)),
+                                     ReachedSlot(place), tensor)
             found = self._by_id[id(real)] = (real, fake, name)
             if is_ndarray(real):
                 self.arrays[id(real)] = fake
         return real if is_ndarray(real) else found[1]
+
+    def drawn(self, value, name: str, what: str, slot):
+        """The traced value of a host draw (host_random.py): a symbolic number,
+        or for an array the array itself (torch.from_numpy gives its input)."""
+        fake = self._placeholder(InputSpec(InputKind.DRAW, name), slot, slot.read(None))
+        if is_ndarray(value):
+            self.arrays[id(value)] = fake
+            return value
+        number = fake.item()
+        self.draw_symbols[number.node.expr] = what
+        return number
+
+    def _placeholder(self, spec: InputSpec, slot, tensor: torch.Tensor) -> torch.Tensor:
+        """A new program input, placed after the others; its fake tensor."""
+        fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        tracer = get_proxy_mode().tracer
+        proxy = tracer.create_proxy("placeholder", identifier("r_", spec.name), (), {})
+        proxy.node.meta["val"] = fake
+        track_tensor_tree(fake, proxy, constant=None, tracer=tracer)
+        placeholders = [n for n in tracer.graph.nodes if n.op == "placeholder"]
+        placeholders[-2].append(proxy.node)   # inputs come first
+        self.inputs.specs.append(spec)
+        self.inputs.slots.append(slot)
+        self.inputs.values.append(tensor)
+        self.values.append(fake if self.symbolic else tensor)
+        return fake
 
     def _unique(self, name: str) -> str:
         taken = {spec.name for spec in self.inputs.specs}
@@ -472,9 +506,11 @@ def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
     """What the step can read from: its modules, its arguments that are
     objects, and the step itself (its globals and closure; the self of a
     bound method; a callable object; a partial's arguments)."""
+    found = {id(value): name for name, value in step_args.found}
     modules = step_args.modules
     for mi, module in enumerate(modules):
-        recorder.root_module(module, f"model{mi}" if len(modules) > 1 else "model")
+        recorder.root_module(module, found.get(id(module))
+                             or (f"model{mi}" if len(modules) > 1 else "model"))
     for name, leaf in zip(step_args.names, step_args.leaves):
         recorder.reach(leaf, name)
     recorder.reach(step_fn, step_name(step_fn))

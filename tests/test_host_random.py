@@ -1,0 +1,139 @@
+"""Values the step draws on the host: Python's random, numpy's global
+generator and Generator objects, the clock. Each call draws them again, as
+eager does (same values, same generator states after); a decision on a drawn
+value is refused at the first call, naming the draw, with nothing changed.
+Against the eager step in one process and torch DDP on 2 ranks."""
+
+import copy
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+def mixup_step(model, opt, x, y):
+    """mixup with a Beta(0.4, 0.4) weight from numpy (as in mixup's reference
+    code), a random loss scale from Python's random."""
+    lam = np.random.beta(0.4, 0.4)
+    scale = random.uniform(0.5, 1.5)
+    opt.zero_grad()
+    mixed = lam * x + (1 - lam) * x.flip(0)
+    out = model(mixed)
+    loss = (lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y.flip(0))) * scale
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class Jittered(nn.Module):
+    """A module drawing from its own numpy Generator and random.Random."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.rng = np.random.default_rng(0)
+        self.py_rng = random.Random(1)
+
+    def forward(self, x):
+        noise = torch.from_numpy(self.rng.standard_normal(tuple(x.shape), dtype=np.float32))
+        return self.fc(x + 0.1 * noise) * self.py_rng.random()
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def _seed(i):
+    random.seed(i)
+    np.random.seed(i)
+
+
+@pytest.mark.parametrize("make,step_fn", [
+    (lambda: M.make("mlp"), mixup_step),
+    (Jittered, M.classify_step),
+], ids=["global generators", "a module's own generators"])
+def test_draws_on_the_host_are_drawn_again_on_every_call(make, step_fn):
+    torch.manual_seed(0)
+    ours = make()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    for i, (x, y) in enumerate(M.batches("mlp", 4, 8)):
+        _seed(i)
+        a = step(ours, opts[0], x, y)
+        after = (random.getstate(), np.random.get_state()[1].tolist())
+        _seed(i)
+        b = step_fn(theirs, opts[1], x, y)
+        assert torch.equal(a, b), i
+        assert _equal(ours, theirs), i
+        assert after == (random.getstate(), np.random.get_state()[1].tolist())
+    if isinstance(ours, Jittered):
+        assert ours.rng.bit_generator.state == theirs.rng.bit_generator.state
+        assert ours.py_rng.getstate() == theirs.py_rng.getstate()
+    assert step.traces == 1
+
+
+def decides_on_a_draw(model, opt, x, y):
+    if random.random() < 0.5:   # a LayerDrop-style decision on the host
+        x = x.flip(0)
+    return M.classify_step(model, opt, x, y)
+
+
+def test_a_decision_on_a_draw_is_refused_with_nothing_changed():
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    random.seed(0)
+    state = random.getstate()
+    with pytest.raises(TranspileError, match=r"decides on a value it draws on the host "
+                                             r"\(random.random\(\) at .*test_host_random.py"):
+        transpile(decides_on_a_draw)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert random.getstate() == state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def timed_step(model, opt, x, y):
+    start = time.perf_counter()
+    loss = M.classify_step(model, opt, x, y)
+    return loss, torch.tensor(time.perf_counter() - start)
+
+
+def test_the_clock_is_read_on_every_call():
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(timed_step)
+    seconds = [float(step(model, opt, *batch)[1]) for batch in M.batches("mlp", 3, 8)]
+    assert len(set(seconds)) == 3 and all(s >= 0 for s in seconds)
+
+
+def rank_mixup_vs_ddp(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step, ddp = transpile(mixup_step, mode=mode), DDP(theirs)
+    for i, batch in enumerate(M.batches("mlp", 4, 16)):
+        x, y = M.shard(batch, rank, world)
+        _seed(100 * rank + i)   # each rank its own draws
+        a = step(ours, opts[0], x, y)
+        _seed(100 * rank + i)
+        if not torch.equal(a, mixup_step(ddp, opts[1], x, y)):
+            return False
+    return _equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
+def test_host_draws_equal_ddp(mode, ranks2):
+    assert ranks2.run(rank_mixup_vs_ddp, mode) == [True, True]
