@@ -76,8 +76,8 @@ class Executor:
             return runnable.loop.run(self.run, leaves, runnable.compile_alone)
         first = runnable.executable is None
         start = time.perf_counter()
-        inputs = [slot.read(leaves) for slot in runnable.slots]
         with as_traced():
+            inputs = [slot.read(leaves) for slot in runnable.slots]
             if first:
                 executable = compile_program(runnable.program, runnable.backend)
                 if executable.prepare is not None:

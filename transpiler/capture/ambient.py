@@ -17,7 +17,6 @@ trace would run beneath it and the program without it."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -154,21 +153,26 @@ def refuse_untraceable(step_fn, ambient: Ambient) -> None:
             "run the eager step under it)")
 
 
-@contextlib.contextmanager
-def as_traced():
+class as_traced:
     """Run (or compile) a program as the trace left it: grad mode off,
-    autocast off on every device, the caller's torch function modes set aside."""
-    modes = []
-    while torch._C._len_torch_function_stack():
-        modes.append(torch._C._pop_torch_function_stack())
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            if torch._C._is_any_autocast_enabled():
-                for device in _AUTOCAST_DEVICES:
-                    if torch.is_autocast_enabled(device):
-                        stack.enter_context(torch.autocast(device, enabled=False))
-            yield
-    finally:
-        for mode in reversed(modes):
+    autocast off on every device, the caller's torch function modes set
+    aside; all restored on exit. A few microseconds: it wraps every run."""
+
+    def __enter__(self):
+        self.modes = []
+        while torch._C._len_torch_function_stack():
+            self.modes.append(torch._C._pop_torch_function_stack())
+        self.grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        self.autocast = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)] \
+            if torch._C._is_any_autocast_enabled() else []
+        for device in self.autocast:
+            torch.set_autocast_enabled(device, False)
+        return self
+
+    def __exit__(self, *exc):
+        for device in self.autocast:
+            torch.set_autocast_enabled(device, True)
+        torch._C._set_grad_enabled(self.grad)
+        for mode in reversed(self.modes):
             torch._C._push_on_torch_function_stack(mode)
