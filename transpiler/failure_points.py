@@ -32,9 +32,10 @@ aten = torch.ops.aten
 _CANNOT_FAIL = {
     operator.getitem, aten.copy_.default, aten._to_copy.default, aten.clone.default,
     aten.cat.default, aten.stack.default, aten.mm.default, aten.addmm.default,
-    aten.bmm.default, aten.detach.default, aten.new_empty.default, aten.new_zeros.default,
-    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
-    aten.full_like.default, aten.full.default, aten.scalar_tensor.default,
+    aten.bmm.default, aten._unsafe_view.default, aten.detach.default,
+    aten.new_empty.default, aten.new_zeros.default, aten.empty_like.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.full.default, aten.scalar_tensor.default,
     aten._amp_foreach_non_finite_check_and_unscale.default, aten._amp_update_scale.default,
     aten.slice_scatter.default, aten._local_scalar_dense.default, aten.sym_size.int,
     aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
@@ -44,6 +45,7 @@ _ARITHMETIC_MODULES = ("_operator", "math")
 
 
 def is_foreach(target) -> bool:
+    """An aten foreach op (one result per element of its list arguments)."""
     return (isinstance(target, torch._ops.OpOverload)
             and target._schema.name.split("::")[1].startswith("_foreach_"))
 

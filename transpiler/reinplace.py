@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_REDUCE
-from .failure_points import may_fail
+from .failure_points import is_foreach, may_fail
 from .functionalize import mutated_index
 from .program import OutputKind, Program, draws_random, graph_module
 from .roles import ROLE, Role
@@ -70,10 +70,6 @@ def _inplace_variant(target):
         return None
     packet = getattr(getattr(torch.ops, namespace), name + "_", None)
     return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _is_foreach(node: fx.Node) -> bool:
-    return node.target._schema.name.split("::")[1].startswith(_FOREACH_PREFIX)
 
 
 def _aliases(node: fx.Node) -> set[fx.Node]:
@@ -163,7 +159,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
         variant = _inplace_variant(node.target)
         if variant is None or not node.args:
             continue
-        if _is_foreach(node):
+        if is_foreach(node.target):
             selves = node.args[0]
             vals = node.meta["val"]
             others = other_inputs(node)
