@@ -126,9 +126,10 @@ class Executor:
             if why is not None:
                 raise TranspileError(
                     f"program {runnable.program.name!r} computed {why} as the new "
-                    f"{spec.kind.value} {spec.target}: nothing was written back, the model and "
-                    "the optimizer are as they were before the call. The step's arguments "
-                    "changed in a way the transpiler does not check (report it, with the step)")
+                    f"{spec.kind.value} {spec.target}, so nothing was written back: a target "
+                    "changed in a way the step's signature does not record (a parameter given "
+                    "a grad_dtype of its own), or the transpiler has a bug (report it, with "
+                    "the step)")
         with torch.no_grad():
             for _, target, value in writes:
                 target.write(value)

@@ -97,10 +97,12 @@ def _qualname(obj) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
 def _mode(mode) -> Mode:
-    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
-    return Mode(_qualname(mode), tuple(sorted((k, v) for k, v in vars(mode).items()
-                                              if isinstance(v, plain))))
+    return Mode(_qualname(mode), tuple(sorted(
+        (k, v) for k, v in getattr(mode, "__dict__", {}).items() if isinstance(v, _PLAIN))))
 
 
 def describe_change(old: Ambient, new: Ambient) -> str:
