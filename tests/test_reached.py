@@ -192,12 +192,19 @@ def writes_a_global_tensor(model, opt, x, y):
     return M.classify_step(model, opt, x, y)
 
 
-FREE = nn.Linear(16, 4)
+class Heads:
+    """A config object an argument holds, with a module in it."""
+
+    def __init__(self):
+        self.head = nn.Linear(16, 4)
 
 
-def trains_a_module_it_was_not_given(model, opt, x, y):
+HEADS = Heads()
+
+
+def trains_a_module_it_was_not_given(model, opt, x, y, heads=HEADS):
     opt.zero_grad()
-    loss = F.cross_entropy(model(x) + FREE(x), y)
+    loss = F.cross_entropy(model(x) + heads.head(x), y)
     loss.backward()
     opt.step()
     return loss
@@ -206,19 +213,19 @@ def trains_a_module_it_was_not_given(model, opt, x, y):
 @pytest.mark.parametrize("fn,match", [
     (writes_a_global_tensor, r"modifies 'LOOKUP' in place, a tensor it reads outside its "
                              r"arguments"),
-    (trains_a_module_it_was_not_given, r"computes a gradient for FREE.weight, a tensor it "
-                                       r"reads outside its arguments"),
+    (trains_a_module_it_was_not_given, r"computes a gradient for heads.head.weight, a tensor "
+                                       r"it reads outside its arguments"),
 ])
 def test_a_reached_tensor_written_or_given_a_gradient_is_refused(fn, match):
     model = M.make("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = copy.deepcopy(model.state_dict())
-    lookup, free = LOOKUP.clone(), copy.deepcopy(FREE.state_dict())
+    lookup, free = LOOKUP.clone(), copy.deepcopy(HEADS.head.state_dict())
     with pytest.raises(TranspileError, match=match):
         transpile(fn)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not opt.state and torch.equal(LOOKUP, lookup) and FREE.weight.grad is None
-    assert all(torch.equal(free[k], v) for k, v in FREE.state_dict().items())
+    assert not opt.state and torch.equal(LOOKUP, lookup) and HEADS.head.weight.grad is None
+    assert all(torch.equal(free[k], v) for k, v in HEADS.head.state_dict().items())
 
 
 def rank_ddpm_vs_ddp(mode: str):

@@ -362,16 +362,24 @@ def test_loss_scaling_skips_and_backs_off():
     assert any(b < a for a, b in zip(scales, scales[1:]))   # and backed off again
 
 
-def test_scaler_must_be_an_argument():
-    scaler = torch.amp.GradScaler("cpu")
+def test_a_scaler_in_a_closure_is_the_steps_own():
+    """A GradScaler the step reaches through its closure (found.py) is state
+    of the program, as one passed as an argument: equal to the eager step."""
+    results = []
+    for transpiled in (True, False):
+        scaler = torch.amp.GradScaler("cpu")
 
-    def hidden(model, opt, x, y):
-        return scaled(model, opt, x, y, scaler)
+        def hidden(model, opt, x, y):
+            return scaled(model, opt, x, y, scaler)
 
-    model = M.make("mlp", seed=0)
-    opt = _with_scheduler(M.make_optimizer("sgd", model))
-    with pytest.raises(TranspileError, match="GradScaler that is not among its arguments"):
-        transpile(hidden)(model, opt, *M.batches("mlp", 1, BATCH)[0])
+        model = M.make("mlp", seed=0)
+        opt = _with_scheduler(M.make_optimizer("sgd", model))
+        step = transpile(hidden) if transpiled else hidden
+        x, y = M.batches("mlp", 1, BATCH)[0]
+        results.append([step(model, opt, x * s, y)[1].item() for s in (50, 1, 1, 1)]
+                       + [p.detach().clone() for p in model.parameters()])
+    assert results[0][:4] == results[1][:4]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][4:], results[1][4:]))
 
 
 def test_disabled_scaler_passes_through():

@@ -10,9 +10,12 @@
 
 The compiled backends compile a variant of the program that writes each state
 update into its input (a copy_ at the end, which the compiler fuses into the
-kernel that computes it), so no write-back is left to the runtime. The
-updates depend on the gradients, which depend on every collective that reduced
-them, so they run after those collectives as in the eager backend.
+kernel that computes it), so no write-back is left to the runtime: each update
+whose value comes after every collective and depends on every other op that
+may raise (failure_points.py), so that a failure leaves the state as it was.
+The others (BatchNorm's statistics, computed in the forward pass; mode zero's
+state shards, updated before the parameters are gathered) are outputs the
+runtime writes back once the program has succeeded.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .capture.shapes import is_symbolic
 from .compiler_graph import packs_as_cat, reshapes_in_steps, views_as_reshapes
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
+from .failure_points import written_safely
 from .program import InputKind, OutputKind, Program, graph_module, same_layout
 from .reinplace import reinplace
 from .rings import backend_for
@@ -276,23 +280,25 @@ def _whole_step_graph(program: Program) -> Executable:
 
 
 def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
-    """A copy of the program that writes every `update` output into its input
-    (copy_ at the end) and returns only the other outputs; for each output of
-    the program, whether it is written that way."""
+    """A copy of the program that writes each `update` output it may write
+    safely (failure_points.written_safely) into its input (copy_ at the end)
+    and returns the other outputs; for each output of the program, whether it
+    is written that way."""
     graph = copy.deepcopy(program.graph)
     placeholders = {spec.name: n for spec, n in
                     zip(program.inputs, [n for n in graph.nodes if n.op == "placeholder"])}
     out = graph.output_node()
+    safe = written_safely(graph)
     kept, written = [], []
     with graph.inserting_before(out):
         for spec, value in zip(program.outputs, out.args[0]):
-            if spec.kind is OutputKind.UPDATE:
-                target = placeholders[spec.target]
-                if value is not target:
-                    graph.call_function(torch.ops.aten.copy_.default, (target, value))
-            else:
+            target = placeholders[spec.target] if spec.kind is OutputKind.UPDATE else None
+            in_place = target is not None and (value is target or value in safe)
+            if not in_place:
                 kept.append(value)
-            written.append(spec.kind is OutputKind.UPDATE)
+            elif value is not target:
+                graph.call_function(torch.ops.aten.copy_.default, (target, value))
+            written.append(in_place)
     out.args = (tuple(kept),)
     packs_as_cat(graph)
     views_as_reshapes(graph)

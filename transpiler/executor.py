@@ -1,6 +1,10 @@
 """Running a program on the live tensors and committing what it writes (the
 new parameters and buffers, optimizer state, .grad, held tensors) only once the
-whole program has succeeded: a step that raises leaves everything as it was."""
+whole program has succeeded: a step that raises leaves everything as it was.
+Programs run, and compile, as traced (capture/ambient.py): without the
+caller's autocast, grad mode or torch function modes. The write-back is all or
+nothing: every value is checked against its target before the first is
+written, and nothing that can fail runs after that."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import torch
 
 from . import rebuild
 from .backends import Executable, compile_program, inductor_cache_on
+from .capture.ambient import as_traced
 from .compile_once import Plan, compiled_on_every_rank, digest
+from .errors import TranspileError
 from .nodes import node_first_rank
 from .program import InputKind, OutputKind, Program
 from .rings import world
@@ -70,8 +76,8 @@ class Executor:
             return runnable.loop.run(self.run, leaves, runnable.compile_alone)
         first = runnable.executable is None
         start = time.perf_counter()
-        inputs = [slot.read(leaves) for slot in runnable.slots]
-        with torch.no_grad():   # programs run, and compile, as inference
+        with as_traced():
+            inputs = [slot.read(leaves) for slot in runnable.slots]
             if first:
                 executable = compile_program(runnable.program, runnable.backend)
                 if executable.prepare is not None:
@@ -92,9 +98,7 @@ class Executor:
             except Exception as exc:
                 rebuild.raise_if_abandoned(exc)   # a rank gave up: its reason
                 raise
-            for target, value, written in zip(runnable.targets, outputs, executable.written):
-                if target is not None and not written:
-                    target.write(value)
+        self.commit(runnable, outputs, executable.written)
         if first:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
@@ -107,15 +111,28 @@ class Executor:
         caller to check before it commits them."""
         if runnable.loop is not None:
             return runnable.loop.run(self.run_uncommitted, leaves, runnable.compile_alone)
-        with torch.no_grad():
+        with as_traced():
             return list(runnable.program.gm(*[slot.read(leaves) for slot in runnable.slots]))
 
-    def commit(self, runnable: Runnable, outputs: list) -> None:
-        """Write the outputs of run_uncommitted to their targets."""
+    def commit(self, runnable: Runnable, outputs: list, written: list[bool] | None = None) -> None:
+        """Write the outputs to their targets (but those `written` in place by
+        the program), all or none: a value that does not fit its target (its
+        shape, dtype or device) raises before any is written."""
+        writes = [(spec, target, value) for spec, target, value, done
+                  in zip(runnable.program.outputs, runnable.targets, outputs,
+                         written or [False] * len(outputs)) if target is not None and not done]
+        for spec, target, value in writes:
+            why = target.misfit(value)
+            if why is not None:
+                raise TranspileError(
+                    f"program {runnable.program.name!r} computed {why} as the new "
+                    f"{spec.kind.value} {spec.target}, so nothing was written back: a target "
+                    "changed in a way the step's signature does not record (a parameter given "
+                    "a grad_dtype of its own), or the transpiler has a bug (report it, with "
+                    "the step)")
         with torch.no_grad():
-            for target, value in zip(runnable.targets, outputs):
-                if target is not None:
-                    target.write(value)
+            for _, target, value in writes:
+                target.write(value)
 
 
 def _compiled_alone(compile, program: str) -> None:

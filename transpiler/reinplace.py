@@ -9,10 +9,12 @@ reports which state outputs were thereby written in place (their write-back is
 a no-op).
 
 State inputs (parameters, buffers, optimizer state) are only written after the
-backward pass and every collective have finished, so an error there (a failed
-collective, a bad index in the forward pass) never leaves the state half
-updated; ops that feed neither are moved after them for that purpose (but
-random ops, which keep their place in the generator's sequence of draws).
+backward pass, every collective and every op that may raise on the values it
+gets (failure_points.py) have finished, so such an error (a failed collective,
+a bad index in the forward pass or after optimizer.step()) never leaves the
+state half updated; ops that feed neither the backward pass nor a collective
+are moved after them for that purpose (but random ops, which keep their place
+in the generator's sequence of draws).
 Intermediates may be reused anywhere: an all-reduce of a buffer nothing else
 reads reduces it in place instead of cloning it. Only ops from an allowlist of
 elementwise, foreach and collective ops whose in-place form computes the same
@@ -36,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import ALL_REDUCE
+from .failure_points import is_foreach, may_fail
 from .functionalize import mutated_index
 from .program import OutputKind, Program, draws_random, graph_module
 from .roles import ROLE, Role
@@ -67,10 +70,6 @@ def _inplace_variant(target):
         return None
     packet = getattr(getattr(torch.ops, namespace), name + "_", None)
     return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _is_foreach(node: fx.Node) -> bool:
-    return node.target._schema.name.split("::")[1].startswith(_FOREACH_PREFIX)
 
 
 def _aliases(node: fx.Node) -> set[fx.Node]:
@@ -131,7 +130,8 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
                   for spec in program.outputs]
     donated = {p for p in written_to if p is not None}
     # State is written only after `end`; fx nodes compare by their place in the graph.
-    end = _sink_after_gradients(graph)
+    end = max(filter(None, [_sink_after_gradients(graph), *filter(may_fail, graph.nodes)]),
+              default=None)
 
     def reusable(x, node, others: set[fx.Node]) -> bool:
         """x (an input of node) may be overwritten by node: `others` are node's
@@ -159,7 +159,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
         variant = _inplace_variant(node.target)
         if variant is None or not node.args:
             continue
-        if _is_foreach(node):
+        if is_foreach(node.target):
             selves = node.args[0]
             vals = node.meta["val"]
             others = other_inputs(node)

@@ -29,6 +29,7 @@ from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .control import all_gather_values
 from .capture import Captured, HeldSlot, flatten_args, trace_step
+from .capture.ambient import refuse_untraceable, snapshot
 from .capture.found import discover
 from .capture.micro import NotRollable, cut_arguments
 from .capture.optimizer_state import forget_state
@@ -537,6 +538,7 @@ class TranspiledStep:
 
     def _trace(self, step_args, why: str) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
+        refuse_untraceable(self.step_fn, snapshot())
         start = time.perf_counter()
         with self._timed("trace"):
             captured = trace_step(self.step_fn, step_args,

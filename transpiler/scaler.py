@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from .capture.slots import misfit_in
 from .errors import TranspileError
 from .program import Program, keep_old_unless, new_node
 from .roles import Role
@@ -39,6 +40,9 @@ class ScalerSlot:
 
     def read(self, leaves):
         return getattr(self.scaler, self.attr)
+
+    def misfit(self, value) -> str | None:
+        return misfit_in(getattr(self.scaler, self.attr), value)
 
     def write(self, value):
         getattr(self.scaler, self.attr).copy_(value)

@@ -129,6 +129,24 @@ class Attr:
             object.__setattr__(self.obj, key, value)
 
 
+class Defaults:
+    """A function's default argument values by position."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def get(self, key, default=None):
+        defaults = self.fn.__defaults__ or ()
+        return defaults[key] if key < len(defaults) else default
+
+    def put(self, key, value) -> None:
+        defaults = list(self.fn.__defaults__)
+        defaults[key] = value
+        self.fn.__defaults__ = tuple(defaults)
+
+
 class Items:
     """A list's or a tuple's items by index."""
 
@@ -539,6 +557,14 @@ class Recorder:
             holder = self._cells.setdefault(id(cell), Cell(cell))
             self._read_place(holder, var, holder.get(var, MISSING),
                              f"closure variable {var!r} of {fn.__qualname__}", label=var)
+        code = fn.__code__
+        names = code.co_varnames[code.co_argcount - len(fn.__defaults__ or ()):code.co_argcount]
+        for i, pname in enumerate(names):   # a default the call did not override
+            self._read_place(Defaults(fn), i, fn.__defaults__[i],
+                             f"default {pname!r} of {fn.__qualname__}", label=pname)
+        for pname, value in (fn.__kwdefaults__ or {}).items():
+            self._read_place(fn.__kwdefaults__, pname, value,
+                             f"default {pname!r} of {fn.__qualname__}", label=pname)
 
     def _class_values(self, cls: type, name: str, code: types.CodeType) -> None:
         """The attributes of a user's class that the code reading it names

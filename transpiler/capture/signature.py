@@ -13,6 +13,7 @@ from ..errors import TranspileError
 from ..optimizers import formulation_of
 from ..scaler import GradScaler
 from ..scaler import signature_of as scaler_signature
+from . import ambient
 from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params
 from .outside import is_ndarray
@@ -62,7 +63,7 @@ def signature(step_args: StepArgs) -> tuple:
     """Everything the traced program depends on besides tensor values, as
     ((what, ...), value) pairs: calls with equal signatures can run the same
     program. Cheap enough for every call."""
-    sig: list = [(("arguments",), step_args.spec)]
+    sig: list = [(("arguments",), step_args.spec), (("ambient",), ambient.snapshot())]
     for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
         if isinstance(leaf, torch.Tensor):
             sig.append((("input", name), _tensor_sig(leaf, step_args.dynamic.get(i))))
@@ -185,6 +186,8 @@ def describe_change(old: tuple, new: tuple) -> str:
                 f"{len({k[:4] for k in changed})} parameters)")
     first = changed[0]
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    if first == ("ambient",):
+        return ambient.describe_change(old_d[first], new_d[first]) + more
     what = " ".join(map(str, first))
     return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
 

@@ -1,5 +1,8 @@
 """What each program input is read from and each output written to: the live
-tensors of the model, the optimizers, the step's held tensors and its arguments."""
+tensors of the model, the optimizers, the step's held tensors and its arguments.
+A slot written to says why a value does not fit it (`misfit`, None where it
+does) before anything is written: the executor asks every target of a program
+first, so its write-back is all or nothing."""
 
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ class ParamSlot:
     def read(self, leaves):
         return self.tensor
 
+    def misfit(self, value) -> str | None:
+        return misfit_in(self.tensor, value)
+
     def write(self, value):
         self.tensor.copy_(value)
 
@@ -43,6 +49,9 @@ class StateSlot:
     def read(self, leaves):
         return self.optimizer.state[self.param][self.key]
 
+    def misfit(self, value) -> str | None:
+        return _not_a_tensor(value)
+
     def write(self, value):
         _store(self.optimizer.state[self.param], self.key, value)
 
@@ -59,6 +68,9 @@ class HeldSlot:
 
     def read(self, leaves):
         return self.store[self.name]
+
+    def misfit(self, value) -> str | None:
+        return _not_a_tensor(value)
 
     def write(self, value):
         _store(self.store, self.name, value)
@@ -79,11 +91,40 @@ class GradSlot:
     def read(self, leaves):
         return self.param.grad
 
+    def misfit(self, value) -> str | None:
+        """Why torch would refuse `value` as the parameter's .grad, or None."""
+        p = self.param
+        if not isinstance(value, torch.Tensor) or value is p:
+            return _not_a_tensor(value) or "the parameter itself"
+        if (value.shape != p.shape or value.device != p.device
+                or p.grad_dtype is not None and value.dtype != p.grad_dtype):
+            return f"{describe(value)} for a gradient of {describe(p, p.grad_dtype or p.dtype)}"
+        return None
+
     def write(self, value):
         self.param.grad = value
 
     def mirror(self, memo: dict):
         return memo[id(self.param)].grad
+
+
+def misfit_in(tensor: torch.Tensor, value) -> str | None:
+    """Why `value` cannot be copied into `tensor` as the value it holds next
+    (copy_ would broadcast its shape, convert its dtype, move it), or None."""
+    if not isinstance(value, torch.Tensor):
+        return _not_a_tensor(value)
+    if value.shape != tensor.shape or value.dtype != tensor.dtype or value.device != tensor.device:
+        return f"{describe(value)} for a tensor of {describe(tensor)}"
+    return None
+
+
+def _not_a_tensor(value) -> str | None:
+    return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+
+def describe(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    """float32[8, 16] on cpu"""
+    return f"{str(dtype or t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device}"
 
 
 def _store(mapping: dict, key, value: torch.Tensor) -> None:
@@ -159,6 +200,9 @@ class AssignSlot:
 
     holder: Any
     key: Any
+
+    def misfit(self, value) -> str | None:
+        return _not_a_tensor(value)   # rebound, as the step rebinds it
 
     def write(self, value):
         put(self.holder, self.key, value)

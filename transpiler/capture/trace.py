@@ -225,7 +225,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     hosts: list[HostState] = []
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
-    kept: list[torch.Tensor] = []      # trainable ones whose .grad it did not drop first
+    kept: list[torch.Tensor] = []      # ones it gives a gradient without dropping .grad first
 
     def flat(*values):
         traced: dict[int, torch.Tensor] = {}
@@ -317,7 +317,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     grads.append(tp.grad)
                 else:
                     cleared.append((inputs.param_names[id(p)], p))
-                if tp.requires_grad and id(tp) not in markers.reset:
+                # one the step gives a gradient, onto the .grad it started with
+                if tp.requires_grad and id(tp) not in markers.reset and tp.grad is not None:
                     kept.append(p)
             return (tuple(out_leaves) + tuple(new_state) + tuple(grads)
                     + tuple(w.after for w in host.assigned))
