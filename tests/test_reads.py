@@ -261,3 +261,31 @@ def test_the_recording_leaves_classes_and_objects_as_they_were():
     for cls in (Trainer, Net, nn.Module, nn.Linear, nn.CrossEntropyLoss):
         assert not any(getattr(v, "_transpiler_records", False) for v in vars(cls).values())
     assert type(trainer) is Trainer and type(model) is Net
+
+
+class Shared(nn.Module):
+    """One module under two attribute paths (a wrapper holding the same
+    network, as BYOL's learner and its online encoder do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8))
+        self.wrapper = nn.Module()
+        self.wrapper.net = self.net
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.wrapper.net(x))
+
+
+def test_a_module_shared_under_two_paths_keeps_its_own_tensors():
+    step = _against_eager(M.classify_step, lambda i: None, calls=3, make=Shared)
+    assert step.traces == 1
+
+
+def test_the_shared_modules_tensors_after_a_call_are_real():
+    model = Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    transpile(M.classify_step)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert all(type(t) in (torch.Tensor, nn.Parameter)
+               for t in [*model.parameters(), *model.buffers()])

@@ -268,7 +268,10 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         with contextlib.ExitStack() as stack:
             for module in modules:
                 mapping = {n: traced[id(t)] for n, t in named_state(module)}
-                stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True))
+                # stack_weights: a module shared under two paths is restored last in, first out
+                # (else the second path's swap, which returned the stand-in, puts it back)
+                stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True,
+                                                          stack_weights=True))
             stack.enter_context(state_writes_kept(step_fn, modules,
                                                   {id(t) for t in traced.values()}))
             for opt in optimizers:
