@@ -20,6 +20,7 @@ import torch
 from .capture import Returned, StepArgs, describe_change, grad_signature, signature
 from .capture.guards import Guards
 from .capture.numbers import is_number
+from .capture.rng_plan import RngPlan
 from .capture.outside import is_ndarray
 from .capture.shapes import ShapeGuards
 from .capture.signature import batch_shapes
@@ -49,6 +50,7 @@ class Built:
     # (name, parameter) of those kept as shards between steps (mode fsdp)
     sharded_params: list = dataclasses.field(default_factory=list)
     shape_guards: ShapeGuards | None = None   # what it assumes of symbolic batch sizes
+    rng: RngPlan = dataclasses.field(default_factory=RngPlan)   # around each run
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

@@ -51,10 +51,12 @@ from .optimizer_state import (
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import outside_tensors
+from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .slots import ArraySlot, DataSlot, ParamSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
+from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error
 
 log = logging.getLogger("transpiler")
@@ -104,6 +106,8 @@ class Captured:
     # traced over a cut list of micro-batches (micro.py): its first leaf and
     # leaves per micro-batch; the runtime runs the programs as loops
     rolled: tuple[int, int] | None = None
+    # what the host does to torch's generators around each run (torch_rng.py)
+    rng: RngPlan = dataclasses.field(default_factory=RngPlan)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -230,6 +234,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             stack.enter_context(compiling_flag())
+            stack.enter_context(rng.recording())
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
@@ -276,6 +281,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                             if step_args.dynamic else (inputs.values, "fake"))
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
+    rng = RngRecorder(step_fn, inputs, symbols)
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -323,13 +329,14 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         for node in fgm.graph.nodes:
             if node.target is operator.getitem and MICRO in node.args[0].meta:
                 node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
+    rng_plan = rng.plan(fgm, rolled=bool(watches))
     program, slots, targets = to_program(fgm, inputs, returned[0].num_tensors, created, left)
     _check_arguments_unwritten(step_fn, program, targets)
     guard_skipped_steps(program, _optimizer_of(targets, optimizers))
     reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
     return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                     reads_grads, guards[0], ShapeGuards.of(program, slots),
-                    rolled=(step_args.start, step_args.per) if watches else None)
+                    rolled=(step_args.start, step_args.per) if watches else None, rng=rng_plan)
 
 
 
