@@ -140,7 +140,7 @@ def lay_out(gm: fx.GraphModule, events: list[Event], expected: int,
                     stream(name).at, stream(name).line = _At(event.origin), event.line
             event = next(pending, None)
         if i < len(draws):
-            _draw(stream(_stream_of(draws[i], gm)), draws[i], gm.graph, step)
+            _draw(stream(_stream_of(draws[i], gm, step)), draws[i], gm.graph, step)
     plans = [p for p in (_plan(s, call, gm, step) for s in streams.values()) if p is not None]
     plan = RngPlan(tuple(plans), tuple(lazy))
     if rolled and (plan.streams or plan.lazy):
@@ -247,16 +247,24 @@ def _with_generator(node: fx.Node, generator: fx.Node, step: str) -> None:
     node.update_kwarg("generator", generator)
 
 
-def _stream_of(node: fx.Node, gm: fx.GraphModule) -> str:
+def _stream_of(node: fx.Node, gm: fx.GraphModule, step: str) -> str:
     """The generator a random op draws from: its generator= argument (a
-    default generator: trace.py refuses others), else its device's."""
+    default generator: torch_rng.py refuses others), else its device's. Only
+    the CPU's and CUDA's generators are followed (torch_rng.py intercepts
+    their functions)."""
     given = node.kwargs.get("generator")
     if isinstance(given, fx.Node):
-        generator = getattr(gm, given.target)
-        return CPU if generator.device.type == "cpu" else f"cuda:{generator.device.index}"
-    val = node.meta["val"]
-    device = (val[0] if isinstance(val, (tuple, list)) else val).device
-    return CPU if device.type == "cpu" else f"{device.type}:{device.index}"
+        device = getattr(gm, given.target).device
+    else:
+        val = node.meta["val"]
+        device = (val[0] if isinstance(val, (tuple, list)) else val).device
+    if device.type not in ("cpu", "cuda"):
+        raise TranspileError(
+            f"{step} reads or sets torch's random number generator state and draws on "
+            f"{device.type} ({_op(node)}): the transpiler follows the CPU's and CUDA's "
+            "generators only, so the program could draw other numbers than eager there. "
+            "Remove the torch.manual_seed / fork_rng / torch.utils.checkpoint from the step")
+    return CPU if device.type == "cpu" else f"cuda:{device.index}"
 
 
 def _reuse(graph: fx.Graph, node: fx.Node, earlier: fx.Node) -> None:
