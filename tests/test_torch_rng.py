@@ -392,3 +392,35 @@ def test_a_failed_run_leaves_the_generator_as_it_was():
     with pytest.raises(IndexError):
         step(model, opt, x, y + 10)   # a class index out of range: the kernel raises
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def micro_step(model, opt, batches):
+    opt.zero_grad()
+    for x, y in batches:
+        (F.cross_entropy(model(x), y) / 4).backward()
+    opt.step()
+    return torch.rand(())
+
+
+def seeded_micro_step(model, opt, batches):
+    torch.manual_seed(11)
+    return micro_step(model, opt, batches)
+
+
+@pytest.mark.parametrize("step_fn", [micro_step, seeded_micro_step])
+def test_micro_batch_loop(step_fn, caplog):
+    """Checkpointed blocks in a rolled micro-batch loop; a seed, which the
+    host sets once per call, makes the loop be traced unrolled."""
+    batches = _batches(12, batch=4)
+    calls = [(batches[i:i + 4],) for i in range(0, 12, 4)]
+    model = _model(False)
+    twin = copy.deepcopy(model)
+    step = transpile(step_fn, micro_batches="batches")
+    eager = _run(step_fn, model, torch.optim.SGD(model.parameters(), lr=0.1), calls)
+    with caplog.at_level("INFO", logger="transpiler"):
+        ours = _run(step, twin, torch.optim.SGD(twin.parameters(), lr=0.1), calls)
+    _equal_runs(ours, eager)
+    rolled = "micro-batch loop" in str(step.program)
+    assert rolled == (step_fn is micro_step)
+    assert ("the step seeds or sets torch's random number generator" in caplog.text) == (
+        step_fn is seeded_micro_step)
