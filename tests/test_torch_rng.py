@@ -424,3 +424,14 @@ def test_micro_batch_loop(step_fn, caplog):
     assert rolled == (step_fn is micro_step)
     assert ("the step seeds or sets torch's random number generator" in caplog.text) == (
         step_fn is seeded_micro_step)
+
+
+@pytest.mark.parametrize("step_fn", [plain_step, fork_seeded_after_dropout])
+def test_verify_agrees(step_fn):
+    """verify=N runs the eager step first (forking the generator), then the
+    program from the same state, with the host's seeds and side generators."""
+    model = _model(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(step_fn, verify=2)
+    for x, y in _batches():
+        step(model, opt, x, y)

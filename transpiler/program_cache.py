@@ -20,8 +20,8 @@ import torch
 from .capture import Returned, StepArgs, describe_change, grad_signature, signature
 from .capture.guards import Guards
 from .capture.numbers import is_number
-from .capture.rng_plan import RngPlan
 from .capture.outside import is_ndarray
+from .capture.rng_plan import RngPlan
 from .capture.shapes import ShapeGuards
 from .capture.signature import batch_shapes
 from .errors import TranspileError

@@ -128,7 +128,8 @@ class RngPlan:
         if not self.streams and not self.lazy:
             yield
             return
-        found = [(plan, plan.real(), plan.real().get_state()) for plan in self.streams]
+        found = [(plan, real, real.get_state())
+                 for plan, real in ((plan, plan.real()) for plan in self.streams)]
         try:
             for plan, real, state in found:
                 for lane in plan.lanes:

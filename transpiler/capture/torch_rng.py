@@ -48,8 +48,6 @@ from .rng_plan import CPU, Origin, OriginKind, RngPlan, Seed
 from .slots import DataSlot
 from .user_code import step_name, user_line
 
-
-
 # What is intercepted, by module: torch and torch.random, torch.cuda and
 # torch.cuda.random hold the same functions.
 _CPU_MODULES = (torch, torch.random)
@@ -108,7 +106,7 @@ class RngRecorder:
     def recording(self) -> Iterator[None]:
         """Intercept the generators' functions; refuse a change made another way."""
         self._graph = get_proxy_mode().tracer.graph
-        self._counted = self._graph._root.prev
+        self._counted = self._graph._root   # count from the graph's first node
         before = real_states()
         patches = [(m, "get_rng_state", self._get_cpu) for m in _CPU_MODULES]
         patches += [(m, "set_rng_state", self._set_cpu) for m in _CPU_MODULES]
@@ -260,8 +258,8 @@ class RngRecorder:
         return checked
 
     def _check_unchanged(self, before: list[torch.Tensor]) -> None:
-        after = real_states()
-        if len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)):
+        """(A CUDA initialized during the trace starts its generators fresh.)"""
+        if all(torch.equal(a, b) for a, b in zip(real_states(), before)):
             return
         torch.default_generator.set_state(before[0])
         for stream, state in zip(cuda_streams(), before[1:]):
