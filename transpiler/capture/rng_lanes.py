@@ -140,7 +140,7 @@ def lay_out(gm: fx.GraphModule, events: list[Event], expected: int,
                     stream(name).at, stream(name).line = _At(event.origin), event.line
             event = next(pending, None)
         if i < len(draws):
-            _draw(stream(_stream_of(draws[i], gm, step)), draws[i], gm.graph, step)
+            _draw(stream(_stream_of(draws[i], gm, step)), draws[i], gm, step)
     plans = [p for p in (_plan(s, call, gm, step) for s in streams.values()) if p is not None]
     plan = RngPlan(tuple(plans), tuple(lazy))
     if rolled and (plan.streams or plan.lazy):
@@ -149,30 +149,33 @@ def lay_out(gm: fx.GraphModule, events: list[Event], expected: int,
     return plan
 
 
-def _draw(stream: _Stream, node: fx.Node, graph: fx.Graph, step: str) -> None:
+def _draw(stream: _Stream, node: fx.Node, gm: fx.GraphModule, step: str) -> None:
     """Place one random op at the stream's position and move it on."""
     at = stream.at
     if at.lane is None:   # at an origin: the same draw as a lane starting there, or a new lane
         lane = next((lane for lane in stream.lanes
-                     if lane.origin is at.origin and _same_draw(node, lane.draws[0])), None)
+                     if lane.origin is at.origin and _same_draw(gm, node, lane.draws[0])), None)
         if lane is None:
             lane = _Lane(at.origin, [node])
             stream.lanes.append(lane)
         else:
-            _reuse(graph, node, lane.draws[0])
+            _reuse(gm.graph, node, lane.draws[0])
     elif at.k < len(at.lane.draws):
         lane, earlier = at.lane, at.lane.draws[at.k]
-        if not _same_draw(node, earlier):
+        if not _same_draw(gm, node, earlier):
+            what = (f"{_op(node)} on other values than the step's {_op(earlier)} from that state"
+                    if node.target == earlier.target
+                    else f"{_op(node)}, where the step drew {_op(earlier)} from that state")
             raise TranspileError(
                 f"{step} sets torch's random number generator back{stream.line} to its state "
                 f"after {at.k} of the step's random draws, then draws other numbers from it "
-                f"({_op(node)}, where the step drew {_op(earlier)} from that state): the "
-                "program draws each number once, so after a state is set back it can repeat "
-                "the draws made from it (as torch.utils.checkpoint's recomputation does), or "
+                f"({what}): the program draws each number once, so after a state is set back "
+                "it can repeat the draws made from it (as torch.utils.checkpoint's "
+                "recomputation does when it recomputes the same ops on the same values), or "
                 "draw new ones from the state the call found or from a seed. Seed these "
                 "numbers (torch.manual_seed(n) inside torch.random.fork_rng()), or draw them "
                 "before the step's other random ops")
-        _reuse(graph, node, earlier)
+        _reuse(gm.graph, node, earlier)
     else:
         lane = at.lane
         lane.draws.append(node)
@@ -276,14 +279,22 @@ def _op(node: fx.Node) -> str:
     return str(node.target).removeprefix("aten.")
 
 
-def _same_draw(node: fx.Node, earlier: fx.Node) -> bool:
+def _same_draw(gm: fx.GraphModule, node: fx.Node, earlier: fx.Node) -> bool:
     """Whether a random op draws what `earlier` drew from the same state: the
     same op on equal arguments."""
-    return node.target == earlier.target and _equal((node.args, node.kwargs),
+    return node.target == earlier.target and _equal(gm, (node.args, node.kwargs),
                                                     (earlier.args, earlier.kwargs))
 
 
-def _equal(a, b) -> bool:
+def _same_constant(gm: fx.GraphModule, x: fx.Node, y: fx.Node) -> bool:
+    """Two constants of the graph: the same object, or tensors of equal
+    values (each torch.tensor(...) a recomputed block makes is one of its own)."""
+    a, b = getattr(gm, x.target), getattr(gm, y.target)
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                      and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+
+
+def _equal(gm: fx.GraphModule, a, b) -> bool:
     """Whether two arguments are equal values: equal constants, or nodes
     computing the same deterministic op on equal arguments (detach and
     alias are their argument)."""
@@ -297,7 +308,7 @@ def _equal(a, b) -> bool:
         if x is y:
             continue
         if isinstance(x, fx.Node) and isinstance(y, fx.Node):
-            if (x, y) in seen:
+            if (x, y) in seen or x.op == y.op == "get_attr" and _same_constant(gm, x, y):
                 continue
             seen.add((x, y))
             if x.op != "call_function" or y.op != "call_function" or x.target != y.target \

@@ -122,12 +122,13 @@ class RngPlan:
     # queues them for CUDA's initialization; replayed after each run.
     lazy: tuple[tuple[Callable[[int], None], Seed], ...] = ()
 
+    def drawing(self, leaves) -> contextlib.AbstractContextManager:
+        """Around one run of the program, `leaves` the call's arguments (a
+        plan with nothing to do costs nothing)."""
+        return self._drawing(leaves) if self.streams or self.lazy else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def drawing(self, leaves) -> Iterator[None]:
-        """Around one run of the program, `leaves` the call's arguments."""
-        if not self.streams and not self.lazy:
-            yield
-            return
+    def _drawing(self, leaves) -> Iterator[None]:
         found = [(plan, real, real.get_state())
                  for plan, real in ((plan, plan.real()) for plan in self.streams)]
         try:
