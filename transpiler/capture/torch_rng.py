@@ -84,6 +84,17 @@ def real_states() -> list[torch.Tensor]:
         _ORIGINAL_CUDA_GET(torch.device(s).index) for s in cuda_streams()]
 
 
+def _restored(before: list[torch.Tensor]) -> bool:
+    """Whether a real generator changed since `before` (real_states()); if so,
+    set them all back. (A CUDA initialized since starts its generators fresh.)"""
+    if all(torch.equal(a, b) for a, b in zip(real_states(), before)):
+        return False
+    torch.default_generator.set_state(before[0])
+    for stream, state in zip(cuda_streams(), before[1:]):
+        torch.cuda.set_rng_state(state, torch.device(stream).index)
+    return True
+
+
 class RngRecorder:
     """Records what the step does to torch's generators while it is traced
     (see the module docstring). `symbols`: the symbol of each lifted number
@@ -129,7 +140,13 @@ class RngRecorder:
         finally:
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
-        self._check_unchanged(before)
+            changed = _restored(before)
+        if changed:
+            raise TranspileError(
+                f"{step_name(self.step_fn)} changes torch's random number generator other than "
+                "through torch.manual_seed, torch.get_rng_state/set_rng_state or "
+                "torch.random.fork_rng (e.g. torch.default_generator.manual_seed(...)): those "
+                "are what a transpiled step redoes on every call; use them")
 
     def _count(self) -> int:
         """The random ops traced so far (counting those added since the last call)."""
@@ -256,19 +273,6 @@ class RngRecorder:
                     "tensor as an argument")
             return create_arg(tracer, a)
         return checked
-
-    def _check_unchanged(self, before: list[torch.Tensor]) -> None:
-        """(A CUDA initialized during the trace starts its generators fresh.)"""
-        if all(torch.equal(a, b) for a, b in zip(real_states(), before)):
-            return
-        torch.default_generator.set_state(before[0])
-        for stream, state in zip(cuda_streams(), before[1:]):
-            torch.cuda.set_rng_state(state, torch.device(stream).index)
-        raise TranspileError(
-            f"{step_name(self.step_fn)} changes torch's random number generator other than "
-            "through torch.manual_seed, torch.get_rng_state/set_rng_state or "
-            "torch.random.fork_rng (e.g. torch.default_generator.manual_seed(...)): those are "
-            "what a transpiled step replays on every call; use them")
 
     # -- after the trace
 
