@@ -297,11 +297,12 @@ def test_checkpoint_under_inductor():
 
 
 @pytest.mark.slow   # compiles
-def test_seeded_fork_under_inductor():
+@pytest.mark.parametrize("step_fn", [fork_seeded_after_dropout, seeded_after_dropout])
+def test_seeded_draws_under_inductor(step_fn):
     """Twice: the second step's program is the first's, which inductor's
     cache would give back with a copy of its generator."""
     for _ in range(2):
-        _compare(fork_seeded_after_dropout, _model(), backend="inductor", tolerance=1e-5)
+        _compare(step_fn, _model(), backend="inductor", tolerance=1e-5)
 
 
 # (g) refused, naming the line, with nothing changed
@@ -355,8 +356,21 @@ def sets_a_saved_state(model, opt, x, y):
     return plain_step(model, opt, x, y)
 
 
+def dropout_seeded_and_not(model, opt, x, y):
+    opt.zero_grad()
+    h = F.dropout(model.inp(x), 0.3)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        h = F.dropout(h, 0.3)
+    loss = F.cross_entropy(model.head(h), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 @pytest.mark.parametrize("step_fn, message", [
     (fork_after_dropout, "then draws other numbers from it"),
+    (dropout_seeded_and_not, "from two states of torch's cpu generator"),
     (fork_last, "leaves torch's random number generator (cpu) at its state after 1 of"),
     (calls_seed, "calls torch.seed()"),
     (own_generator, "draws from a torch.Generator of its own"),

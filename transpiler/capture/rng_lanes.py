@@ -21,9 +21,11 @@ events between them, per generator (a stream: "cpu", "cuda:0"):
   leaves the generator at such a state, cannot be reproduced: refused,
   naming the line that set the state back.
 
-The lane at whose end the step leaves a generator is its main lane, drawn
-from the real generator; where the step leaves it at an origin instead, the
-host sets it there after the run. Runs once per trace, after
+One lane per stream is drawn from the real generator: the one holding draws
+that only torch's generator makes (dropout's bernoulli: inductor compiles it
+with no other; two such lanes are refused), else the one at whose end the
+step leaves the generator. After the run the host sets the real generator
+where eager leaves it: an origin, or a side lane's end. Runs once per trace, after
 functionalization (values are then pure: equal nodes are equal values) and
 before the program is built (whose dead-code elimination drops what the
 removed draws read).
@@ -183,28 +185,40 @@ def _draw(stream: _Stream, node: fx.Node, gm: fx.GraphModule, step: str) -> None
 
 
 def _plan(stream: _Stream, call: Origin, gm: fx.GraphModule, step: str) -> StreamPlan | None:
-    """The stream's main lane, side lanes and end; None when the host has
-    nothing to do for it."""
+    """The stream's main lane (drawn from the real generator), side lanes and
+    end; None when the host has nothing to do for it."""
     at = stream.at
-    if at.lane is not None and at.k == len(at.lane.draws):
-        main, end = at.lane, None
-    elif at.lane is None:
-        main = next((lane for lane in stream.lanes if lane.origin is call),
-                    stream.lanes[0] if stream.lanes else None)
-        end = None if main is None and at.origin is call else at.origin
-    else:
+    if at.lane is not None and 0 < at.k < len(at.lane.draws):
         raise TranspileError(
             f"{step} leaves torch's random number generator ({stream.name}) at its state after "
             f"{at.k} of the step's {len(at.lane.draws)} random draws from there (set back"
             f"{stream.line}): the program draws them all from one generator and cannot put it "
             "back. Seed the numbers drawn after that point (torch.manual_seed(n) inside "
             "torch.random.fork_rng()), or draw them first in the step")
+    last = at.lane   # the lane at whose end the step leaves the generator, if any
+    pinned = [lane for lane in stream.lanes if any(_generator_form(n) is None for n in lane.draws)]
+    if len(pinned) > 1:
+        first, second = (next(n for n in lane.draws if _generator_form(n) is None)
+                         for lane in pinned[:2])
+        raise TranspileError(
+            f"{step} draws {_op(first)} and {_op(second)} from two states of torch's "
+            f"{stream.name} generator (a seed or a state set back{stream.line}): the program "
+            "gives the draws of one of them a generator of its own, and these ops (dropout's "
+            "among them) draw from torch's generator only. Draw the seeded or forked numbers "
+            "with torch.rand, torch.randn or torch.randint, or outside the step")
+    main = pinned[0] if pinned else last if last is not None else next(
+        (lane for lane in stream.lanes if lane.origin is call),
+        stream.lanes[0] if stream.lanes else None)
     start = main.origin if main is not None and main.origin is not call else None
-    sides = tuple(_side_lane(lane, stream.name, gm, step) for lane in stream.lanes
-                  if lane is not main)
+    sides = {lane: _side_lane(lane, stream.name, gm, step) for lane in stream.lanes
+             if lane is not main}
+    if last is not None:   # at a lane's end: the main lane's, or copied from a side lane's
+        end = sides.get(last)
+    else:                  # at an origin: set there after the run
+        end = None if main is None and at.origin is call else at.origin
     if start is None and not sides and end is None:
         return None
-    return StreamPlan(stream.name, start, sides, end)
+    return StreamPlan(stream.name, start, tuple(sides.values()), end)
 
 
 def _side_lane(lane: _Lane, stream: str, gm: fx.GraphModule, step: str) -> Lane:
@@ -226,28 +240,31 @@ def _side_lane(lane: _Lane, stream: str, gm: fx.GraphModule, step: str) -> Lane:
     with gm.graph.inserting_before(first):
         attr = gm.graph.create_node("get_attr", name)   # not a tensor: no buffer to register
     for node in lane.draws:
-        _with_generator(node, attr, step)
+        node.target = _generator_form(node)
+        node.update_kwarg("generator", attr)
     return Lane(generator, lane.origin)
 
 
-def _with_generator(node: fx.Node, generator: fx.Node, step: str) -> None:
-    """Make the random op draw from `generator`: its `generator=` argument,
-    or the overload of the op that has one."""
+# Random ops that take generator= but that inductor compiles only without one
+# (its bernoulli lowering has no generator): they draw from torch's generator.
+_REAL_GENERATOR_ONLY = {torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.default,
+                        torch.ops.aten.bernoulli.Tensor}
+
+
+def _generator_form(node: fx.Node):
+    """The overload of the random op that draws from a generator= argument
+    (the op itself where it has one), or None: dropout's bernoulli, and ops
+    without one (native_dropout)."""
     target = node.target
+    if target in _REAL_GENERATOR_ONLY:
+        return None
     names = [a.name for a in target._schema.arguments]
-    if "generator" not in names:
-        packet = target.overloadpacket
-        target = next((op for op in (getattr(packet, o) for o in packet.overloads())
-                       if [a.name for a in op._schema.arguments if a.name != "generator"] == names
-                       and len(op._schema.arguments) == len(names) + 1), None)
-        if target is None:
-            raise TranspileError(
-                f"{step} draws with {_op(node)} from a seed or a state it has drawn from before "
-                "(inside torch.random.fork_rng): that needs a generator of its own, and "
-                f"{_op(node)} takes none. Draw these numbers with torch.rand, torch.randn or "
-                "torch.randint, or outside the step")
-        node.target = target
-    node.update_kwarg("generator", generator)
+    if "generator" in names:
+        return target
+    packet = target.overloadpacket
+    return next((op for op in (getattr(packet, o) for o in packet.overloads())
+                 if [a.name for a in op._schema.arguments if a.name != "generator"] == names
+                 and len(op._schema.arguments) == len(names) + 1), None)
 
 
 def _stream_of(node: fx.Node, gm: fx.GraphModule, step: str) -> str:

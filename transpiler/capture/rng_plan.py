@@ -14,8 +14,8 @@ rng_lanes.py lays it out) is redone here, on the host, on every call:
   seed (`SEED`, a constant or an int computed from the step's lifted number
   arguments), or a state tensor among the arguments (`STATE`);
 - before the run each lane's generator is set to its origin; after it the real
-  generator is set to the origin where the eager step leaves it, unless the
-  main lane already left it where eager does;
+  generator is set to where the eager step leaves it (an origin, or the end of
+  a side lane), unless the main lane already left it there;
 - if the run raises, every real generator the plan touched is restored to the
   state the call found.
 
@@ -96,13 +96,13 @@ class Lane:
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
     """One real generator: where its main lane starts (None: as the call finds
-    it), its side lanes, and the origin where the eager step leaves it (None:
-    where the program's main lane leaves it)."""
+    it), its side lanes, and where the eager step leaves it: an origin, a side
+    lane's end, or None (where the program's main lane leaves it)."""
 
     stream: str
     start: Origin | None
     lanes: tuple[Lane, ...]
-    end: Origin | None
+    end: Origin | Lane | None
 
     def real(self) -> torch.Generator:
         """The stream's real generator (a CUDA stream exists only where CUDA
@@ -143,7 +143,9 @@ class RngPlan:
                 real.set_state(state)
             raise
         for plan, real, state in found:
-            if plan.end is not None:
+            if isinstance(plan.end, Lane):
+                real.set_state(plan.end.generator.get_state())
+            elif plan.end is not None:
                 plan.end.set(real, state, leaves)
         for seed_cuda, seed in self.lazy:
             seed_cuda(seed.value(leaves))
