@@ -233,6 +233,13 @@ def test_checkpoint_recomputes_the_forwards_masks(reentrant):
     assert sum("bernoulli" in str(n.target) for n in step.program.graph.nodes) == 3
 
 
+def test_checkpoint_with_batches_of_changing_size():
+    """The second size traces the step with symbolic batch dimensions."""
+    calls = [(x[:n], y[:n]) for (x, y), n in zip(_batches(4), (8, 6, 4, 7))]
+    step = _compare(plain_step, _model(False), calls)
+    assert step.traces == 2
+
+
 # (d) transformers' GPT-2 with gradient checkpointing
 
 def lm_step(model, opt, tokens):
