@@ -31,7 +31,6 @@ Active only inside make_fx (trace.py's ExitStack).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Callable
 
