@@ -158,10 +158,16 @@ class _Inductor:
             return False
         from torch._inductor.compile_fx import compile_fx
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+        options = _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS
+        if _holds_generator(self.gm):
+            # A program's own torch.Generator (capture/rng_lanes.py: draws from a
+            # seed inside fork_rng) comes back from inductor's FX graph cache as a
+            # copy that nothing seeds: such a program is compiled, not loaded.
+            options = dict(options, fx_graph_cache=False)
         before = _cache_lookups()
         with _cacheable(self.gm):
-            self.compiled = compile_fx(self.gm, _examples(self.gm, inputs), config_patches=(
-                _CUDA_INDUCTOR_OPTIONS if on_cuda else _INDUCTOR_OPTIONS))
+            self.compiled = compile_fx(self.gm, _examples(self.gm, inputs),
+                                       config_patches=options)
         hits, misses = (after - b for after, b in zip(_cache_lookups(), before))
         return hits > 0 and misses == 0
 
@@ -169,6 +175,11 @@ class _Inductor:
         if self.compiled is None:
             self.prepare(list(inputs))
         return self.compiled(*inputs)
+
+
+def _holds_generator(gm: fx.GraphModule) -> bool:
+    return any(isinstance(getattr(gm, node.target, None), torch.Generator)
+               for node in gm.graph.nodes if node.op == "get_attr")
 
 
 def inductor_cache_on() -> bool:

@@ -22,6 +22,7 @@ from .capture.guards import Guards
 from .capture.host_random import Draws
 from .capture.numbers import is_number
 from .capture.outside import is_ndarray
+from .capture.rng_plan import RngPlan
 from .capture.shapes import ShapeGuards
 from .capture.signature import batch_shapes
 from .errors import TranspileError
@@ -53,6 +54,7 @@ class Built:
     # host values the step wrote while traced, written again after every run
     host_writes: list = dataclasses.field(default_factory=list)
     draws: Draws | None = None   # values it draws on the host, drawn again before each run
+    rng: RngPlan = dataclasses.field(default_factory=RngPlan)   # around each run
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

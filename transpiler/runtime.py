@@ -306,10 +306,12 @@ class TranspiledStep:
         if self.schedule.step < self.verify_steps:
             outputs = self._run_verified(runnable, built, step_args, leaves, states)
         elif built is self._pending:
-            outputs = self._executor.run_uncommitted(runnable, leaves)
+            with built.rng.drawing(step_args.leaves):
+                outputs = self._executor.run_uncommitted(runnable, leaves)
             self._executor.commit(runnable, outputs)
         else:
-            outputs = self._executor.run(runnable, leaves)
+            with built.rng.drawing(step_args.leaves):
+                outputs = self._executor.run(runnable, leaves)
         self._compiles += fresh - runnable.uncompiled()
         for _, param in built.cleared:
             param.grad = None
@@ -429,7 +431,8 @@ class TranspiledStep:
             built = Built(programs, startup, refresh, captured.returned, state_key, backend,
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
-                           captured.shape_guards, captured.host_writes, captured.draws)
+                           captured.shape_guards, captured.host_writes, captured.draws,
+                           captured.rng)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -582,7 +585,8 @@ class TranspiledStep:
         memo, expected = self._reference.run(self.step_fn, step_args)
         if drawn is not None:
             built.draws.restore(drawn)
-        outputs = self._executor.run_uncommitted(runnable, leaves)
+        with built.rng.drawing(step_args.leaves):
+            outputs = self._executor.run_uncommitted(runnable, leaves)
         n_user = built.returned.num_tensors
         names = [f"returned value {i}" for i in range(n_user)]
         ours, theirs = outputs[:n_user], expected

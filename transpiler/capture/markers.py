@@ -63,8 +63,13 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
     parameter's .grad where it ends: after the last one before optimizer.step(),
     those are the gradients the program reduces."""
     original = torch.autograd.backward
+    running = []   # a backward() of the step is running
 
     def backward(tensors, grad_tensors=None, *args, **kwargs):
+        if running:
+            # Called by the backward pass itself (torch.utils.checkpoint with
+            # use_reentrant=True differentiates its recomputed block): part of it.
+            return original(tensors, grad_tensors, *args, **kwargs)
         if markers.steps:
             raise TranspileError(
                 f"{step_name(step_fn)} calls backward() after optimizer.step(){user_line(step_fn)}; "
@@ -85,7 +90,11 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
         markers.losses.append(node_of(loss))
         markers.seeds.append(node_of(seed))
         before = last_node()
-        original(loss, seed, *args, **kwargs)
+        running.append(loss)
+        try:
+            original(loss, seed, *args, **kwargs)
+        finally:
+            running.pop()
         markers.backwards.append((before, last_node()))
         markers.grads = grads_now()
         markers.ends.append(markers.grads)

@@ -53,11 +53,13 @@ from .optimizer_state import (
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import is_ndarray, outside_tensors
+from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
+from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
@@ -112,6 +114,8 @@ class Captured:
     host_writes: list[Write] = dataclasses.field(default_factory=list)
     # values drawn on the host (random, numpy.random, clocks): drawn again before each run
     draws: Draws = dataclasses.field(default_factory=Draws)
+    # what the host does to torch's generators around each run (torch_rng.py)
+    rng: RngPlan = dataclasses.field(default_factory=RngPlan)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -278,6 +282,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             stack.enter_context(compiling_flag())
+            stack.enter_context(rng.recording())
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
@@ -333,6 +338,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
+    rng = RngRecorder(step_fn, inputs, symbols)
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -393,6 +399,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             for node in fgm.graph.nodes:
                 if node.target is operator.getitem and MICRO in node.args[0].meta:
                     node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
+        rng_plan = rng.plan(fgm, rolled=bool(watches))
         program, slots, targets = to_program(
             fgm, inputs, returned[0].num_tensors, created, left,
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned])
@@ -402,7 +409,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
-                        host_writes=host.kept, draws=draws)
+                        host_writes=host.kept, draws=draws, rng=rng_plan)
     except BaseException:
         host.abandon()
         raise
