@@ -244,3 +244,40 @@ def rank_ddpm_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_a_noise_schedule_in_a_global_equals_ddp(mode, ranks2):
     assert ranks2.run(rank_ddpm_vs_ddp, mode) == [True, True]
+
+
+FEATURES = {}   # what a forward hook stores, as feature-extraction scripts do
+
+
+def _keep_features(module, args, output):
+    FEATURES["hidden"] = output
+
+
+def feature_step(model, opt, x, y):
+    opt.zero_grad()
+    out = model(x)
+    loss = F.cross_entropy(out, y) + 0.01 * FEATURES["hidden"].pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_tensor_a_hook_stores_in_a_dict_is_assigned_after_every_call():
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    handles = [m.layers[0].register_forward_hook(_keep_features) for m in (ours, theirs)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(feature_step)
+    try:
+        for x, y in M.batches("mlp", 4, 8):
+            FEATURES.clear()
+            a = step(ours, opts[0], x, y)
+            mine = FEATURES.pop("hidden")
+            b = feature_step(theirs, opts[1], x, y)
+            assert torch.equal(a, b) and torch.equal(mine, FEATURES["hidden"])
+            assert _equal(ours, theirs)
+    finally:
+        for h in handles:
+            h.remove()
+        FEATURES.clear()

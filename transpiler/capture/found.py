@@ -59,6 +59,9 @@ def discover(step_fn, argument_leaves) -> list[FoundPath]:
     found: dict[int, FoundPath] = {}
     walker = _Walker(taken, found)
     walker.step(step_fn, _step_name(step_fn))
+    for i, leaf in enumerate(argument_leaves):   # an optimizer wrapping another (SAM)
+        if isinstance(leaf, torch.optim.Optimizer) or _is_plain_object(leaf):
+            walker.members(leaf, FoundPath(f"argument {i}", _Holder(leaf), None), 0)
     modules = [p for p in found.values() if isinstance(p.read(), torch.nn.Module)]
     inner = {id(m) for p in modules for m in list(p.read().modules())[1:]}
     return [p for p in found.values() if id(p.read()) not in inner]
@@ -122,18 +125,26 @@ class _Walker:
         elif isinstance(value, dict):
             items = list(value.items())
         else:
-            members = _instance_dict(value)
-            if members is None or is_library(getattr(type(value), "__module__", "") and
-                                             _module_file(type(value))):
+            if is_library(_module_file(type(value))):
                 return
-            items = [(k, v) for k, v in members.items() if not k.startswith("__")]
-            for k, v in items[:_WIDTH]:
-                self.value(v, dataclasses.replace(
-                    path, name=f"{path.name}.{k}", steps=path.steps + (("attr", k),)), depth + 1)
+            self.members(value, path, depth)
             return
         for k, v in items[:_WIDTH]:
             self.value(v, dataclasses.replace(
                 path, name=f"{path.name}[{k!r}]", steps=path.steps + (("item", k),)), depth + 1)
+
+
+    def members(self, obj, path: FoundPath, depth: int) -> None:
+        """What an object holds in its attributes."""
+        members = _instance_dict(obj)
+        for k, v in [(k, v) for k, v in (members or {}).items() if not k.startswith("__")][:_WIDTH]:
+            self.value(v, dataclasses.replace(
+                path, name=f"{path.name}.{k}", steps=path.steps + (("attr", k),)), depth + 1)
+
+
+def _is_plain_object(value) -> bool:
+    return _instance_dict(value) is not None and not isinstance(
+        value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType))
 
 
 def _module_file(cls: type) -> str:

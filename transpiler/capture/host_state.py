@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from typing import Any
 
 import torch
 
 from ..errors import TranspileError
 from .optimizer_state import TRACE_GROUP_OPTIONS
-from .reads import MISSING, Recorder, Write, recording
+from .constants import realize
+from .guards import saved
+from .reads import MISSING, Recorder, Write, put, recording
 from .signature import registrations
 from .user_code import step_name
 
@@ -63,6 +66,9 @@ class HostState:
         """Inside the trace, once the step returned: stop recording and sort the
         writes (refusing what cannot be kept, with every write undone)."""
         self.guards, writes = self.recorder.finish()
+        for w in writes:
+            if not w.assigns_traced_tensor and _holds_traced(w.values()[1]):
+                _realize(w)
         refused = self._refused(writes)
         if refused is not None:
             for w in reversed(writes):
@@ -79,9 +85,11 @@ class HostState:
                        and _holds_traced(w.values()[1])), None)
         if stored is not None:
             return TranspileError(
-                f"{name} leaves a tensor it computed in {stored.name}: the program runs without "
-                "the step's Python, so the host cannot hold the program's own tensors; return "
-                "the tensor from the step, or assign it to an attribute (self.aux = loss)")
+                f"{name} leaves a value it computed from tensors in {stored.name} "
+                f"({stored.describe()}): the program runs without the step's Python, so the host "
+                "cannot hold the program's own values; return the tensor from the step (and "
+                "call .item() on it outside), or assign the tensor itself to an attribute "
+                "(self.aux = loss)")
         if registrations() != self.registrations and _structure(self.modules) != self.structure:
             return TranspileError(
                 f"{name} registers a parameter, a buffer or a submodule while it runs: a "
@@ -109,6 +117,21 @@ class HostState:
         self.kept = []
 
 
+def _realize(w: Write) -> None:
+    """Tensors made from constants alone in what the step wrote (a lazily built
+    object's table): their real values in place of the trace's (constants.py)."""
+    try:
+        if w.in_place:
+            container = w.holder.get(w.key, MISSING)
+            realize(container)
+            w.after = saved(container)
+        else:
+            w.after = realize(w.after)
+            put(w.holder, w.key, w.after)
+    except ValueError:
+        pass   # computed from an input: refused (_refused)
+
+
 def _structure(modules) -> tuple:
     """The names of every parameter, buffer and submodule of the step's modules."""
     return tuple((id(m), tuple(m._parameters), tuple(m._buffers), tuple(m._modules))
@@ -116,15 +139,25 @@ def _structure(modules) -> tuple:
 
 
 def _holds_traced(value, depth: int = 0) -> bool:
+    """A tensor or a number the program computes (a .item() of one)."""
     from .reads import _traced
     if isinstance(value, torch.Tensor):
         return _traced(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
     if depth > 4 or value is MISSING:
         return False
     if isinstance(value, (list, tuple, set, frozenset)):
         return any(_holds_traced(v, depth + 1) for v in value)
     if isinstance(value, dict):
         return any(_holds_traced(v, depth + 1) for v in value.values())
+    if isinstance(value, torch.nn.Module):
+        return any(_holds_traced(t) for t in [*value._parameters.values(),
+                                              *value._buffers.values()] if t is not None) \
+            or _holds_traced(vars(value), depth + 1)
+    if hasattr(value, "__dict__") and not isinstance(
+            value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return _holds_traced(vars(value), depth + 1)
     return False
 
 

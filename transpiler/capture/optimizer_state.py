@@ -57,12 +57,15 @@ def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, di
     saved_state = opt.state
     try:
         new_state = defaultdict(dict)
+        real_of = {id(t): i for i, t in traced.items()}   # stand-in -> id of its tensor
+        keys = {id(p): p for p in saved_state}
         for group in opt.param_groups:
-            originals = group["params"]
-            group["params"] = [traced[id(p)] for p in originals]
-            for p, tp in zip(originals, group["params"]):
-                new_state[tp] = dict(saved_state.get(p, {}))
-                new_state[tp].update(state.get(id(p), {}))
+            # a group shared with an optimizer redirected already (SAM's) holds stand-ins
+            ids = [real_of.get(id(p), id(p)) for p in group["params"]]
+            group["params"] = [traced[i] for i in ids]
+            for i, tp in zip(ids, group["params"]):
+                new_state[tp] = dict(saved_state.get(keys.get(i), {}))
+                new_state[tp].update(state.get(i, {}))
             for key, value in TRACE_GROUP_OPTIONS.items():
                 if key in group:
                     group[key] = value

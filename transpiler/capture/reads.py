@@ -788,7 +788,12 @@ class Recorder:
                 continue
             now = g.current()
             if now is g.original and g.kept is not None:   # changed in place
-                writes[key] = Write(g.name, g.holder, g.key, g.kept, saved(now), in_place=True)
+                items = _tensors_set(now, g.kept[0][1])
+                if items is not None:   # a tensor it computed stored under a key
+                    writes.update({(id(now), k): Write(f"{g.name}[{k!r}]", now, k, before, v)
+                                   for k, before, v in items})
+                else:
+                    writes[key] = Write(g.name, g.holder, g.key, g.kept, saved(now), in_place=True)
             elif now is not g.original:
                 writes[key] = Write(g.name, g.holder, g.key, g.original, now)
         self.hooks.seal()
@@ -818,6 +823,18 @@ class _Whole:
 
     def get(self, key, default=None):
         return self.value
+
+
+def _tensors_set(now, before: dict) -> list | None:
+    """(key, value before, tensor) of each key of a dict the step set to a
+    tensor it computed, where that is all it changed in the dict; else None."""
+    if not isinstance(now, dict) or not isinstance(before, dict) or before.keys() - now.keys():
+        return None
+    changed = [(k, before.get(k, MISSING), v) for k, v in now.items()
+               if before.get(k, MISSING) is not v]
+    if not changed or not all(isinstance(v, torch.Tensor) and _traced(v) for _, _, v in changed):
+        return None
+    return changed
 
 
 def _is_generator(value) -> bool:

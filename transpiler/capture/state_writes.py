@@ -27,14 +27,25 @@ def state_writes_kept(step_fn, modules, traced: set[int]):
                  for kind in ("_parameters", "_buffers")
                  for key, t in getattr(sub, kind).items() if t is not None]
 
+    # `p.data = t` makes p and t share memory in eager: what later updates p in
+    # place updates t (SAM's `p.data = state["old_p"]`, then the optimizer's
+    # step). Each such t ends the step holding the value p has when the step
+    # ends (or is pointed elsewhere); where nothing reads t, that copy is dead.
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def set_data(tensor, value):
         if id(tensor) not in traced:
             return _DATA.__set__(tensor, value)
+        _unshare(shared.pop(id(tensor), None))
         _copy_into(step_fn, tensor, value, "its .data")
+        if isinstance(value, torch.Tensor) and value is not tensor:
+            shared[id(tensor)] = (tensor, value)
 
     torch.Tensor.data = property(_DATA.__get__, set_data)
     try:
         yield
+        for pair in shared.values():
+            _unshare(pair)
     finally:
         del torch.Tensor.data
     for name, sub, kind, key, t in installed:
@@ -42,6 +53,13 @@ def state_writes_kept(step_fn, modules, traced: set[int]):
         if now is not t:
             getattr(sub, kind)[key] = t
             _copy_into(step_fn, t, now, f"{name + '.' if name else ''}{key}")
+
+
+def _unshare(pair) -> None:
+    if pair is not None:
+        target, source = pair
+        with torch.no_grad():
+            source.copy_(target)
 
 
 def _copy_into(step_fn, target: torch.Tensor, value, what: str) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx, track_tensor_tree
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -142,12 +143,16 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             f"{step_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
             "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
     made = make_first_state(step_args.optimizers)
+    # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
+    unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
     try:
         captured = _trace_until_it_traces(step_fn, step_args, state_stand_in)
         if captured.host_writes:
             _check_converges(step_fn, step_args, state_stand_in, captured)
     except BaseException:
         forget_state(made)
+        for scaler in unscaled:
+            scaler._scale = scaler._growth_tracker = None
         raise
     # State made for a parameter the step gives no gradient: its first step
     # would not have made it, and the program does not read it.
@@ -635,8 +640,7 @@ class _RoleCarrier(fx.Interpreter):
         if any(key in n.meta for key in (PARAM, SKIPS, GRAD_AT, CARRY)) or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
-            inner = torch._from_functional_tensor(result) if torch._is_functional_tensor(result) else result
-            node = node_of(inner)
+            node = node_of(_unwrapped(result))
             for key in (PARAM, SKIPS, GRAD_AT, CARRY):
                 if key in n.meta:
                     node.meta[key] = n.meta[key]
@@ -645,8 +649,36 @@ class _RoleCarrier(fx.Interpreter):
         return result
 
 
+def _unwrapped(t):
+    """The traced tensor behind a functional one."""
+    if isinstance(t, FunctionalTensor):
+        t = t.elem
+    return torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
+
+
 def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphModule:
+    """Trace the graph again under functionalization: its ops out of place, a
+    mutated input written back (copy_) at the end. torch's Python
+    functionalization (FunctionalTensorMode, as AOTAutograd's) keeps every op
+    the graph calls; torch.func.functionalize would run the Python
+    decomposition some ops register as their meta function
+    (binary_cross_entropy_with_logits), which rounds otherwise than eager's kernel."""
     def run(*args):
-        return _RoleCarrier(gm).run(*args)
-    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode=tracing_mode,
+        with torch._C._ExcludeDispatchKeyGuard(
+                torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)), \
+                FunctionalTensorMode():
+            wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a
+                       for a in args]
+            outputs = _RoleCarrier(gm).run(*wrapped)
+            for w in wrapped:
+                if isinstance(w, FunctionalTensor):
+                    torch._sync(w)
+            outputs = pytree.tree_map_only(FunctionalTensor, _unwrapped, outputs)
+            mutated = [(a, _unwrapped(w)) for a, w in zip(args, wrapped)
+                       if isinstance(w, FunctionalTensor)
+                       and torch._functionalize_has_data_mutation(w.elem)]
+        for arg, new in mutated:
+            arg.copy_(new)
+        return outputs
+    return make_fx(run, tracing_mode=tracing_mode,
                    _allow_non_fake_inputs=True)(*[v.detach() for v in values])
