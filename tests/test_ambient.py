@@ -300,3 +300,29 @@ def test_grad_off_on_one_rank_raises_on_every_rank(at_call):
             assert message.startswith("rank 1 could not build the step again "
                                       "(ambient grad mode: on -> off")
             assert "this job cannot go on; restart it" in message
+
+
+def twice_under_autocast(model, opt, x1, x2):
+    """A module applied twice in one autocast region (MoCo's two views, a
+    siamese network): eager casts each parameter to bfloat16 once (autocast's
+    cache), so both uses' gradients add up in bfloat16."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x1).float().pow(2).sum() + model(x2).float().pow(2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_module_used_twice_under_autocast_equals_eager():
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.Linear(32, 8))
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ours, theirs)]
+    step = transpile(twice_under_autocast)
+    for _ in range(3):
+        x1, x2 = torch.randn(8, 16), torch.randn(8, 16)
+        assert torch.equal(step(ours, opts[0], x1, x2), twice_under_autocast(theirs, opts[1], x1, x2))
+        assert all(torch.equal(p, q) and torch.equal(p.grad, q.grad)
+                   for p, q in zip(ours.parameters(), theirs.parameters()))

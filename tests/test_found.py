@@ -115,3 +115,41 @@ def rank_trainer_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_a_trainer_equals_ddp(mode, ranks2):
     assert ranks2.run(rank_trainer_vs_ddp, mode) == [True, True]
+
+
+def manual_sgd(model, x, y, lr=0.1):
+    """pytorch/examples word_language_model's update, written by hand: no optimizer."""
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-lr)
+    return loss
+
+
+def test_an_update_written_by_hand_without_an_optimizer():
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    step = transpile(manual_sgd)
+    for x, y in M.batches("mlp", 3, 8):
+        assert torch.equal(step(ours, x, y), manual_sgd(theirs, x, y))
+        assert _equal(ours, theirs)
+
+
+def rank_manual_sgd_vs_ddp(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    step, ddp = transpile(manual_sgd, mode=mode), DDP(theirs)
+    for batch in M.batches("mlp", 3, 16):
+        x, y = M.shard(batch, rank, world)
+        if not torch.equal(step(ours, x, y), manual_sgd(ddp, x, y)):
+            return False
+    return _equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_an_update_written_by_hand_equals_ddp(mode, ranks2):
+    assert ranks2.run(rank_manual_sgd_vs_ddp, mode) == [True, True]

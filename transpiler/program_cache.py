@@ -55,6 +55,8 @@ class Built:
     host_writes: list = dataclasses.field(default_factory=list)
     draws: Draws | None = None   # values it draws on the host, drawn again before each run
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)   # around each run
+    # optimizer state made for the trace (capture.trace_step), until a run succeeds
+    made_state: list = dataclasses.field(default_factory=list)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

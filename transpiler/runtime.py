@@ -38,7 +38,7 @@ from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
 from .modes import STARTUP_PASSES
-from .pipeline import PassContext, pass_name, record, run_passes
+from .pipeline import PassContext, pass_name, record, resolve as resolve_pass, run_passes
 from .program import Held, InputKind, OutputKind, Program, format_collectives, held_name
 from .roles import COMM
 from .program_cache import Built, ProgramCache
@@ -303,15 +303,15 @@ class TranspiledStep:
         fresh = runnable.uncompiled()
         # what the step draws on the host, drawn for this run
         states = built.draws.for_run() if built.draws else None
-        if self.schedule.step < self.verify_steps:
-            outputs = self._run_verified(runnable, built, step_args, leaves, states)
-        elif built is self._pending:
-            with built.rng.drawing(step_args.leaves):
-                outputs = self._executor.run_uncommitted(runnable, leaves)
-            self._executor.commit(runnable, outputs)
-        else:
-            with built.rng.drawing(step_args.leaves):
-                outputs = self._executor.run(runnable, leaves)
+        try:
+            outputs = self._run(runnable, built, step_args, leaves, states, fresh)
+        except BaseException:
+            # The first run failed: the state made for its trace goes too (the
+            # next call's signature, without it, builds again).
+            forget_state(built.made_state)
+            built.made_state = []
+            raise
+        built.made_state = []
         self._compiles += fresh - runnable.uncompiled()
         for _, param in built.cleared:
             param.grad = None
@@ -329,6 +329,22 @@ class TranspiledStep:
             self._check_due = False
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
+
+    def _run(self, runnable: Runnable, built: Built, step_args, leaves, states, fresh: int):
+        if self.schedule.step < self.verify_steps:
+            return self._run_verified(runnable, built, step_args, leaves, states)
+        if built is self._pending or (fresh and runnable.backend == "eager"
+                                      and runnable.loop is None):
+            # A program's first run writes nothing in place: its outputs are
+            # checked against their targets first (an op whose meta function
+            # got a shape wrong, a quantization observer's resize_, raises with
+            # nothing written), then committed.
+            with built.rng.drawing(step_args.leaves):
+                outputs = self._executor.run_uncommitted(runnable, leaves)
+            self._executor.commit(runnable, outputs)
+            return outputs
+        with built.rng.drawing(step_args.leaves):
+            return self._executor.run(runnable, leaves)
 
     @property
     def parameter_shard_bytes(self) -> int:
@@ -407,6 +423,8 @@ class TranspiledStep:
         captured = None
         try:
             captured = self._trace(step_args, why)
+            if not step_args.optimizers:
+                self._check_update_by_hand()
             start = time.perf_counter()
             device = device_of(captured.program)
             backend = resolve(self.backend, device)
@@ -432,7 +450,7 @@ class TranspiledStep:
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
-                           captured.rng)
+                           captured.rng, captured.made_state)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -473,6 +491,22 @@ class TranspiledStep:
                      "step is traced with symbolic batch dimensions and that compiles instead")
             self._pending = built
         return built
+
+    # Passes that work on the optimizer's update (or the parameters around it)
+    # and are not written for an update done by hand (p.data.add_(...)).
+    _NEED_AN_OPTIMIZER = frozenset({"shard_params", "local_sgd", "mix_params", "gather_grads",
+                                    "snapshot_params"})
+
+    def _check_update_by_hand(self) -> None:
+        """A step with no optimizer (its update written by hand) runs in the
+        modes that reduce gradients only (grad_allreduce, fuse_all_reduce, zero)."""
+        used = {pass_name(resolve_pass(p)) for passes in self.schedule.programs.values()
+                for p in passes} & self._NEED_AN_OPTIMIZER
+        if used:
+            raise TranspileError(
+                f"the step updates its parameters by hand, without a torch.optim optimizer, "
+                f"which the pass {sorted(used)[0]} of this mode does not handle: use a torch.optim "
+                "optimizer, or mode grad_allreduce, fuse_all_reduce or zero")
 
     def _decide_pending(self, call_args) -> None:
         """The second call, after a first build that ran op by op: if every

@@ -20,22 +20,26 @@ from .reads import _traced
 _DEPTH = 4
 
 
-def realize(value, depth: int = 0):
+def realize(value, reals: dict, depth: int = 0):
     """The value with every traced tensor in it (its attributes, items, at a
     few levels) replaced by its real value, in place where it is held by an
     object or a list or dict; returns the value (a new tuple where one held
-    such a tensor). Raises ValueError for a tensor computed from an input."""
+    such a tensor). `reals`: id of the trace's stand-in of a parameter or
+    buffer -> that tensor (an RNN's list of its weights holds them). Raises
+    ValueError for a tensor computed from an input."""
     if isinstance(value, torch.Tensor):
+        if id(value) in reals:
+            return reals[id(value)]
         return _computed(value) if _traced(value) else value
     if depth >= _DEPTH:
         return value
     if isinstance(value, list):
-        value[:] = [realize(v, depth + 1) for v in value]
+        value[:] = [realize(v, reals, depth + 1) for v in value]
     elif isinstance(value, dict):
         for k, v in list(value.items()):
-            value[k] = realize(v, depth + 1)
+            value[k] = realize(v, reals, depth + 1)
     elif isinstance(value, tuple):
-        items = [realize(v, depth + 1) for v in value]
+        items = [realize(v, reals, depth + 1) for v in value]
         if any(a is not b for a, b in zip(items, value)):
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     elif isinstance(value, torch.nn.Module):
@@ -43,14 +47,14 @@ def realize(value, depth: int = 0):
             members = getattr(value, kind)
             for k, v in list(members.items()):
                 if isinstance(v, torch.Tensor) and _traced(v):
-                    members[k] = _computed(v)
+                    members[k] = reals.get(id(v)) or _computed(v)
         for k, v in list(vars(value).items()):
             if not k.startswith("_"):
-                vars(value)[k] = realize(v, depth + 1)
+                vars(value)[k] = realize(v, reals, depth + 1)
     elif hasattr(value, "__dict__") and not isinstance(
             value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
         for k, v in list(vars(value).items()):
-            vars(value)[k] = realize(v, depth + 1)
+            vars(value)[k] = realize(v, reals, depth + 1)
     return value
 
 

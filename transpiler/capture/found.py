@@ -59,8 +59,10 @@ def discover(step_fn, argument_leaves) -> list[FoundPath]:
     found: dict[int, FoundPath] = {}
     walker = _Walker(taken, found)
     walker.step(step_fn, _step_name(step_fn))
-    for i, leaf in enumerate(argument_leaves):   # an optimizer wrapping another (SAM)
-        if isinstance(leaf, torch.optim.Optimizer) or _is_plain_object(leaf):
+    for i, leaf in enumerate(argument_leaves):
+        # an optimizer wrapping another (SAM's), a module keeping its optimizers
+        # (Lightning's self.optimizers()), a config holding a scaler
+        if isinstance(leaf, (torch.optim.Optimizer, torch.nn.Module)) or _is_plain_object(leaf):
             walker.members(leaf, FoundPath(f"argument {i}", _Holder(leaf), None), 0)
     modules = [p for p in found.values() if isinstance(p.read(), torch.nn.Module)]
     inner = {id(m) for p in modules for m in list(p.read().modules())[1:]}
@@ -111,7 +113,10 @@ class _Walker:
         if value is None or id(value) in self.taken:
             return
         if isinstance(value, _STEP_OBJECTS):
-            self.found.setdefault(id(value), path)
+            if id(value) not in self.found:
+                self.found[id(value)] = path
+                if isinstance(value, torch.nn.Module) and depth < _DEPTH:
+                    self.members(value, path, depth)   # a module keeping its optimizers
             return
         if isinstance(value, types.FunctionType):
             self.function(value)

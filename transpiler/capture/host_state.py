@@ -51,8 +51,13 @@ class HostState:
     `assigned` (tensor writes: program outputs) and `kept` (other writes,
     left in place and replayed after each run). Filled by finish()."""
 
-    def __init__(self, recorder: Recorder, step_fn, modules, optimizers):
+    def __init__(self, recorder: Recorder, step_fn, modules, optimizers,
+                 traced: dict[int, torch.Tensor]):
         self.recorder = recorder
+        # the trace's stand-in of each parameter and buffer -> the tensor itself
+        self.reals = {id(t): real for real in
+                      [t for m in modules for t in [*m.parameters(), *m.buffers()]]
+                      for t in [traced.get(id(real))] if t is not None}
         self.step_fn = step_fn
         self.modules, self.optimizers = modules, optimizers
         self.groups = _group_values(optimizers)
@@ -66,9 +71,12 @@ class HostState:
         """Inside the trace, once the step returned: stop recording and sort the
         writes (refusing what cannot be kept, with every write undone)."""
         self.guards, writes = self.recorder.finish()
+        for w in [w for w in writes if _rederived(w)]:
+            w.undo()
+            writes.remove(w)
         for w in writes:
             if not w.assigns_traced_tensor and _holds_traced(w.values()[1]):
-                _realize(w)
+                _realize(w, self.reals)
         refused = self._refused(writes)
         if refused is not None:
             for w in reversed(writes):
@@ -117,16 +125,27 @@ class HostState:
         self.kept = []
 
 
-def _realize(w: Write) -> None:
+# torch's RNNs keep lists of their weights that forward rebuilds when the
+# parameters are not the ones listed: the trace's stand-ins are not.
+_RNN_WEIGHT_LISTS = frozenset({"_flat_weights", "_flat_weight_refs"})
+
+
+def _rederived(w: Write) -> bool:
+    """A write torch's own code makes because the trace swapped the parameters."""
+    owner = getattr(w.holder, "get", None) and w.holder.get("_flat_weights_names")
+    return w.key in _RNN_WEIGHT_LISTS and owner is not None
+
+
+def _realize(w: Write, reals: dict) -> None:
     """Tensors made from constants alone in what the step wrote (a lazily built
     object's table): their real values in place of the trace's (constants.py)."""
     try:
         if w.in_place:
             container = w.holder.get(w.key, MISSING)
-            realize(container)
+            realize(container, reals)
             w.after = saved(container)
         else:
-            w.after = realize(w.after)
+            w.after = realize(w.after, reals)
             put(w.holder, w.key, w.after)
     except ValueError:
         pass   # computed from an input: refused (_refused)

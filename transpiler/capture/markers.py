@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TranspileError
 from ..roles import PARAM, ROLE, Role
@@ -196,6 +197,16 @@ def optimizer_markers(markers: Markers, optimizers, modules):
     for opt in optimizers:
         handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
+    ours = {id(opt) for opt in optimizers}
+
+    def unknown(opt, args, kwargs):
+        if id(opt) not in ours:
+            raise TranspileError(
+                f"{type(opt).__name__}.step() is called{user_line(None)} on an optimizer the "
+                "step does not take as an argument nor reaches through its own object, a "
+                "partial, its closure or its globals: pass it as an argument, e.g. "
+                "step(model, optimizer, x, y)")
+    handles.append(register_optimizer_step_pre_hook(unknown))
     patched = list(optimizers) + list(modules)
     for obj in patched:
         object.__setattr__(obj, "zero_grad", tracked(obj))

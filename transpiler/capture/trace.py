@@ -24,7 +24,7 @@ from .. import functionalize
 from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
-from ..program import InputKind, InputSpec, Program
+from ..program import InputKind, InputSpec, OutputKind, Program
 from ..roles import CARRY, GRAD_AT, MICRO, PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
@@ -138,10 +138,6 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         raise TranspileError(
             f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
-    if not step_args.optimizers:
-        raise TranspileError(
-            f"{step_name(step_fn)} was called with no torch.optim.Optimizer among its arguments: "
-            "pass the optimizer as an argument, e.g. step(model, optimizer, x, y)")
     made = make_first_state(step_args.optimizers)
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
@@ -265,7 +261,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         late.begin(traced, torch._guards.detect_fake_mode(values))
         host = HostState(Recorder(late.stand_in, {id(m) for module in modules
                                                   for m in module.modules()}),
-                         step_fn, modules, optimizers)
+                         step_fn, modules, optimizers, traced)
         hosts.append(host)
         _copy_tensor_hooks(inputs, traced, host.recorder)
 
@@ -287,6 +283,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             stack.enter_context(compiling_flag())
+            # make_fx turns autocast's cache of casts off; eager casts a
+            # parameter used twice in one autocast region once (both uses' gradients
+            # add up in the low precision), so the trace does too
+            stack.enter_context(_autocast_cache(cache_casts))
+            stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording())
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
@@ -303,6 +304,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             host.finish()
             late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
+            if not markers.steps:   # no optimizer: an update written by hand (p.data -= ...)
+                markers.reduced = dict(markers.grads)
             out_leaves, spec = pytree.tree_flatten(result)
             returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
             out_leaves = [o for o in out_leaves if o is not None]
@@ -340,6 +343,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
                             if step_args.dynamic else (list(inputs.values), "fake"))
     late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic")
+    cache_casts = torch.is_autocast_cache_enabled()
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     symbols: dict = {}   # the symbol of each lifted number -> its name
@@ -409,6 +413,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             fgm, inputs, returned[0].num_tensors, created, left,
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned])
         _check_arguments_unwritten(step_fn, program, targets)
+        _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
         reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
@@ -532,6 +537,31 @@ def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
     recorder.reach(step_fn, step_name(step_fn))
 
 
+@contextlib.contextmanager
+def _without_anomaly_mode(step_fn):
+    """torch.autograd's anomaly detection checks every backward output for NaN
+    on the host, which a program cannot do: the step is traced without it (the
+    values are the same), and the log says so."""
+    if not torch.is_anomaly_enabled():
+        yield
+        return
+    log.warning("transpiler: %s runs with torch.autograd's anomaly detection on; the "
+                "program computes the same values but does not check its backward pass for "
+                "NaN (run the eager step to debug one)", step_name(step_fn))
+    with torch.autograd.set_detect_anomaly(False):
+        yield
+
+
+@contextlib.contextmanager
+def _autocast_cache(enabled: bool):
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def _group_tensors(optimizers) -> set[int]:
     """ids of the tensors among param-group values (a tensor lr): the
     signature compares them by value."""
@@ -581,6 +611,28 @@ def _check_arguments_unwritten(step_fn, program: Program, targets: list) -> None
                 "in-place op such as x.mul_(2) or x[mask] = 0 on the batch): a transpiled step "
                 "does not write its batch arguments back; compute out of place (x = x * 2), or "
                 "clone the argument first (x = x.clone())")
+
+
+def _check_layouts_kept(step_fn, program: Program) -> None:
+    """A state tensor the step gives another shape or dtype in place (resize_,
+    set_: a quantization observer's per-channel scale) is refused before any
+    run: the write-back keeps every tensor's layout."""
+    placeholders = {spec.name: node for spec, node in zip(program.inputs, program.placeholders)}
+    for spec, value in zip(program.outputs, program.output_node.args[0]):
+        old = placeholders.get(spec.target) if spec.kind is OutputKind.UPDATE else None
+        if old is None or not isinstance(value, fx.Node):
+            continue
+        before, after = old.meta.get("val"), value.meta.get("val")
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and (
+                tuple(before.shape) != tuple(after.shape) or before.dtype != after.dtype):
+            raise TranspileError(
+                f"{step_name(step_fn)} changes the layout of {spec.target} in place "
+                f"({str(before.dtype).replace('torch.', '')}{list(before.shape)} -> "
+                f"{str(after.dtype).replace('torch.', '')}{list(after.shape)}, e.g. with "
+                "resize_): a transpiled step writes its state back in place, keeping each "
+                "tensor's shape and dtype; give the buffer its final shape before the first "
+                "call (for quantization observers, run one forward pass of the prepared model "
+                "first)")
 
 
 def _outside_hint(step_args: StepArgs) -> str:
