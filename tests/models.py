@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -166,3 +168,23 @@ def max_rel_error(a: dict, b: dict) -> float:
         x, y = a[k].double(), b[k].double()
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
     return worst
+
+
+def against_eager(step_fn, between=None, calls: int = 4, build=None, args: tuple = ()):
+    """The step transpiled and eager from the same start (SGD with momentum),
+    `between(i, (ours, theirs))` run before call i: each call's result and the
+    models' state must be equal bit for bit. Returns the transpiled step."""
+    from transpiler import transpile
+    torch.manual_seed(0)
+    ours = build() if build is not None else make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    for i, (x, y) in enumerate(batches("mlp", calls, 8)):
+        if between is not None:
+            between(i, (ours, theirs))
+        a, b = step(ours, opts[0], x, y, *args), step_fn(theirs, opts[1], x, y, *args)
+        assert torch.equal(a, b), f"call {i}: {a} != {b}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.state_dict().values(),
+                                                     theirs.state_dict().values())), f"call {i}"
+    return step

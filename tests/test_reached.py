@@ -24,20 +24,6 @@ def _equal(a: nn.Module, b: nn.Module) -> bool:
                                                  b.state_dict().values()))
 
 
-def _against_eager(step_fn, between=lambda i, models: None, calls=4,
-                   make=lambda: M.make("mlp")):
-    torch.manual_seed(0)
-    ours = make()
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
-    step = transpile(step_fn)
-    for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
-        between(i, (ours, theirs))
-        assert torch.equal(step(ours, opts[0], x, y), step_fn(theirs, opts[1], x, y)), i
-        assert _equal(ours, theirs), i
-    return step
-
-
 def test_class_weights_in_a_closure_and_a_loss_module():
     weights = torch.tensor([1.0, 2.0, 0.5, 1.0])
     criterion = nn.CrossEntropyLoss(weight=weights.clone(), label_smoothing=0.1)
@@ -54,7 +40,7 @@ def test_class_weights_in_a_closure_and_a_loss_module():
         if i == 2:
             weights.mul_(2.0)
             criterion.weight.fill_(0.5)
-    step = _against_eager(weighted, between)
+    step = M.against_eager(weighted, between)
     assert step.traces == 1
 
 
@@ -155,7 +141,7 @@ def test_a_teacher_model_a_list_of_tensors_and_a_numpy_table_in_globals():
     state = copy.deepcopy(TEACHER.state_dict())
     anchors, table = list(ANCHORS), TABLE.copy()
     try:
-        step = _against_eager(distill_step, between)
+        step = M.against_eager(distill_step, between)
     finally:
         TEACHER.load_state_dict(state)
         ANCHORS[:] = anchors
@@ -180,7 +166,7 @@ def test_a_plain_tensor_attribute_of_a_module():
         if i == 2:
             for m in models:
                 m.mask = torch.tensor([0.0, 1.0, 1.0, 0.5])
-    step = _against_eager(M.classify_step, between, make=Masked)
+    step = M.against_eager(M.classify_step, between, build=Masked)
     assert step.traces == 1
 
 
@@ -281,3 +267,66 @@ def test_a_tensor_a_hook_stores_in_a_dict_is_assigned_after_every_call():
         for h in handles:
             h.remove()
         FEATURES.clear()
+
+
+def _diffusers():
+    diffusers = pytest.importorskip("diffusers")
+    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3,
+                                 layers_per_block=1, block_out_channels=(8, 16),
+                                 down_block_types=("DownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+    return unet, diffusers.DDPMScheduler(num_train_timesteps=50)
+
+
+def diffusers_ddpm_step(model, optimizer, clean_images, noise_scheduler):
+    """diffusers' examples/unconditional_image_generation/train_unconditional.py:
+    noise drawn with torch, timesteps drawn per sample, the scheduler (a plain
+    object holding its tables) passed to the step, MSE on the noise."""
+    noise = torch.randn(clean_images.shape)
+    bsz = clean_images.shape[0]
+    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,)).long()
+    noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+    model_output = model(noisy_images, timesteps, return_dict=False)[0]
+    loss = F.mse_loss(model_output.float(), noise.float())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_diffusers_ddpm_step_with_its_scheduler_equals_eager():
+    torch.manual_seed(0)
+    unet, scheduler = _diffusers()
+    twin = copy.deepcopy(unet)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (unet, twin)]
+    step = transpile(diffusers_ddpm_step)
+    for i in range(3):
+        images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i))
+        torch.manual_seed(10 + i)
+        a = step(unet, opts[0], images, scheduler)
+        torch.manual_seed(10 + i)
+        assert torch.equal(a, diffusers_ddpm_step(twin, opts[1], images, scheduler)), i
+        assert _equal(unet, twin), i
+    assert step.traces == 1
+
+
+def rank_diffusers_vs_ddp():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    unet, scheduler = _diffusers()
+    twin = copy.deepcopy(unet)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (unet, twin)]
+    step, ddp = transpile(diffusers_ddpm_step, mode="fuse_all_reduce"), DDP(twin)
+    for i in range(3):
+        images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + i))
+        torch.manual_seed(100 * rank + i)
+        a = step(unet, opts[0], images, scheduler)
+        torch.manual_seed(100 * rank + i)
+        if not torch.equal(a, diffusers_ddpm_step(ddp, opts[1], images, scheduler)):
+            return False
+    return _equal(unet, twin)
+
+
+def test_diffusers_ddpm_step_equals_ddp(ranks2):
+    pytest.importorskip("diffusers")
+    assert ranks2.run(rank_diffusers_vs_ddp) == [True, True]

@@ -35,21 +35,9 @@ def _equal(a: nn.Module, b: nn.Module) -> bool:
                                                  b.state_dict().values()))
 
 
-def _against_eager(step_fn, change, calls: int = 4, make=Net, caplog=None, args=()):
-    """Run the step transpiled and eager from the same start; change(i) edits
-    the host between calls. Returns the transpiled step."""
-    torch.manual_seed(0)
-    ours = make()
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
-    step = transpile(step_fn)
-    for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
-        change(i)
-        a = step(ours, opts[0], x, y, *args)
-        b = step_fn(theirs, opts[1], x, y, *args)
-        assert torch.equal(a, b), f"call {i}: {a} != {b}"
-        assert _equal(ours, theirs), f"call {i}"
-    return step
+def _against_eager(step_fn, change, calls: int = 4, make=Net, args=()):
+    """M.against_eager with change(i) editing the host before call i."""
+    return M.against_eager(step_fn, lambda i, models: change(i), calls, make, args)
 
 
 @dataclasses.dataclass

@@ -106,13 +106,24 @@ class Executor:
                      runnable.program.name, runnable.backend, seconds)
         return outputs
 
+    def make_ready(self, runnable: Runnable) -> None:
+        """An eager program after its first run (run_uncommitted): made ready
+        to run op by op, as run() makes it (eager compiles nothing)."""
+        if runnable.executable is None and runnable.loop is None:
+            runnable.executable = compile_program(runnable.program, runnable.backend)
+
     def run_uncommitted(self, runnable: Runnable, leaves) -> list:
         """Run the program op by op and write nothing: every output, for the
         caller to check before it commits them."""
         if runnable.loop is not None:
             return runnable.loop.run(self.run_uncommitted, leaves, runnable.compile_alone)
         with as_traced():
-            return list(runnable.program.gm(*[slot.read(leaves) for slot in runnable.slots]))
+            inputs = [slot.read(leaves) for slot in runnable.slots]
+            try:
+                return list(runnable.program.gm(*inputs))
+            except Exception as exc:
+                rebuild.raise_if_abandoned(exc)   # a rank gave up: its reason
+                raise
 
     def commit(self, runnable: Runnable, outputs: list, written: list[bool] | None = None) -> None:
         """Write the outputs to their targets (but those `written` in place by

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .capture.guards import INTERNAL
 from .errors import TranspileError
 from .program import Held, held_name
 from .shards import Sharding, as_dtensor, from_dtensor, full_of, refuse_hybrid_dcp, shard_of, world_mesh
@@ -47,7 +48,9 @@ def guard_forward(modules: list[torch.nn.Module], params: list[tuple[str, torch.
         for sub in module.modules():
             held = [(attr, p) for attr, p in sub._parameters.items() if id(p) in sharded]
             if held and sub not in guarded:
-                sub.register_forward_pre_hook(functools.partial(_refuse_released, held))
+                hook = functools.partial(_refuse_released, held)
+                setattr(hook, INTERNAL, True)   # the transpiler's: not a guard of the step
+                sub.register_forward_pre_hook(hook)
                 guarded.add(sub)
 
 

@@ -6,8 +6,8 @@ item of a container: a `holder` with `.get(key, default)`, reads.py) and what
 was there: a plain value (compared by type and value), an object (by identity),
 a container of objects or tensors (item by item), a tensor read as a program
 input (by layout), or nothing (the read found no such attribute). The check of
-a whole program's guards is one generated Python function, so a call pays a
-few tens of nanoseconds per guard; only a failed check looks for the guard that
+a whole program's guards is one generated Python function, so a call pays
+about a hundred nanoseconds per guard; only a failed check looks for the guard that
 failed, to name it in the log.
 """
 

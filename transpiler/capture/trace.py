@@ -304,7 +304,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             host.finish()
             late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
-            if not markers.steps:   # no optimizer: an update written by hand (p.data -= ...)
+            if not optimizers:   # no optimizer: an update written by hand (p.data -= ...)
                 markers.reduced = dict(markers.grads)
             out_leaves, spec = pytree.tree_flatten(result)
             returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
@@ -732,5 +732,9 @@ def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphMod
         for arg, new in mutated:
             arg.copy_(new)
         return outputs
-    return make_fx(run, tracing_mode=tracing_mode,
-                   _allow_non_fake_inputs=True)(*[v.detach() for v in values])
+    gm = make_fx(run, tracing_mode=tracing_mode,
+                 _allow_non_fake_inputs=True)(*[v.detach() for v in values])
+    for node in gm.graph.nodes:   # the sizes of symbolic inputs, read as they are wrapped
+        if node.op == "call_function":
+            node.meta.setdefault(ROLE, Role.FORWARD)
+    return gm
