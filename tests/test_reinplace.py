@@ -171,3 +171,31 @@ def test_a_gradient_is_computed_into_its_slice_only_when_nothing_else_uses_it(ca
     assert (torch.ops.aten.mm.out in targets) is alone
     assert (torch.ops.aten.copy_.default in targets) is not alone
     assert all(torch.equal(x, y) for x, y in zip(gm(*inputs), expected))
+
+
+
+class _StridedWrite(torch.nn.Module):
+    """Writes every other column of a fresh buffer (a slice_scatter with a
+    step, which the eager program writes in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        buffer = torch.zeros(x.shape[0], 16)
+        buffer[:, ::2] = self.lin(x).tanh()
+        buffer[:, 1:9:3] = 1.5
+        return buffer.square().mean()
+
+
+def _strided_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = model(x)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_strided_slice_of_a_fresh_buffer_is_written_in_place_with_its_step():
+    M.against_eager(_strided_step, build=_StridedWrite)

@@ -225,15 +225,22 @@ def _placeholder_values(gm: fx.GraphModule) -> list:
 
 
 def _examples(gm: fx.GraphModule, inputs: list) -> list:
-    """What inductor compiles the program for: the real inputs, but for a
-    batch input with symbolic dimensions (capture/shapes.py) its fake tensor
-    from the trace, so that the code is generated for every size its guards
-    allow, not for this call's; and for a view into a larger tensor (a rank's
-    chunk of a global batch) a stand-in of its layout at offset 0, so that
-    every rank compiles the same code (one compile per node)."""
+    """What inductor compiles the program for, inside _cacheable's tracing
+    context: for a batch input with symbolic dimensions (capture/shapes.py)
+    its fake tensor from the trace, so that the code is generated for every
+    size its guards allow, not for this call's; for every other tensor a fake
+    one of the context's mode with static sizes (given a real tensor, AOTAutograd
+    would make each of its sizes a symbol of the context's shape environment:
+    dynamic kernels, and a convolution's output size that its float arithmetic
+    cannot bind), of a view into a larger tensor (a rank's chunk of a global
+    batch) at offset 0, so that every rank compiles the same code (one compile
+    per node)."""
+    from torch._guards import TracingContext
+    fake_mode = TracingContext.get().fake_mode
     return [v if is_symbolic(v)
-            else same_layout(x)
-            if isinstance(x, torch.Tensor) and x.storage_offset() else x
+            else fake_mode.from_tensor(same_layout(x) if x.storage_offset() else x,
+                                       static_shapes=True)
+            if isinstance(x, torch.Tensor) else x
             for v, x in zip(_placeholder_values(gm), inputs)]
 
 

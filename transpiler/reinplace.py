@@ -198,11 +198,12 @@ def _items_to_selves(graph: fx.Graph, node: fx.Node, selves) -> None:
 
 
 def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> None:
-    """slice_scatter(buf, src, dim, start, end) -> copy_(slice(buf, dim, start, end), src)."""
+    """slice_scatter(buf, src, dim, start, end, step) ->
+    copy_(slice(buf, dim, start, end, step), src)."""
     buffer, src, *rest = node.args
-    dim, start, end = (list(rest) + [0, None, None])[:3]
+    dim, start, end, step = (list(rest) + [0, None, None, 1][len(rest):])
     with graph.inserting_before(node):
-        part = graph.call_function(aten.slice.Tensor, (buffer, dim, start, end))
+        part = graph.call_function(aten.slice.Tensor, (buffer, dim, start, end, step))
         copy = graph.call_function(aten.copy_.default, (part, src))
     part.meta.update(node.meta)
     copy.meta.update(node.meta)

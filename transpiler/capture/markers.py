@@ -49,7 +49,9 @@ def node_of(t: torch.Tensor) -> fx.Node:
 
 @contextlib.contextmanager
 def compiling_flag():
-    # Optimizers keep their step counters as tensors (no .item()) when compiling.
+    """torch.compiler.is_compiling() True: optimizers keep their step counters
+    as tensors (no .item()). Only while an optimizer steps (optimizer_markers):
+    model code that branches on it takes eager's path."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
@@ -165,7 +167,7 @@ def scheduler_marker(markers: Markers, optimizers, step_fn):
 
 @contextlib.contextmanager
 def optimizer_markers(markers: Markers, optimizers, modules):
-    handles = []
+    handles, flags = [], []
 
     def pre(opt, args, kwargs):
         if kwargs.get("closure", args[1] if len(args) > 1 else None) is not None:
@@ -178,10 +180,13 @@ def optimizer_markers(markers: Markers, optimizers, modules):
             markers.reduced = dict(markers.grads)
         markers.stepping = opt
         markers.steps.append([last_node(), None])
+        flags.append(compiling_flag())
+        flags[-1].__enter__()
 
     def post(*_):
         markers.stepping = None
         markers.steps[-1][1] = last_node()
+        flags.pop().__exit__(None, None, None)
 
     def tracked(obj):
         method = obj.zero_grad
@@ -217,6 +222,8 @@ def optimizer_markers(markers: Markers, optimizers, modules):
             h.remove()
         for obj in patched:
             object.__delattr__(obj, "zero_grad")
+        while flags:   # a step that raised
+            flags.pop().__exit__(None, None, None)
 
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx, track_tensor_tree
 from torch.nn.utils.stateless import _reparametrize_module
@@ -37,7 +38,6 @@ from .markers import (
     Markers,
     assign_roles,
     backward_marker,
-    compiling_flag,
     last_node,
     node_of,
     optimizer_markers,
@@ -54,6 +54,7 @@ from .optimizer_state import (
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import is_ndarray, outside_tensors
+from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
@@ -282,11 +283,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             for opt in optimizers:
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
-            stack.enter_context(compiling_flag())
             # make_fx turns autocast's cache of casts off; eager casts a
             # parameter used twice in one autocast region once (both uses' gradients
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
+            stack.enter_context(_seen_as_in_eager())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording())
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
@@ -562,6 +563,24 @@ def _autocast_cache(enabled: bool):
         torch.set_autocast_cache_enabled(before)
 
 
+@contextlib.contextmanager
+def _seen_as_in_eager():
+    """What model and torch code may branch on, as eager has it while the step
+    runs: torch.fx's is_fx_tracing() False (make_fx's tracer sets it), and a
+    traced tensor's type among those that take torch's foreach paths
+    (clip_grad_norm_ and the optimizers pick them by `type(t) in ...`)."""
+    from torch.fx import _symbolic_trace
+    from torch.utils._foreach_utils import _foreach_supported_types as foreach_types
+    before = _symbolic_trace._is_fx_tracing_flag
+    _symbolic_trace._is_fx_tracing_flag = False
+    foreach_types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        _symbolic_trace._is_fx_tracing_flag = before
+        foreach_types.remove(FakeTensor)
+
+
 def _group_tensors(optimizers) -> set[int]:
     """ids of the tensors among param-group values (a tensor lr): the
     signature compares them by value."""
@@ -699,6 +718,11 @@ class _RoleCarrier(fx.Interpreter):
             if n.meta[ROLE] & Role.LOSS:
                 node.meta[ROLE] = n.meta[ROLE]
         return result
+
+    def call_function(self, target, args, kwargs):
+        if drawn_in_place(target, args):   # drawn on the target's layout, as eager draws
+            return args[0].copy_(twin(target)(*args, **kwargs))
+        return super().call_function(target, args, kwargs)
 
 
 def _unwrapped(t):

@@ -1,0 +1,95 @@
+"""Model code takes the branch it takes in eager.
+
+transformers checks torch.compiler.is_compiling() in dozens of modeling files,
+torch's own modules check is_fx_tracing() and pick foreach paths by a tensor's
+type. While the step is traced each of them must answer as in eager (the
+optimizers' step alone runs with is_compiling() True, which keeps their step
+counters as tensors), or the program computes another path than DDP's.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from transpiler import transpile
+
+transformers_utils = pytest.importorskip("transformers.utils")
+
+CHECKS = {
+    "torch.compiler.is_compiling": torch.compiler.is_compiling,
+    "torch.compiler.is_dynamo_compiling": torch.compiler.is_dynamo_compiling,
+    "torch.compiler.is_exporting": torch.compiler.is_exporting,
+    "torch._dynamo.is_compiling": lambda: torch._dynamo.is_compiling(),
+    "torch.fx is_fx_tracing": lambda: torch.fx._symbolic_trace.is_fx_tracing(),
+    "torch.jit.is_tracing": torch.jit.is_tracing,
+    "transformers is_torchdynamo_compiling": transformers_utils.is_torchdynamo_compiling,
+}
+
+
+class Branching(nn.Module):
+    """Scales its output by 2 on the compile-only path."""
+
+    def __init__(self, check):
+        super().__init__()
+        self.check = check
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if self.check() else y
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+@pytest.mark.parametrize("check", CHECKS)
+def test_model_code_takes_eagers_branch(check, optimizer):
+    torch.manual_seed(0)
+    ours = Branching(CHECKS[check])
+    theirs = copy.deepcopy(ours)
+    opts = [optimizer(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_step)
+    for i in range(3):
+        x = torch.randn(4, 6)
+        a, b = step(ours, opts[0], x), _step(theirs, opts[1], x)
+        assert torch.equal(a, b), f"call {i}: {check} answered otherwise than in eager"
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            assert torch.equal(p, q)
+    assert not CHECKS[check](), "left set after the call"
+
+
+def test_foreach_paths_are_chosen_as_in_eager():
+    """clip_grad_norm_ and the optimizers choose a foreach kernel by
+    `type(t) in _foreach_supported_types`; a traced tensor is not of type
+    Tensor, and is counted as one while the step is traced."""
+    from torch.utils._foreach_utils import _foreach_supported_types, _has_foreach_support
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            seen.setdefault("types", _has_foreach_support([self.lin.weight], torch.device("cuda")))
+            return self.lin(x)
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    model = Probe()
+    transpile(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 3))
+    assert seen["types"] is True
+    assert not any(issubclass(t, FakeTensor) for t in _foreach_supported_types)
