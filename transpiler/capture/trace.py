@@ -54,6 +54,7 @@ from .optimizer_state import (
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .outside import is_ndarray, outside_tensors
+from .meta_fallback import kernels_where_meta_refuses
 from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
@@ -288,6 +289,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
+            stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording())
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
