@@ -203,7 +203,8 @@ def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> None:
     buffer, src, *rest = node.args
     dim, start, end, step = (list(rest) + [0, None, None, 1][len(rest):])
     with graph.inserting_before(node):
-        part = graph.call_function(aten.slice.Tensor, (buffer, dim, start, end, step))
+        part = graph.call_function(aten.slice.Tensor, (buffer, dim, start, end)
+                                   + ((step,) if step != 1 else ()))
         copy = graph.call_function(aten.copy_.default, (part, src))
     part.meta.update(node.meta)
     copy.meta.update(node.meta)
