@@ -48,13 +48,15 @@ class Runnable:
     # a program traced over a cut list of micro-batches runs as a loop of
     # three programs (micro_loop.py); leaves are then a MicroLeaves
     loop: Loop | None = None
+    # an eager program's first run, op by op and uncommitted (runtime._run), counts as its compile
+    ran: bool = False
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
 
     def uncompiled(self) -> int:
         """How many of its programs (the loop's three) have not run yet."""
         pieces = (self.loop.first, self.loop.body, self.loop.last) if self.loop else (self,)
-        return sum(piece.executable is None for piece in pieces)
+        return sum(piece.executable is None and not piece.ran for piece in pieces)
 
     def __post_init__(self):
         self.held = [spec.name for spec in self.program.inputs if spec.kind is InputKind.HELD]
@@ -105,12 +107,6 @@ class Executor:
             log.info("transpiler: first run of program %r (%s) took %.2fs",
                      runnable.program.name, runnable.backend, seconds)
         return outputs
-
-    def make_ready(self, runnable: Runnable) -> None:
-        """An eager program after its first run (run_uncommitted): made ready
-        to run op by op, as run() makes it (eager compiles nothing)."""
-        if runnable.executable is None and runnable.loop is None:
-            runnable.executable = compile_program(runnable.program, runnable.backend)
 
     def run_uncommitted(self, runnable: Runnable, leaves) -> list:
         """Run the program op by op and write nothing: every output, for the

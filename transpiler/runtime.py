@@ -342,8 +342,8 @@ class TranspiledStep:
             with built.rng.drawing(step_args.leaves):
                 outputs = self._executor.run_uncommitted(runnable, leaves)
             self._executor.commit(runnable, outputs)
-            if built is not self._pending:
-                self._executor.make_ready(runnable)
+            if built is not self._pending:   # an eager program: ran, as compiled
+                runnable.ran = True
             return outputs
         with built.rng.drawing(step_args.leaves):
             return self._executor.run(runnable, leaves)
