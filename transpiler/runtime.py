@@ -304,7 +304,7 @@ class TranspiledStep:
         # what the step draws on the host, drawn for this run
         states = built.draws.for_run() if built.draws else None
         try:
-            outputs = self._run(runnable, built, step_args, leaves, states, fresh)
+            outputs = self._run(runnable, built, step_args, leaves, states)
         except BaseException:
             # The first run failed: the state made for its trace goes too (the
             # next call's signature, without it, builds again).
@@ -330,15 +330,18 @@ class TranspiledStep:
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
 
-    def _run(self, runnable: Runnable, built: Built, step_args, leaves, states, fresh: int):
+    def _run(self, runnable: Runnable, built: Built, step_args, leaves, states):
         if self.schedule.step < self.verify_steps:
             return self._run_verified(runnable, built, step_args, leaves, states)
-        if built is self._pending or (fresh and runnable.backend == "eager"
+        if built is self._pending or (runnable.executable is None and runnable.backend == "eager"
                                       and runnable.loop is None):
-            # A program's first run writes nothing in place: its outputs are
-            # checked against their targets first (an op whose meta function
-            # got a shape wrong, a quantization observer's resize_, raises with
-            # nothing written), then committed.
+            # An eager program runs as traced and writes nothing in place: its
+            # outputs are checked against their targets first (an op whose meta
+            # function got a shape wrong, a quantization observer's resize_,
+            # raises with nothing written), then committed. (Its reinplaced
+            # executable from the second run on made rank 0 of the nanogpt
+            # example's zero resume hang after test_decentralized: not used
+            # until that is understood.)
             with built.rng.drawing(step_args.leaves):
                 outputs = self._executor.run_uncommitted(runnable, leaves)
             self._executor.commit(runnable, outputs)
