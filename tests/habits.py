@@ -55,7 +55,7 @@ PATH = "tensor reached through a path is an input"
 TRANSACTIONAL = "transactional"
 INPUTS = "inputs and state written back"
 HOST_WRITE = "host-side writes refused"
-DECISION = "decision on a tensor's value refused"
+DECISION = "decision on a tensor's value traced on the call's values"
 
 
 @dataclasses.dataclass
@@ -973,7 +973,7 @@ def _tv_ema_setup():
               "utils.ExponentialMovingAverage (torch.optim.swa_utils.AveragedModel)",
        what="AveragedModel.update_parameters inside the step: `if self.n_averaged == 0` "
             "decides on a buffer's value (copy on the first update, average later)",
-       expect=REFUSED, rule=DECISION, match=r"value of a tensor", setup=_tv_ema_setup,
+       expect=EQUAL, rule=DECISION, setup=_tv_ema_setup,
        call=lambda step, s, i, d: step(s.model, s.opt, d.img(), d.cls(), s.model_ema,
                                        i % 2 == 0, i < 1))
 def tv_ema_step(model, optimizer, image, target, model_ema, update_ema, warmup):
@@ -1723,7 +1723,7 @@ def _unused(*a):
               "if args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or "
               "torch.isinf(tr_loss_step)): ... (on by default)",
        what="the default NaN/Inf filter decides in Python on the step's loss value",
-       expect=REFUSED, rule=DECISION, setup=_trainer_setup(logging_nan_inf_filter=True),
+       expect=EQUAL, rule=DECISION, setup=_trainer_setup(logging_nan_inf_filter=True),
        bind=lambda s: s.trainer.update, call=_trainer_call)
 def _unused2(*a):
     raise AssertionError
@@ -2280,7 +2280,8 @@ habit(id="fairseq_layerdrop_module_list",
              "dropout_probs = torch.empty(len(self)).uniform_(); if not self.training or "
              "(dropout_probs[i] > self.p): yield m",
       what="LayerDrop from torch's generator: a Python decision on a fresh random tensor",
-      expect=REFUSED, rule=DECISION, setup=_model_setup(LayerDropListEncoder), call=xy)(plain_step)
+      expect=REFUSED, rule=DECISION, match="a random draw", refused_at=1,
+      setup=_model_setup(LayerDropListEncoder), call=xy)(plain_step)
 
 
 class GumbelVectorQuantizer(nn.Module):
@@ -2472,7 +2473,7 @@ habit(id="fairseq_update_freq_no_sync",
               "self.clip_grad_norm(...); if not torch.isfinite(grad_norm).all(): raise "
               "FloatingPointError('gradients are Nan/Inf')",
        what="a Python decision on the gradient norm's value after clipping",
-       expect=REFUSED, rule=DECISION, setup=_fairseq_setup,
+       expect=EQUAL, rule=DECISION, setup=_fairseq_setup,
        call=lambda step, s, i, d: step([_sample(d)], s.model, s.criterion, s.opt))
 def fairseq_isfinite_step(samples, model, criterion, optimizer):
     model.train()
@@ -2747,7 +2748,7 @@ habit(id="yolo_v8_loss_python_max",
              "target_scores_sum = max(target_scores.sum(), 1)",
       what="Python's max() between a tensor and an int inside the loss: a comparison of a "
            "tensor's value (the other YOLO habits write it as .clamp(min=1))",
-      expect=REFUSED, rule=DECISION, match="value of a tensor", setup=_yolo_python_max_setup,
+      expect=EQUAL, rule=DECISION, setup=_yolo_python_max_setup,
       call=lambda step, s, i, d: step(s.model, s.opt, s.scaler, _yolo_batch(d), True))(yolo_step)
 
 
@@ -2824,7 +2825,7 @@ def _moco_setup():
               "ptr = int(self.queue_ptr); self.queue[:, ptr:ptr + batch_size] = keys.T",
        what="a queue buffer written at an offset read from another buffer with int() (a slice "
             "bound from a tensor's value), a key encoder updated by replacing .data",
-       expect=REFUSED, rule=DECISION, setup=_moco_setup,
+       expect=EQUAL, rule=DECISION, setup=_moco_setup,
        call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, [d.vec(), d.vec()]))
 def moco_step(model, criterion, optimizer, images):
     output, target = model(im_q=images[0], im_k=images[1])
@@ -3095,8 +3096,7 @@ def _dino_call(step, s, i, d):
               "dist.all_reduce); cancel_gradients_last_layer; teacher EMA with momentum_schedule[it]",
        what="multi-crop inputs of two sizes, a weight-normed head, a teacher updated in place "
             "from numpy schedules indexed by int arguments, a collective inside the loss",
-       expect=REFUSED, match="value of a tensor",
-       gap="a Python decision on a tensor made from constants (issue 40: decisions on tensor values)",
+       expect=EQUAL,
        rule=GUARD, setup=_dino_setup(), between=_dino_between, call=_dino_call,
        ranks=True, ddp=_dino_ddp)
 def dino_step(student, teacher, dino_loss, optimizer, images, epoch, it, momentum_schedule, args):
@@ -3121,7 +3121,7 @@ habit(id="dino_clip_gradients_per_parameter",
              "norms.append(param_norm.item()); clip_coef = clip / (param_norm + 1e-6); "
              "if clip_coef < 1: p.grad.data.mul_(clip_coef)",
       what="per-parameter clipping decided in Python on each gradient norm's value",
-      expect=REFUSED, rule=DECISION, setup=_dino_setup(clip_grad=3.0), between=_dino_between,
+      expect=EQUAL, rule=DECISION, setup=_dino_setup(clip_grad=3.0), between=_dino_between,
       call=_dino_call)(dino_step)
 
 

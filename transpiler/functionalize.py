@@ -96,6 +96,8 @@ def _plan(graph: fx.Graph) -> _Plan:
                 base[node] = base[source]
             continue
         if not isinstance(target, torch._ops.OpOverload):
+            if not any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+                continue   # arithmetic on sizes and values (a decision's check: capture/decisions.py)
             raise Unsupported(f"{node.name} calls {target}, not an aten op")
         written = mutated_index(target)
         if written == -1:

@@ -57,6 +57,8 @@ class Built:
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)   # around each run
     # optimizer state made for the trace (capture.trace_step), until a run succeeds
     made_state: list = dataclasses.field(default_factory=list)
+    # what its programs assume of tensor values (capture/decisions.py)
+    decisions: list = dataclasses.field(default_factory=list)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""
@@ -125,6 +127,26 @@ class ProgramCache:
             full = sig + grad_signature(step_args)
             why = describe_change(self.last_built, full) \
                 + self._lift_changed_numbers(step_args) + self._symbolic_batch(step_args, full)
+        return self._build(step_args, build, why)
+
+    def redecide(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built],
+                 tried: list[Built], why: str) -> Built:
+        """What was built for these arguments with other decisions on tensor
+        values (capture/decisions.py) than those `tried` on this call, or built
+        now from its values; put first among the entries of its signature."""
+        _, key, entries, _ = self._lookup(step_args)
+        found = next((b for b in entries if b not in tried and b.fits(step_args.leaves)), None)
+        if found is None:
+            log.info("transpiler: %s: tracing the step for this call's decisions", why)
+            found = self._build(step_args, build, f"{why} on this call")
+        for entries in self._built.values():
+            if found in entries:
+                entries.remove(found)
+                entries.insert(0, found)
+        return found
+
+    def _build(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built],
+               why: str) -> Built:
         start = time.perf_counter()
         requested = step_args.lifted
         symbolic = bool(step_args.dynamic)

@@ -44,3 +44,5 @@ GATHERED = "gathered"
 # for, and on the nodes of per-micro-batch state where one ends, a Carry
 MICRO = "micro"
 CARRY = "carry"
+# capture/decisions.py: the Decision a check node (aten._assert_scalar) holds the program to
+DECISION = "decision"

@@ -23,12 +23,13 @@ from typing import Callable
 
 import torch
 
-from . import (agreement, consensus, consistency, micro_loop, reduce_groups, sharded_params,
-               verify)
+from . import (agreement, consensus, consistency, micro_loop, rebuild, reduce_groups,
+               sharded_params, verify)
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .control import all_gather_values
-from .capture import Captured, HeldSlot, flatten_args, trace_step
+from .capture import Captured, HeldSlot, decisions, flatten_args, trace_step
+from .capture.decisions import set_torch_generators, torch_generators
 from .capture.ambient import refuse_untraceable, snapshot
 from .capture.found import discover
 from .capture.micro import NotRollable, cut_arguments
@@ -78,6 +79,7 @@ class TranspiledStep:
         self.check_every = check_every
         self._check_due = False
         self._settings_agreed = False
+        self._decides = False   # the step decides on tensor values (capture/decisions.py)
         self.schedule = schedule
         self.settings = settings  # the world fields are filled in when a program is built
         self.backend = backend
@@ -288,6 +290,7 @@ class TranspiledStep:
             self._sharded.shard(step_args.optimizers)
         if self._pending is not None:
             self._decide_pending(call_args)
+        builds = self._cache.builds
         try:
             built = self._cache.get(call_args, self._build)
         except NotRollable as exc:
@@ -295,22 +298,49 @@ class TranspiledStep:
                      "number of micro-batches: %s", self.micro_batches, exc)
             self._unrolled = True
             built = self._cache.get(step_args, self._build)
+        traced_now = self._cache.builds > builds   # on this call's values
         name = self.schedule.next_program()
-        runnable = built.programs[name]
-        leaves = MicroLeaves(cut, step_args.leaves) if runnable.loop else step_args.leaves
-        self._run_prelude(built, runnable)
-        sharded_params.free(built.sharded_params)   # after the startup cut their shards
-        fresh = runnable.uncompiled()
-        # what the step draws on the host, drawn for this run
-        states = built.draws.for_run() if built.draws else None
-        try:
-            outputs = self._run(runnable, built, step_args, leaves, states)
-        except BaseException:
-            # The first run failed: the state made for its trace goes too (the
-            # next call's signature, without it, builds again).
-            forget_state(built.made_state)
-            built.made_state = []
-            raise
+        tried: list[Built] = []   # those whose decisions on tensor values this call's differ from
+        while True:
+            runnable = built.programs[name]
+            leaves = MicroLeaves(cut, step_args.leaves) if runnable.loop else step_args.leaves
+            self._run_prelude(built, runnable)
+            sharded_params.free(built.sharded_params)   # after the startup cut their shards
+            fresh = runnable.uncompiled()
+            # what the step draws on the host, drawn for this run
+            states = built.draws.for_run() if built.draws else None
+            generators = torch_generators() if built.decisions else None
+            try:
+                outputs = self._run(runnable, built, step_args, leaves, states)
+                break
+            except BaseException as exc:
+                # The first run failed: the state made for its trace goes too (the
+                # next call's signature, without it, builds again).
+                forget_state(built.made_state)
+                built.made_state = []
+                change = decisions.changed(exc, built.decisions)
+                if change is None:
+                    raise
+                if traced_now:
+                    error = TranspileError(
+                        f"the step's decision on a tensor value {change.decision.describe()} "
+                        "went otherwise as it ran than as it was traced on the same call's "
+                        "values: the trace and the run compute the value differently (a "
+                        "decision on a random draw does: the trace's real tensors draw other "
+                        "numbers). Decide with tensor ops (torch.where, masking), or move the "
+                        "decision outside the step")
+                    if world()[0] > 1:   # the others wait in their first collective
+                        rebuild.abandon(str(error), error)
+                    raise error from exc
+                # Nothing was written and no collective issued (decisions.py): run the
+                # program of this call's decisions, from the same draws.
+                tried.append(built)
+                set_torch_generators(generators)
+                if states:
+                    built.draws.restore(states)
+                builds = self._cache.builds
+                built = self._cache.redecide(call_args, self._build, tried, str(change))
+                traced_now = self._cache.builds > builds
         built.made_state = []
         self._compiles += fresh - runnable.uncompiled()
         for _, param in built.cleared:
@@ -455,7 +485,7 @@ class TranspiledStep:
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
-                           captured.rng, captured.made_state)
+                           captured.rng, captured.made_state, captured.decisions)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -536,6 +566,13 @@ class TranspiledStep:
             program = captured.program.copy(name)
             run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
+            if captured.decisions:
+                if backend == "cudagraphs":
+                    raise TranspileError(
+                        f"{captured.decisions[0].describe()}: the step decides on a tensor "
+                        "value, which a CUDA graph cannot read on the host: use backend "
+                        "'inductor', or decide with tensor ops (torch.where, masking)")
+                decisions.check_before_collectives(program, self.step_fn)
             sent = sum(sent_bytes(c.op, c.nbytes, ctx.mesh.size(c.over))
                        for c in (n.meta[COMM] for n in program.collectives()))
             programs[name] = Runnable(program, *self._bind(program, captured), backend, sent_bytes=sent)
@@ -584,7 +621,9 @@ class TranspiledStep:
         start = time.perf_counter()
         with self._timed("trace"):
             captured = trace_step(self.step_fn, step_args,
-                                  self._sharded.stand_in if self._sharded else None)
+                                  self._sharded.stand_in if self._sharded else None,
+                                  on_values=self._decides)
+        self._decides |= bool(captured.decisions)
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
                                             f"nodes from {fn_name} ({why})")
         log.info("transpiler: traced %s (%s) in %.2fs", fn_name, why, time.perf_counter() - start)

@@ -113,8 +113,9 @@ class RngRecorder:
     # -- while tracing
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Intercept the generators' functions; refuse a change made another way."""
+    def recording(self, on_values: bool = False) -> Iterator[None]:
+        """Intercept the generators' functions; refuse a change made another way
+        (but the draws of a trace on real values: decisions.py)."""
         self._graph = get_proxy_mode().tracer.graph
         self._counted = self._graph._root   # count from the graph's first node
         before = real_states()
@@ -140,7 +141,7 @@ class RngRecorder:
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
             changed = _restored(before)
-        if changed:
+        if changed and not on_values:
             raise TranspileError(
                 f"{step_name(self.step_fn)} changes torch's random number generator other than "
                 "through torch.manual_seed, torch.get_rng_state/set_rng_state or "

@@ -26,10 +26,11 @@ from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, InputSpec, OutputKind, Program
-from ..roles import CARRY, GRAD_AT, MICRO, PARAM, ROLE, Role
+from ..roles import CARRY, DECISION, GRAD_AT, MICRO, PARAM, ROLE, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
+from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .guards import Guards
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
@@ -119,6 +120,8 @@ class Captured:
     draws: Draws = dataclasses.field(default_factory=Draws)
     # what the host does to torch's generators around each run (torch_rng.py)
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)
+    # what the program assumes of tensor values, checked as it runs (decisions.py)
+    decisions: list[Decision] = dataclasses.field(default_factory=list)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -128,10 +131,11 @@ class Captured:
 
 
 def trace_step(step_fn: Callable, step_args: StepArgs,
-               state_stand_in: Callable | None = None) -> Captured:
+               state_stand_in: Callable | None = None, on_values: bool = False) -> Captured:
     """Trace the whole step (forward, backward, optimizer update) into a Program.
     state_stand_in(param, entry): what the trace sees of an optimizer state
-    entry (mode zero keeps shards; the step reads full entries).
+    entry (mode zero keeps shards; the step reads full entries). on_values:
+    trace on this call's values at once (a step known to decide on them).
 
     The optimizers' state is made first, as their first step would make it
     (make_first_state), so that the program traced on the first call is the
@@ -144,9 +148,9 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
     try:
-        captured = _trace_until_it_traces(step_fn, step_args, state_stand_in)
+        captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values)
         if captured.host_writes:
-            _check_converges(step_fn, step_args, state_stand_in, captured)
+            _check_converges(step_fn, step_args, state_stand_in, captured, on_values)
     except BaseException:
         forget_state(made)
         for scaler in unscaled:
@@ -163,15 +167,22 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
 
 
 
-def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in) -> Captured:
+def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
+                           on_values: bool = False) -> Captured:
     """Trace; after a failure, again with the batch's dimensions static or
-    with fewer numbers lifted, where that is what failed."""
+    with fewer numbers lifted, where that is what failed; one that stopped at
+    a decision on a tensor value, again on real values (decisions.py)."""
     while True:
         try:
-            return _trace(step_fn, step_args, state_stand_in)
+            return _trace(step_fn, step_args, state_stand_in, on_values)
         except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
             if isinstance(exc, NotRollable):
                 raise
+            if isinstance(exc, _StoppedAtDecision):
+                log.info("transpiler: %s decides on a tensor value: tracing it again on this "
+                         "call's values (%s)", step_name(step_fn), exc)
+                on_values = True
+                continue
             if step_args.dynamic:
                 log.warning("transpiler: tracing %s with symbolic batch dimensions failed, so "
                             "it is traced once per batch shape from now on: %s",
@@ -183,7 +194,8 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in) -> Capt
                 raise
 
 
-def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Captured) -> None:
+def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Captured,
+                     on_values: bool) -> None:
     """The step wrote host values while traced (a flag set once, a config value
     filled in): trace it again from the written state. If it writes nothing
     more, the writes were a lazy initialization: kept (and replayed after each
@@ -193,7 +205,8 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
              "from the written state to check that it writes nothing more", step_name(step_fn),
              writes[0].describe(), f" and {len(writes) - 1} more" if len(writes) > 1 else "")
     try:
-        again = _trace_until_it_traces(step_fn, step_args, state_stand_in)
+        again = _trace_until_it_traces(step_fn, step_args, state_stand_in,
+                                       on_values or bool(captured.decisions))
     except BaseException:
         for w in reversed(writes):
             w.undo()
@@ -223,7 +236,12 @@ def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
     step_args.lifted -= {lifted[name] for name in dropped}
 
 
-def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None) -> Captured:
+class _StoppedAtDecision(TranspileError):
+    """A trace on fake tensors stopped at a decision on a tensor value."""
+
+
+def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None,
+           on_values: bool = False) -> Captured:
     modules, optimizers = step_args.modules, step_args.optimizers
     inputs = collect_inputs(step_args, state_stand_in)
     markers = Markers()
@@ -291,7 +309,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(_seen_as_in_eager())
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
-            stack.enter_context(rng.recording())
+            stack.enter_context(rng.recording(on_values))
             stack.enter_context(backward_marker(markers, step_fn, grads_now))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
@@ -356,7 +374,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         # a lazy module does not generate it.
         with _use_lazy_graph_module(True), \
                 outside_tensors(step_fn, arrays, _group_tensors(optimizers),
-                                _outside_hint(step_args)) as check_outside:
+                                _outside_hint(step_args)) as check_outside, \
+                (on_real_values() if on_values else contextlib.nullcontext()):
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
@@ -375,12 +394,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         guarded = guarded_numbers(exc, symbols)
         if guarded:
             raise NotLiftable(guarded, str(error)) from exc
+        if not on_values and tracing_mode == "fake" and stopped_at_decision(exc):
+            raise _StoppedAtDecision(str(error)) from exc
         if error is exc:
             raise
         raise error from exc
 
     host = hosts[0]
     try:
+        decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
         check_outside(gm)
         if step_args.lifted:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -406,7 +428,17 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             fgm = gm
         except functionalize.Unsupported as why:
             log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
-            fgm = _functionalize(gm, values + late.values, tracing_mode)
+            try:
+                with on_real_values() if decisions else contextlib.nullcontext():
+                    fgm = _functionalize(gm, values + late.values, tracing_mode)
+            except Exception as exc:
+                if not decisions:
+                    raise
+                raise TranspileError(
+                    f"{step_name(step_fn)} decides on a tensor value{decisions[0].where}, and "
+                    f"tracing it again on this call's values failed: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0]}. Decide with tensor ops (torch.where, "
+                    "masking), or move the decision outside the step") from exc
         if watches:   # the getitems of a multi-output op rewritten out of place
             for node in fgm.graph.nodes:
                 if node.target is operator.getitem and MICRO in node.args[0].meta:
@@ -422,7 +454,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
-                        host_writes=host.kept, draws=draws, rng=rng_plan)
+                        host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions)
     except BaseException:
         host.abandon()
         raise
@@ -707,8 +739,9 @@ class _RoleCarrier(fx.Interpreter):
         node = before.next
         while node.op != "root":
             node.meta.setdefault(ROLE, n.meta[ROLE])
-            if MICRO in n.meta:
-                node.meta.setdefault(MICRO, n.meta[MICRO])
+            for key in (MICRO, DECISION):
+                if key in n.meta:
+                    node.meta.setdefault(key, n.meta[key])
             node = node.next
         if any(key in n.meta for key in (PARAM, SKIPS, GRAD_AT, CARRY)) or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is

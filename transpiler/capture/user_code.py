@@ -30,9 +30,11 @@ def _library_dirs() -> tuple[str, ...]:
     return _LIB_DIRS + ((os.path.dirname(numpy.__file__),) if numpy is not None else ())
 
 
-def user_line(step_fn, tb=None) -> str:
-    """' at file:line (code)' for the innermost frame in the user's code."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+def user_line(step_fn, tb=None, frames=None) -> str:
+    """' at file:line (code)' for the innermost frame in the user's code (of
+    the traceback `tb`, the `frames` given, or the current stack)."""
+    if frames is None:
+        frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
     libraries = _library_dirs()
     for frame in reversed(frames):
         if not frame.filename.startswith(libraries):
@@ -54,6 +56,12 @@ def trace_error(step_fn, exc: BaseException, markers: Markers) -> TranspileError
             f"{type(markers.stepping).__name__}.step() cannot be captured{where}: "
             f"{text.splitlines()[0]}. SGD, Adam and AdamW are supported; other optimizers "
             "work when their step traces into tensor operations")
+    if "DynamicOutputShape" in text:
+        return TranspileError(
+            f"{step_name(step_fn)} calls {exc}{where}, whose result's shape depends on tensor "
+            "values and which torch cannot trace with a symbolic size (it has no meta function "
+            "for one): call it outside the step, or with an op that torch can trace "
+            f"({text.splitlines()[0]})")
     if any(s in text for s in _DATA_DEPENDENT):
         return TranspileError(
             f"{step_name(step_fn)} depends on the value of a tensor{where}: Python control flow "

@@ -1,0 +1,214 @@
+"""Decisions on tensor values (capture/decisions.py): Python control flow on
+what a tensor holds traces on this call's values, is checked as the program
+runs, and a call that decides otherwise runs the program of its own decisions,
+with nothing written by the one that failed its check: bit for bit as eager,
+and on 2 ranks as DDP with its defaults. MoE layers written the ways public
+code routes tokens (a loop over nonzero() rows, an expert skipped when no
+token reaches it, sizes from .tolist()) are the main users."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import models as M
+from transpiler import transpile
+from transpiler.errors import TranspileError
+
+
+class Branchy(nn.Module):
+    """Takes one of two losses by a decision on its input's value, made after a
+    dropout has drawn (a run that fails its check has drawn too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = nn.functional.dropout(self.fc(x), 0.3)
+        if x.mean() > 0:
+            return y.pow(2).mean() * 2
+        return y.abs().mean()
+
+
+class MoE(nn.Module):
+    """Top-2 of 4 experts, routed as `route` says (each as in public MoE code)."""
+
+    def __init__(self, route, d=8, experts=4):
+        super().__init__()
+        self.route, self.k = route, 2
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):
+        top, idx = self.gate(x).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(x)
+        if self.route == "skip_empty":   # an expert no token reaches is skipped
+            for i, expert in enumerate(self.experts):
+                tok, slot = torch.where(idx == i)
+                if tok.numel() == 0:
+                    continue
+                out.index_add_(0, tok, expert(x[tok]) * top[tok, slot, None])
+        elif self.route == "hit_experts":   # a loop over the experts hit (nonzero rows)
+            mask = nn.functional.one_hot(idx, len(self.experts)).permute(2, 1, 0)
+            for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+                slot, tok = torch.where(mask[e[0]])
+                out.index_add_(0, tok, self.experts[e[0]](x[tok]) * top[tok, slot, None])
+        else:   # "split_sizes": tokens sorted by expert, split by counts from .tolist()
+            order = idx.flatten().argsort(stable=True)
+            counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
+            xs = x.repeat_interleave(self.k, 0)[order]
+            ys = torch.cat([e(c) for e, c in zip(self.experts, xs.split(counts))])
+            y = torch.empty_like(ys).index_copy(0, order, ys) * top.flatten()[:, None]
+            out = y.view(-1, self.k, x.shape[-1]).sum(1)
+        return out.pow(2).mean()
+
+
+def step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _batches(n, skew_every=3):
+    """Batches whose decisions change: every `skew_every`-th one shifted."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) * (4 if i % skew_every == 0 else 1)
+            for i in range(n)]
+
+
+def _against_eager(model, batches, backend="eager"):
+    ours, theirs = model, copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    transpiled = transpile(step, backend=backend)
+    for i, x in enumerate(batches):
+        torch.manual_seed(i)
+        a = transpiled(ours, opts[0], x)
+        torch.manual_seed(i)
+        e = step(theirs, opts[1], x)
+        if backend == "eager":
+            assert torch.equal(a, e), f"call {i}: {a} != {e}"
+    return transpiled, M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))
+
+
+def test_a_decision_that_changes_runs_the_program_of_its_branch():
+    torch.manual_seed(0)
+    model = Branchy()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 4, generator=g) + (3 if i % 3 == 0 else -3) for i in range(8)]
+    transpiled, error = _against_eager(model, batches)
+    assert error == 0.0
+    # both branches taken; each traced once, then found again by its check
+    assert transpiled.traces == 2
+
+
+@pytest.mark.parametrize("route", ["skip_empty", "hit_experts", "split_sizes"])
+def test_moe_routing_on_tensor_values_equals_eager(route):
+    torch.manual_seed(0)
+    model = MoE(route)
+    # a 4-token batch often leaves an expert without tokens: skip_empty's decision changes
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    _, error = _against_eager(model, batches)
+    assert error == 0.0
+
+
+@pytest.mark.slow
+def test_decisions_under_inductor_within_1e_5():
+    torch.manual_seed(0)
+    _, error = _against_eager(MoE("skip_empty"), _batches(4), backend="inductor")
+    assert error < 1e-5
+
+
+def test_a_program_that_fails_its_check_writes_nothing():
+    """The check fails mid-run (after the forward's first ops): parameters and
+    optimizer state are those of eager at every call, not half-updated."""
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    transpiled = transpile(step)
+    x = torch.full((2, 4), 3.0)
+    transpiled(model, opt, x)   # traced where the first branch is taken
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    x = torch.full((2, 4), -3.0)
+    torch.manual_seed(5)
+    transpiled(model, opt, x)
+    torch.manual_seed(5)
+    step(reference, ref_opt, x)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert not torch.equal(p, before[n]) and torch.equal(p, q), n
+
+
+def _decide_after_reduction(model, opt, x):
+    opt.zero_grad()
+    model(x).backward()
+    if model.fc.weight.grad.norm() > 1e6:   # after DDP's all-reduce
+        return torch.zeros(())
+    opt.step()
+    return torch.ones(())
+
+
+def _rank_decisions_vs_ddp():
+    rank = dist.get_rank()
+
+    def train(step_fn, wrap):
+        torch.manual_seed(0)
+        model = Branchy()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        net = wrap(model)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(6):   # the ranks decide apart, and otherwise from call to call
+            x = torch.randn(2, 4, generator=g) + (3 if (i + rank) % 3 == 0 else -3)
+            torch.manual_seed(10 * i + rank)
+            step_fn(net, opt, x)
+        return M.state_of(model, opt)
+
+    return M.max_rel_error(train(transpile(step), lambda m: m), train(step, DDP))
+
+
+def _rank_refuses_decision_after_collective():
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(TranspileError, match="after program 'main' has issued a collective"):
+        transpile(_decide_after_reduction)(model, opt, torch.randn(2, 4))
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.slow
+def test_decisions_on_2_ranks_equal_ddp(ranks2):
+    assert ranks2.run(_rank_decisions_vs_ddp) == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_a_decision_after_the_first_collective_is_refused_on_every_rank(ranks2):
+    assert ranks2.run(_rank_refuses_decision_after_collective) == [True, True]
+
+
+def test_a_decision_after_the_backward_is_taken_in_one_process():
+    torch.manual_seed(0)
+    model = Branchy()
+    _, error = _against_eager_fn(_decide_after_reduction, model)
+    assert error == 0.0
+
+
+def _against_eager_fn(step_fn, model):
+    ours, theirs = model, copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    transpiled = transpile(step_fn)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x = torch.randn(2, 4, generator=g)
+        torch.manual_seed(i)
+        transpiled(ours, opts[0], x)
+        torch.manual_seed(i)
+        step_fn(theirs, opts[1], x)
+    return transpiled, M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))

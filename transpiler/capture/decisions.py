@@ -1,0 +1,176 @@
+"""Decisions on tensor values: Python control flow on what a tensor holds
+(`if mask.any():`, `if tokens.numel() == 0: continue`, a validation `raise`,
+a loop over `nonzero()`'s rows, `.tolist()` used as sizes), which a trace on
+fake tensors cannot take: it stops there, not knowing the value.
+
+The step is then traced again on fake tensors that carry real ones (torch's
+real-tensor propagation): every op also runs on copies of this call's inputs,
+so each decision takes the branch this call takes in eager (the RNG is put
+back after, so the program draws what eager draws). Each decision becomes a
+check in the program (aten._assert_scalar where its value is computed, before
+anything is written): a later call whose values decide otherwise fails the
+check with nothing written, and the step is traced again for it
+(runtime.py); the programs of each set of decisions are kept under the same
+signature (program_cache.py). The cost is one host read per decision, as
+eager pays; a rank whose decision changes traces alone, which its collectives
+allow only before the program's first collective (check_before_collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from unittest import mock
+
+import torch
+import torch.fx as fx
+from torch._subclasses import fake_utils
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+
+from ..errors import TranspileError
+from ..roles import DECISION
+from .user_code import step_name, user_line
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a program assumes of a tensor value: `expr` (over its unbacked
+    symbols) holds, as it did for the call it was traced on, at `where` in the
+    user's code."""
+
+    expr: str
+    where: str
+
+    def describe(self) -> str:
+        return f"{self.expr}{self.where}"
+
+
+class DecisionChanged(Exception):
+    """A run's tensor values decide otherwise than the program's trace."""
+
+    def __init__(self, decision: Decision):
+        super().__init__(f"the decision {decision.describe()} went the other way")
+        self.decision = decision
+
+
+def stopped_at_decision(exc: BaseException) -> bool:
+    """Whether a failed trace stopped at a decision on a tensor value."""
+    while exc is not None:
+        if isinstance(exc, GuardOnDataDependentSymNode):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def on_real_values():
+    """Trace with real-tensor propagation: decisions take this call's values.
+    The ops run on copies of the inputs (the fake tensors' real twins); the
+    random ones draw from the global generators, put back afterwards."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), \
+            torch.random.fork_rng(devices=devices), \
+            mock.patch.object(ShapeEnv, "_log_real_tensor_propagation", lambda *a: None), \
+            mock.patch.object(fake_utils, "_check_fake_real_tensors", lambda *a, **k: None):
+        # (torch's check of each fake result against the real one compares
+        # symbolic storage offsets with `!=`: a decision of its own, on every
+        # size it meets)
+        yield
+
+
+def torch_generators() -> list:
+    """torch's default generators' states (the CPU's, the current GPU's), to put
+    back before a run whose decisions went otherwise is run again."""
+    states = [(torch.random.set_rng_state, torch.random.get_rng_state())]
+    if torch.cuda.is_initialized():
+        states.append((torch.cuda.set_rng_state, torch.cuda.get_rng_state()))
+    return states
+
+
+def set_torch_generators(states: list) -> None:
+    for set_, state in states:
+        set_(state)
+
+
+def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Decision]:
+    """Put each decision the trace took on real values into the graph as a
+    check (DECISION on its node's meta), where the values it reads are
+    computed; returns them in the graph's order."""
+    by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
+               for ra in ras}
+    insert_deferred_runtime_asserts(gm, shape_env, step_name(step_fn))
+    # The checks are in the graph now: a compiler would generate them again
+    # from the shape environment, with no message but the expression.
+    shape_env.deferred_runtime_asserts.clear()
+    decisions = []
+    for node in gm.graph.find_nodes(op="call_function",
+                                    target=torch.ops.aten._assert_scalar.default):
+        found = re.match(r"Runtime assertion failed for expression (.*) on node '", node.args[1])
+        ra = by_expr.get(found.group(1)) if found else None
+        where = user_line(step_fn, frames=ra.stack.summary()) if ra is not None else ""
+        decision = Decision(found.group(1) if found else str(node.args[0]), where)
+        with gm.graph.inserting_before(node):
+            holds = gm.graph.call_function(torch.sym_ite, (node.args[0], 1, 0))
+            check = gm.graph.call_function(torch.ops.transpiler.decided.default,
+                                           (holds, len(decisions)))
+        holds.meta.update(node.meta)
+        holds.meta["val"] = torch.sym_ite(node.args[0].meta["val"], 1, 0)
+        check.meta.update(node.meta)
+        check.meta[DECISION] = decision
+        gm.graph.erase_node(node)
+        decisions.append(decision)
+    gm.recompile()
+    return decisions
+
+
+class _Checked(Exception):
+    """Raised by a decision's check (transpiler::decided) that no longer holds."""
+
+    def __init__(self, index: int):
+        super().__init__(f"decision {index} went the other way")
+        self.index = index
+
+
+@torch.library.custom_op("transpiler::decided", mutates_args=())
+def _decided(holds: int, index: int) -> None:
+    """A decision's check: `holds` 1 where the run decides as the trace did.
+    A custom op, so that a compiled program raises what an eager one does."""
+    if not holds:
+        raise _Checked(index)
+
+
+@_decided.register_fake
+def _(holds, index):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.transpiler.decided.default)
+
+
+def changed(exc: BaseException, decisions: list[Decision]) -> DecisionChanged | None:
+    """The decision whose check failed in `exc`, if that is what failed a run."""
+    while exc is not None:
+        if isinstance(exc, _Checked) and exc.index < len(decisions):
+            return DecisionChanged(decisions[exc.index])
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def check_before_collectives(program, step_fn) -> None:
+    """A rank whose decision changes traces again and runs its new program
+    while the others wait in their collectives: a decision after the
+    program's first collective would have it issue that one twice."""
+    collectives, issued, name = set(program.collectives()), None, program.name
+    for node in program.graph.nodes:
+        if issued is None and node in collectives:
+            issued = node
+        decision = node.meta.get(DECISION)
+        if decision is not None and issued is not None:
+            raise TranspileError(
+                f"{step_name(step_fn)} decides on a tensor value{decision.where} after program "
+                f"{name!r} has issued a collective ({issued.name}): a rank whose decision "
+                "changes could not run its step again alone. Decide before the backward "
+                "(in mode fsdp, before the forward's first parameter gather), decide with tensor "
+                "ops (torch.where, masking), or move the decision outside the step")
+
