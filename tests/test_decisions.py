@@ -82,15 +82,15 @@ def _batches(n, skew_every=3):
             for i in range(n)]
 
 
-def _against_eager(model, batches, backend="eager"):
+def _against_eager(model, batches, backend="eager", step_fn=step):
     ours, theirs = model, copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    transpiled = transpile(step, backend=backend)
+    transpiled = transpile(step_fn, backend=backend)
     for i, x in enumerate(batches):
         torch.manual_seed(i)
         a = transpiled(ours, opts[0], x)
         torch.manual_seed(i)
-        e = step(theirs, opts[1], x)
+        e = step_fn(theirs, opts[1], x)
         if backend == "eager":
             assert torch.equal(a, e), f"call {i}: {a} != {e}"
     return transpiled, M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))
@@ -196,19 +196,7 @@ def test_a_decision_after_the_first_collective_is_refused_on_every_rank(ranks2):
 def test_a_decision_after_the_backward_is_taken_in_one_process():
     torch.manual_seed(0)
     model = Branchy()
-    _, error = _against_eager_fn(_decide_after_reduction, model)
-    assert error == 0.0
-
-
-def _against_eager_fn(step_fn, model):
-    ours, theirs = model, copy.deepcopy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    transpiled = transpile(step_fn)
     g = torch.Generator().manual_seed(0)
-    for i in range(3):
-        x = torch.randn(2, 4, generator=g)
-        torch.manual_seed(i)
-        transpiled(ours, opts[0], x)
-        torch.manual_seed(i)
-        step_fn(theirs, opts[1], x)
-    return transpiled, M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))
+    batches = [torch.randn(2, 4, generator=g) for _ in range(3)]
+    _, error = _against_eager(model, batches, step_fn=_decide_after_reduction)
+    assert error == 0.0

@@ -29,7 +29,6 @@ from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .control import all_gather_values
 from .capture import Captured, HeldSlot, decisions, flatten_args, trace_step
-from .capture.decisions import set_torch_generators, torch_generators
 from .capture.ambient import refuse_untraceable, snapshot
 from .capture.found import discover
 from .capture.micro import NotRollable, cut_arguments
@@ -309,7 +308,7 @@ class TranspiledStep:
             fresh = runnable.uncompiled()
             # what the step draws on the host, drawn for this run
             states = built.draws.for_run() if built.draws else None
-            generators = torch_generators() if built.decisions else None
+            generators = decisions.torch_generators() if built.decisions else None
             try:
                 outputs = self._run(runnable, built, step_args, leaves, states)
                 break
@@ -322,24 +321,19 @@ class TranspiledStep:
                 if change is None:
                     raise
                 if traced_now:
-                    error = TranspileError(
-                        f"the step's decision on a tensor value {change.decision.describe()} "
-                        "went otherwise as it ran than as it was traced on the same call's "
-                        "values: the trace and the run compute the value differently (a "
-                        "decision on a random draw does: the trace's real tensors draw other "
-                        "numbers). Decide with tensor ops (torch.where, masking), or move the "
-                        "decision outside the step")
+                    error = decisions.traced_otherwise(change)
                     if world()[0] > 1:   # the others wait in their first collective
                         rebuild.abandon(str(error), error)
                     raise error from exc
                 # Nothing was written and no collective issued (decisions.py): run the
                 # program of this call's decisions, from the same draws.
                 tried.append(built)
-                set_torch_generators(generators)
+                decisions.set_torch_generators(generators)
                 if states:
                     built.draws.restore(states)
                 builds = self._cache.builds
-                built = self._cache.redecide(call_args, self._build, tried, str(change))
+                built = self._cache.redecide(call_args, self._build, tried,
+                                             f"the decision {change.describe()} went the other way")
                 traced_now = self._cache.builds > builds
         built.made_state = []
         self._compiles += fresh - runnable.uncompiled()
@@ -567,12 +561,7 @@ class TranspiledStep:
             run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
             if captured.decisions:
-                if backend == "cudagraphs":
-                    raise TranspileError(
-                        f"{captured.decisions[0].describe()}: the step decides on a tensor "
-                        "value, which a CUDA graph cannot read on the host: use backend "
-                        "'inductor', or decide with tensor ops (torch.where, masking)")
-                decisions.check_before_collectives(program, self.step_fn)
+                decisions.check_program(program, captured.decisions, backend, self.step_fn)
             sent = sum(sent_bytes(c.op, c.nbytes, ctx.mesh.size(c.over))
                        for c in (n.meta[COMM] for n in program.collectives()))
             programs[name] = Runnable(program, *self._bind(program, captured), backend, sent_bytes=sent)

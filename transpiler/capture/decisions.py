@@ -7,13 +7,13 @@ The step is then traced again on fake tensors that carry real ones (torch's
 real-tensor propagation): every op also runs on copies of this call's inputs,
 so each decision takes the branch this call takes in eager (the RNG is put
 back after, so the program draws what eager draws). Each decision becomes a
-check in the program (aten._assert_scalar where its value is computed, before
+check in the program (transpiler::decided where its value is computed, before
 anything is written): a later call whose values decide otherwise fails the
 check with nothing written, and the step is traced again for it
 (runtime.py); the programs of each set of decisions are kept under the same
 signature (program_cache.py). The cost is one host read per decision, as
 eager pays; a rank whose decision changes traces alone, which its collectives
-allow only before the program's first collective (check_before_collectives).
+allow only before the program's first collective (check_program).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import re
 from unittest import mock
 
 import torch
+import torch._functorch.config
 import torch.fx as fx
 from torch._subclasses import fake_utils
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
@@ -44,14 +45,6 @@ class Decision:
 
     def describe(self) -> str:
         return f"{self.expr}{self.where}"
-
-
-class DecisionChanged(Exception):
-    """A run's tensor values decide otherwise than the program's trace."""
-
-    def __init__(self, decision: Decision):
-        super().__init__(f"the decision {decision.describe()} went the other way")
-        self.decision = decision
 
 
 def stopped_at_decision(exc: BaseException) -> bool:
@@ -148,19 +141,35 @@ def _(holds, index):
 torch.fx.node.has_side_effect(torch.ops.transpiler.decided.default)
 
 
-def changed(exc: BaseException, decisions: list[Decision]) -> DecisionChanged | None:
+def changed(exc: BaseException, decisions: list[Decision]) -> Decision | None:
     """The decision whose check failed in `exc`, if that is what failed a run."""
     while exc is not None:
         if isinstance(exc, _Checked) and exc.index < len(decisions):
-            return DecisionChanged(decisions[exc.index])
+            return decisions[exc.index]
         exc = exc.__cause__ or exc.__context__
     return None
 
 
-def check_before_collectives(program, step_fn) -> None:
-    """A rank whose decision changes traces again and runs its new program
-    while the others wait in their collectives: a decision after the
-    program's first collective would have it issue that one twice."""
+def traced_otherwise(decision: Decision) -> TranspileError:
+    """The error for a check that fails on the call it was traced on."""
+    return TranspileError(
+        f"the step's decision on a tensor value {decision.describe()} went otherwise "
+        "as it ran than as it was traced on the same call's values: the trace and the run "
+        "compute the value differently (a decision on a random draw does: the trace's real "
+        "tensors draw other numbers). Decide with tensor ops (torch.where, masking), or move "
+        "the decision outside the step")
+
+
+def check_program(program, decisions: list[Decision], backend: str, step_fn) -> None:
+    """Refuse a program whose decisions a rank could not take again alone: on
+    a CUDA graph (no host read), or after the program's first collective (a
+    rank whose decision changes traces again and runs its new program while
+    the others wait in their collectives: it would issue that one twice)."""
+    if decisions and backend == "cudagraphs":
+        raise TranspileError(
+            f"{decisions[0].describe()}: the step decides on a tensor value, which a CUDA "
+            "graph cannot read on the host: use backend 'inductor', or decide with tensor "
+            "ops (torch.where, masking)")
     collectives, issued, name = set(program.collectives()), None, program.name
     for node in program.graph.nodes:
         if issued is None and node in collectives:
