@@ -791,8 +791,9 @@ def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphMod
         for arg, new in mutated:
             arg.copy_(new)
         return outputs
-    gm = make_fx(run, tracing_mode=tracing_mode,
-                 _allow_non_fake_inputs=True)(*[v.detach() for v in values])
+    with kernels_where_meta_refuses():   # as the first trace ran them (meta_fallback.py)
+        gm = make_fx(run, tracing_mode=tracing_mode,
+                     _allow_non_fake_inputs=True)(*[v.detach() for v in values])
     for node in gm.graph.nodes:   # the sizes of symbolic inputs, read as they are wrapped
         if node.op == "call_function":
             node.meta.setdefault(ROLE, Role.FORWARD)
