@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The whole suite runs on 2.13.0; `pytest -m "not slow"` also passes on 2.9.1 (2.6.0 fails).
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench zoo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: install
 # the optional extra (pip install -e .[bench]); without it the report says so.
 bench: install
 	$(PY) -m transpiler.bench --repeat 2 --report docs/performance.md --json docs/performance.json --plot docs/performance.png
+
+# Every architecture of tests/zoo.py on 2 ranks against DDP; writes the pass table.
+zoo: install
+	$(PY) -m tests.test_zoo --report docs/zoo.md
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -105,16 +105,39 @@ def gpt2_step(model, opt, x, y):
     return loss
 
 
-def test_gpt2_with_dropout_under_inductor_equals_eager():
-    transformers = pytest.importorskip("transformers")
+def seq2seq_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = model(input_ids=x, labels=y[:, :5].contiguous()).loss   # 5 targets, 8 sources
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _gpt2(transformers):
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50,
                                      n_positions=16)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _t5(transformers):
+    """sdpa's math path draws T5's attention dropout mask with bernoulli(x, p);
+    inductor fused a consumer of the mask into the kernel before its draw (NaN
+    losses from the second call; compiler_graph.draws_as_kernels)."""
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0, dropout_rate=0.1))
+
+
+@pytest.mark.parametrize("build, step", [(_gpt2, gpt2_step), (_t5, seq2seq_step)],
+                         ids=["gpt2", "t5"])
+def test_transformer_with_dropout_under_inductor_equals_eager(build, step):
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    base = transformers.GPT2LMHeadModel(config)
-    batches = [torch.randint(0, 50, (4, 8)) for _ in range(STEPS)]
-    eager_loss, eager_params, eager_after = _train(gpt2_step, base, "eager", batches, "cpu")
-    loss, params, after = _train(gpt2_step, base, "inductor", batches, "cpu")
+    base = build(transformers)
+    batches = [torch.randint(2, 50, (4, 8)) for _ in range(STEPS)]
+    eager_loss, eager_params, eager_after = _train(step, base, "eager", batches, "cpu")
+    loss, params, after = _train(step, base, "inductor", batches, "cpu")
     # Other dropout masks would move the loss by about 1e-2.
     torch.testing.assert_close(torch.stack(loss), torch.stack(eager_loss), rtol=1e-5, atol=0)
     assert torch.equal(after, eager_after)

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from .capture.shapes import is_symbolic
-from .compiler_graph import packs_as_cat, reshapes_in_steps, views_as_reshapes
+from .compiler_graph import draws_as_kernels, packs_as_cat, reshapes_in_steps, views_as_reshapes
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
 from .failure_points import written_safely
@@ -321,5 +321,6 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     packs_as_cat(graph)
     views_as_reshapes(graph)
     reshapes_in_steps(graph)
+    draws_as_kernels(graph)
     graph.lint()
     return graph_module(program.gm, graph), written

@@ -6,6 +6,7 @@ graph, never the program (its listing stays as traced).
     views_as_reshapes   view -> reshape, chosen again from the compiler's strides
     reshapes_in_steps   a reshape that splits and merges dimensions at once ->
                         a split, then a merge (symbolic batch dimensions)
+    draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.fx as fx
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_BERNOULLI_P = torch.ops.aten.bernoulli.p
 _RESHAPE = torch.ops.aten.reshape.default
 
 
@@ -33,6 +35,29 @@ def views_as_reshapes(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _VIEWS:
             node.target = _RESHAPE
+
+
+@torch.library.custom_op("transpiler::bernoulli", mutates_args=())
+def _bernoulli(like: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.bernoulli(like, p)
+
+
+@_bernoulli.register_fake
+def _(like, p):
+    return torch.empty_like(like)
+
+
+def draws_as_kernels(graph: fx.Graph) -> None:
+    """bernoulli(x, p) (dropout's mask, as sdpa's math path draws it) -> the
+    same ATen kernel behind a custom op, which returns a buffer of its own.
+    With fallback_random, inductor lowers bernoulli(x, p) as bernoulli_ on a
+    clone of x, and fuses the clone's kernel (of an empty_like: NaN) with a
+    consumer of the mask, which then reads the mask before bernoulli_ has
+    drawn it: T5's attention dropout gave NaN losses. The kernel draws what
+    eager draws, from the same generator, at the same point."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _BERNOULLI_P and not node.kwargs:
+            node.target = torch.ops.transpiler.bernoulli.default
 
 
 def packs_as_cat(graph: fx.Graph) -> None:

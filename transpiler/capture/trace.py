@@ -54,6 +54,7 @@ from .optimizer_state import (
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
+from .memoized import memoized_while_traced
 from .outside import is_ndarray, outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
 from .random_layout import drawn_in_place, twin
@@ -178,6 +179,10 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
         except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
             if isinstance(exc, NotRollable):
                 raise
+            if isinstance(exc, _ReadMemoized):
+                log.info("transpiler: %s reads a memoized value computed before the trace: "
+                         "tracing it again with that cache emptied (%s)", step_name(step_fn), exc)
+                continue
             if isinstance(exc, _StoppedAtDecision):
                 log.info("transpiler: %s decides on a tensor value: tracing it again on this "
                          "call's values (%s)", step_name(step_fn), exc)
@@ -234,6 +239,10 @@ def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
         log.info("transpiler: tracing with %s lifted to inputs failed, tracing per value: %s",
                  " and ".join(dropped), exc)
     step_args.lifted -= {lifted[name] for name in dropped}
+
+
+class _ReadMemoized(TranspileError):
+    """A trace met a tensor that a memoizing function computed before it."""
 
 
 class _StoppedAtDecision(TranspileError):
@@ -375,6 +384,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         with _use_lazy_graph_module(True), \
                 outside_tensors(step_fn, arrays, _group_tensors(optimizers),
                                 _outside_hint(step_args)) as check_outside, \
+                memoized_while_traced() as caches, \
                 (on_real_values() if on_values else contextlib.nullcontext()):
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
@@ -403,7 +413,14 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     host = hosts[0]
     try:
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
-        check_outside(gm)
+        try:
+            check_outside(gm)
+        except TranspileError as exc:
+            if not caches.read_before:
+                raise
+            caches.forget_read()
+            draws.rewind()
+            raise _ReadMemoized(str(exc)) from exc
         if step_args.lifted:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)

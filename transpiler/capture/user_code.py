@@ -26,8 +26,9 @@ _LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__
 
 
 def _library_dirs() -> tuple[str, ...]:
-    numpy = sys.modules.get("numpy")   # numpy's frames too, where it is in use
-    return _LIB_DIRS + ((os.path.dirname(numpy.__file__),) if numpy is not None else ())
+    # numpy's frames too, where it is in use, and sympy's (torch's symbolic shapes)
+    used = [sys.modules.get(name) for name in ("numpy", "sympy")]
+    return _LIB_DIRS + tuple(os.path.dirname(m.__file__) for m in used if m is not None)
 
 
 def user_line(step_fn, tb=None, frames=None) -> str:

@@ -1,0 +1,313 @@
+"""The architecture zoo (tests/zoo.py) on 2 gloo ranks against torch DDP with
+its defaults, running the same step in the same processes: each rank its own
+batches and its own dropout seeds, AdamW, 3 steps. A run's verdict:
+
+- bit for bit: every loss, parameter and buffer equal to DDP's (eager);
+- within 1e-5: the largest relative difference at most 1e-5 (inductor), but
+  for the elements whose gradient is rounding noise (_noise_gradients);
+- refused: a TranspileError on the first call on both ranks, naming the user's
+  line, with the model untouched (expected only where the entry says so);
+- DIFFERS, CRASH, HANG: a silent difference, another exception, a rank that
+  did not answer. Each fails the run.
+
+`pytest tests/test_zoo.py` runs a sample of the catalogue (SAMPLE, marked slow);
+`python -m tests.test_zoo [names...] [--report docs/zoo.md]` (`make zoo`) runs
+every run of every architecture and writes the pass table.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import re
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import zoo
+from transpiler import transpile
+from transpiler.errors import TranspileError
+
+STEPS = 3
+# What a mode refuses by its contract (docs/contract.md): fsdp gathers the
+# parameters with collectives before the forward, and a decision on a tensor
+# value after a collective cannot be taken again by one rank alone.
+LIMITS = {"fsdp": r"decides on a tensor value after program '\w+' has issued a collective"}
+INDUCTOR_TOLERANCE = 1e-5
+NOISE = 1e-6
+EXACT, CLOSE, REFUSED = "bit for bit", "within 1e-5", "refused"
+DIFFERS, CRASH, HANG = "DIFFERS", "CRASH", "HANG"
+
+
+@dataclasses.dataclass
+class Outcome:
+    verdict: str
+    detail: str = ""
+    first_call_s: float | None = None
+
+    def expected(self, run: zoo.Run) -> bool:
+        refused = run.arch.refused or LIMITS.get(run.mode)
+        if refused is not None and self.verdict == REFUSED:
+            return re.search(refused, self.detail) is not None
+        if run.arch.refused is not None:
+            return False
+        return self.verdict in ((EXACT,) if run.backend == "eager" else (EXACT, CLOSE))
+
+
+def _arch(name: str) -> zoo.Arch:
+    return next(a for a in zoo.catalogue() if a.name == name)
+
+
+def _train(arch: zoo.Arch, step, model, opt, rank: int,
+           after=lambda: None) -> tuple[list[torch.Tensor], float]:
+    """STEPS steps on this rank's batches, `after()` after each; the losses and
+    the first call's time."""
+    g = torch.Generator().manual_seed(1 + rank)
+    losses, first_call_s = [], 0.0
+    for i in range(STEPS):
+        batch = arch.batch(g)
+        torch.manual_seed(10 * i + rank)
+        t0 = time.perf_counter()
+        try:
+            losses.append(step(model, opt, batch))
+        except TranspileError as e:
+            if i == 0:
+                raise
+            raise RuntimeError(f"refused at call {i}, after calls that trained: {e}") from e
+        if i == 0:
+            first_call_s = time.perf_counter() - t0
+        after()
+    return losses, first_call_s
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _largest_difference(ours: dict, theirs: dict, noise: dict | None = None) -> tuple[float, str]:
+    """The largest relative difference and where it is; with `noise`, not
+    looking at the elements it masks."""
+    worst, where = 0.0, ""
+    for k, y in theirs.items():
+        x = ours[k]
+        if x.shape != y.shape:
+            return float("inf"), f"{k}: shape {tuple(x.shape)} != {tuple(y.shape)}"
+        if torch.equal(x, y):
+            continue
+        x, y = x.double(), y.double()
+        if noise and k in noise:
+            x, y = x[~noise[k]], y[~noise[k]]
+        if x.numel() == 0:
+            continue
+        d = ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+        if not d <= worst:   # NaN counts as the largest
+            worst, where = d, k
+    return worst, where
+
+
+def rank_run(name: str, mode: str, backend: str) -> dict:
+    """One run on this rank: the transpiled step, then DDP from the same start."""
+    arch, rank = _arch(name), dist.get_rank()
+    step = zoo.step_of(arch)
+
+    torch.manual_seed(0)
+    ours = arch.build()
+    theirs = copy.deepcopy(ours)
+    before = _state(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs)]
+    transpiled = transpile(step, mode=mode, backend=backend)
+    try:
+        losses, first_call_s = _train(arch, transpiled, ours, opts[0], rank)
+    except TranspileError as e:
+        untouched, where = _largest_difference(_state(ours), before)
+        return dict(refused=str(e), untouched=untouched == 0.0, where=where)
+    if mode == "fsdp":
+        with transpiled.unsharded():
+            mine = _state(ours)
+    else:
+        mine = _state(ours)
+    ddp = DDP(theirs, find_unused_parameters=arch.find_unused)
+    largest_grad: dict[str, torch.Tensor] = {}
+
+    def grads_seen():
+        for n, p in theirs.named_parameters():
+            if p.grad is not None:
+                seen = largest_grad.get(n)
+                g = p.grad.abs()
+                largest_grad[n] = g if seen is None else torch.maximum(seen, g)
+
+    ddp_losses, _ = _train(arch, step, ddp, opts[1], rank, after=grads_seen)
+    mine.update({f"loss {i}": l for i, l in enumerate(losses)})
+    reference = _state(theirs)
+    reference.update({f"loss {i}": l for i, l in enumerate(ddp_losses)})
+    worst, where = _largest_difference(mine, reference)
+    noise = _noise_gradients(largest_grad)
+    beyond_noise, _ = _largest_difference(mine, reference, noise)
+    return dict(worst=worst, where=where, beyond_noise=beyond_noise, first_call_s=first_call_s)
+
+
+def _noise_gradients(largest_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The elements of each parameter whose gradient is rounding noise: at
+    most NOISE of the model's largest gradient at every step (an attention
+    key's bias, which softmax cancels). AdamW scales such a gradient up to a
+    full step, so kernels that round differently move them apart; inductor's
+    runs are judged without them (and say by how much they differ)."""
+    top = max((g.max().item() for g in largest_grad.values() if g.numel()), default=0.0)
+    return {n: g <= NOISE * top for n, g in largest_grad.items()}
+
+
+def outcome_of(run: zoo.Run, got: list[dict]) -> Outcome:
+    """The verdict from every rank's answer."""
+    refused = [g for g in got if "refused" in g]
+    if refused:
+        if len(refused) < len(got):
+            return Outcome(CRASH, f"refused on {len(refused)} of {len(got)} ranks: "
+                                  f"{refused[0]['refused']}")
+        touched = [g["where"] for g in refused if not g["untouched"]]
+        if touched:
+            return Outcome(CRASH, f"refused after writing {touched[0]}: {refused[0]['refused']}")
+        return Outcome(REFUSED, refused[0]["refused"])
+    worst, where = max(((g["worst"], g["where"]) for g in got),
+                       key=lambda w: float("inf") if w[0] != w[0] else w[0])   # NaN largest
+    first_call_s = max(g["first_call_s"] for g in got)
+    if worst == 0.0:
+        return Outcome(EXACT, first_call_s=first_call_s)
+    if run.backend != "eager" and worst <= INDUCTOR_TOLERANCE:
+        return Outcome(CLOSE, f"{worst:.1e} at {where}", first_call_s)
+    if run.backend != "eager" and all(g["beyond_noise"] <= INDUCTOR_TOLERANCE for g in got):
+        return Outcome(CLOSE, f"{worst:.1e} at {where} (elements whose gradient is rounding noise)",
+                       first_call_s)
+    return Outcome(DIFFERS, f"{worst:.3g} at {where}", first_call_s)
+
+
+def run_on(pool, run: zoo.Run, timeout: float) -> Outcome:
+    try:
+        got = pool.run(rank_run, run.arch.name, run.mode, run.backend, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a verdict, reported
+        text = str(e)
+        if "did not answer" in text:
+            return Outcome(HANG, text.splitlines()[0])
+        return Outcome(CRASH, _last_error_line(text))
+    return outcome_of(run, got)
+
+
+def _last_error_line(text: str) -> str:
+    """The exception's own line from a rank's traceback."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+# ----------------------------------------------------------------- the sample
+
+SAMPLE = ["gpt2", "whisper", "wav2vec2", "qwen2_moe"]
+
+
+def _sample_runs() -> list[zoo.Run]:
+    return [r for r in zoo.runs_of(zoo.catalogue()) if r.arch.name in SAMPLE]
+
+
+@pytest.mark.skipif(zoo.T is None, reason="transformers is not installed")
+@pytest.mark.parametrize("run", _sample_runs(), ids=lambda r: f"{r.arch.name}-{r.mode}-{r.backend}")
+def test_zoo_sample_equals_ddp(run, ranks2):
+    outcome = run_on(ranks2, run, timeout=300)
+    assert outcome.expected(run), f"{outcome.verdict}: {outcome.detail}"
+
+
+# ----------------------------------------------------------------- the report
+
+def main(argv: list[str]) -> int:
+    """Every run of the named architectures (all by default), one line each;
+    --report FILE writes the pass table. Exits 1 if any run is not as expected."""
+    logging.basicConfig(level=logging.WARNING)
+    report = argv[argv.index("--report") + 1] if "--report" in argv else None
+    names = [a for a in argv if not a.startswith("--") and a != report]
+    archs = [a for a in zoo.catalogue() if not names or a.name in names]
+    from tests.ranks import RankPool
+    pool = RankPool(2)
+    results: list[tuple[zoo.Run, Outcome]] = []
+    total = time.perf_counter()
+    try:
+        for run in [r for r in zoo.runs_of(zoo.catalogue()) if not names or r.arch.name in names]:
+            t0 = time.perf_counter()
+            outcome = run_on(pool, run, timeout=600)
+            if not pool.alive:
+                pool = RankPool(2)
+            results.append((run, outcome))
+            mark = "ok" if outcome.expected(run) else "FAIL"
+            print(f"{mark}\t{run.arch.name}\t{run.mode}\t{run.backend}\t{outcome.verdict}\t"
+                  f"{time.perf_counter() - t0:.1f}s\t{outcome.detail[:200]}", flush=True)
+    finally:
+        pool.close()
+    elapsed = time.perf_counter() - total
+    if report:
+        with open(report, "w") as out:
+            out.write(_report(archs, results, elapsed))
+    return 0 if all(o.expected(r) for r, o in results) else 1
+
+
+_INTRO = """# The architecture zoo
+
+`tests/zoo.py` holds {n} architectures: real model code from transformers{extra}
+(small configs, random weights, dropout on, train mode), each computing its own
+loss. `tests/test_zoo.py` runs each on 2 gloo ranks against torch DDP with its
+defaults (`find_unused_parameters=True` where an expert can go without tokens),
+running the same step in the same processes: each rank its own batches and
+dropout seeds, AdamW, {steps} steps. fuse_all_reduce in eager runs for every
+architecture, zero and fsdp for every third, fuse_all_reduce under inductor for
+every third.
+
+- **bit for bit**: every loss, parameter and buffer equal to DDP's.
+- **within 1e-5**: inductor's kernels round differently; the largest relative
+  difference at most 1e-5, leaving out the elements whose gradient is rounding
+  noise at every step (at most 1e-6 of the model's largest: an attention key's
+  bias, which softmax cancels; AdamW scales such noise up to a full step).
+  The note gives the largest difference, those parameters included.
+- **refused**: a `TranspileError` at the first call on both ranks, naming the
+  user's line, nothing written; the entry says why, or the mode refuses it by
+  its contract (fsdp: a decision on a tensor value after its first all-gather).
+- **DIFFERS**, **CRASH**, **HANG**: a silent difference, another exception, a
+  rank that did not answer.
+
+The first call's time is the trace, the passes and (inductor) the compile, on
+this machine's CPU, slowest rank. This page is written by `make zoo`
+(`python -m tests.test_zoo --report docs/zoo.md`); `make test` runs a sample.
+
+"""
+
+
+def _report(archs: list[zoo.Arch], results: list[tuple[zoo.Run, Outcome]],
+            elapsed: float) -> str:
+    extra = "" if all(a.source.startswith("transformers") for a in archs) else \
+        ", diffusers and torch's own layers"
+    text = _INTRO.format(n=len(archs), extra=extra, steps=STEPS)
+    text += "## Today's result\n\n| backend | runs | bit for bit | within 1e-5 | refused | " \
+            "not as expected |\n|---|---|---|---|---|---|\n"
+    for backend in ("eager", "inductor"):
+        mine = [(r, o) for r, o in results if r.backend == backend]
+        if not mine:
+            continue
+        count = {v: sum(o.verdict == v for _, o in mine) for v in (EXACT, CLOSE, REFUSED)}
+        bad = sum(not o.expected(r) for r, o in mine)
+        text += (f"| {backend} | {len(mine)} | {count[EXACT]} ({count[EXACT] / len(mine):.0%}) | "
+                 f"{count[CLOSE]} | {count[REFUSED]} | {bad} |\n")
+    text += f"\n{len(results)} runs in {elapsed / 60:.0f} min.\n\n"
+    text += ("## Every run\n\n| architecture | kind | mode | backend | verdict | first call | "
+             "features | note |\n|---|---|---|---|---|---|---|---|\n")
+    for run, o in results:
+        note = (run.arch.why or o.detail) if o.verdict == REFUSED and o.expected(run) \
+            else o.detail
+        note = note.splitlines()[0][:160].replace("|", "\\|") if note else ""
+        verdict = o.verdict if o.expected(run) else f"**{o.verdict}**"
+        first = f"{o.first_call_s:.1f} s" if o.first_call_s is not None else "–"
+        text += (f"| `{run.arch.name}` | {run.arch.kind.value} | {run.mode} | {run.backend} | "
+                 f"{verdict} | {first} | {', '.join(run.arch.features)} | {note} |\n")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
