@@ -34,8 +34,9 @@ def _user_caches() -> list[_Cache]:
     found: dict[int, _Cache] = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if not path or path.startswith(libraries):
-            continue
+        if not isinstance(path, str) or path.startswith(libraries) \
+                or not isinstance(getattr(module, "__dict__", None), dict):
+            continue   # a library's, or an object put in sys.modules that is not a module
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == module.__name__:
                 values = [getattr(v, "__func__", v) for v in vars(value).values()]
