@@ -24,13 +24,13 @@ import sys
 import types
 from typing import Iterator
 
-from .user_code import _library_dirs
+from .user_code import library_dirs
 
 _Cache = functools._lru_cache_wrapper
 
 
 def _user_caches() -> list[_Cache]:
-    libraries = _library_dirs()
+    libraries = library_dirs()
     found: dict[int, _Cache] = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)

@@ -32,13 +32,13 @@ import dataclasses
 import dis
 import functools
 import logging
-import os
 import sys
 import types
 from typing import Any, Callable
 
 import torch
 
+from .user_code import library_dirs
 from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, mutable, restore, saved,
                      show, snapshot)
 
@@ -55,19 +55,8 @@ _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                  "_global_backward_hooks", "_global_backward_pre_hooks")
 
-_LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in
-                      (torch.__file__, os.__file__, os.path.dirname(__file__)))
-
-
-def _library_dirs() -> tuple[str, ...]:
-    """torch, the standard library, this package, and numpy and sympy where
-    they are loaded (sympy works for torch's symbolic shapes)."""
-    found = [sys.modules.get(name) for name in ("numpy", "sympy")]
-    return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
-
-
 def is_library(filename: str) -> bool:
-    return not filename or filename.startswith(_library_dirs()) or filename.startswith("<frozen")
+    return not filename or filename.startswith(library_dirs()) or filename.startswith("<frozen")
 
 
 def _not_reached_into() -> tuple[type, ...]:

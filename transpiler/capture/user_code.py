@@ -20,15 +20,16 @@ def step_name(step_fn) -> str:
     return getattr(step_fn, "__qualname__", None) or getattr(step_fn, "__name__", "train_step")
 
 
-# torch, this package and the standard library: frames that are not the user's.
-_LIB_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-             os.path.dirname(os.__file__), "<")
+_LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in
+                      (torch.__file__, os.__file__, os.path.dirname(__file__)))
 
 
-def _library_dirs() -> tuple[str, ...]:
-    # numpy's frames too, where it is in use, and sympy's (torch's symbolic shapes)
-    used = [sys.modules.get(name) for name in ("numpy", "sympy")]
-    return _LIB_DIRS + tuple(os.path.dirname(m.__file__) for m in used if m is not None)
+def library_dirs() -> tuple[str, ...]:
+    """torch, the standard library, this package, and numpy and sympy where
+    they are loaded (sympy works for torch's symbolic shapes): code that is
+    not the user's."""
+    found = [sys.modules.get(name) for name in ("numpy", "sympy")]
+    return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
 
 
 def user_line(step_fn, tb=None, frames=None) -> str:
@@ -36,7 +37,7 @@ def user_line(step_fn, tb=None, frames=None) -> str:
     the traceback `tb`, the `frames` given, or the current stack)."""
     if frames is None:
         frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
-    libraries = _library_dirs()
+    libraries = library_dirs() + ("<",)
     for frame in reversed(frames):
         if not frame.filename.startswith(libraries):
             return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
