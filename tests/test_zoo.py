@@ -59,10 +59,6 @@ class Outcome:
         return self.verdict in ((EXACT,) if run.backend == "eager" else (EXACT, CLOSE))
 
 
-def _arch(name: str) -> zoo.Arch:
-    return next(a for a in zoo.catalogue() if a.name == name)
-
-
 def _train(arch: zoo.Arch, step, model, opt, rank: int,
            after=lambda: None) -> tuple[list[torch.Tensor], float]:
     """STEPS steps on this rank's batches, `after()` after each; the losses and
@@ -112,7 +108,7 @@ def _largest_difference(ours: dict, theirs: dict, noise: dict | None = None) -> 
 
 def rank_run(name: str, mode: str, backend: str) -> dict:
     """One run on this rank: the transpiled step, then DDP from the same start."""
-    arch, rank = _arch(name), dist.get_rank()
+    arch, rank = zoo.by_name(name), dist.get_rank()
     step = zoo.step_of(arch)
 
     torch.manual_seed(0)

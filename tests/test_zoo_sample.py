@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(zoo.T is None, reason="transformers is not insta
 
 @pytest.mark.parametrize("name", SAMPLE)
 def test_architecture_equals_eager(name):
-    arch = next(a for a in zoo.catalogue() if a.name == name)
+    arch = zoo.by_name(name)
     step = zoo.step_of(arch)
 
     torch.manual_seed(0)

@@ -1069,6 +1069,10 @@ def catalogue() -> list[Arch]:
     ]
 
 
+def by_name(name: str) -> Arch:
+    return next(a for a in catalogue() if a.name == name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     arch: Arch
