@@ -430,9 +430,29 @@ class _Rewrite:
                               Role.COMM, b)
             if flat.meta["val"].numel() != val.numel():
                 flat = self._node(aten.slice.Tensor, (flat, 0, 0, val.numel()), Role.COMM, b)
-            full[p] = self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b,
-                                 **{GATHERED: p})
+            full[p] = self._laid_out(flat, val, b)
+            full[p].meta[GATHERED] = p
         return full
+
+    def _laid_out(self, flat: fx.Node, val: torch.Tensor, b: int) -> fx.Node:
+        """The parameter's elements (flat, in index order) with the parameter's
+        own strides. Kernels choose their path by layout (BatchNorm's fast path
+        wants a contiguous weight, a convolution follows a channels_last
+        weight) and paths round differently, so a gathered value is laid out
+        as eager's parameter is: a one-element shard's rows are strided, and
+        a permuted or channels_last parameter is not in index order."""
+        if not flat.meta["val"].is_contiguous():
+            flat = self._node(aten.clone.default, (flat,), Role.COMM, b,
+                              {"memory_format": torch.contiguous_format})
+        if val.is_contiguous():
+            return self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b)
+        order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+        shaped = self._node(aten.view.default, (flat, list(val.shape)), Role.COMM, b)
+        ordered = self._node(aten.permute.default, (shaped, order), Role.COMM, b)
+        packed = self._node(aten.clone.default, (ordered,), Role.COMM, b,
+                            {"memory_format": torch.contiguous_format})
+        back = sorted(range(val.dim()), key=order.__getitem__)
+        return self._node(aten.permute.default, (packed, back), Role.COMM, b)
 
     def _node(self, target, args, role: Role, bucket: int | None, kwargs=None,
               **meta) -> fx.Node:

@@ -1,7 +1,9 @@
 """Every parameter shape in every mode: a 0-d parameter (CLIP's logit_scale), a
 1-element one, odd sizes and sizes below the world size, trained on 2 and 3
 ranks against DDP with its defaults in the same processes (sharded modes:
-their shards padded, gathered and updated as a whole)."""
+their shards padded, gathered and updated as a whole); and every parameter
+layout (channels_last, transposed, a one-element shard), which kernels read
+as eager's parameters are laid out."""
 
 import pytest
 import torch
@@ -28,6 +30,26 @@ class OddShapes(nn.Module):
         return h
 
 
+class Layouts(nn.Module):
+    """Parameters whose layout picks a kernel's path: BatchNorm's fast path
+    wants a contiguous weight (2 channels on 2 ranks: one-element shards, whose
+    gathered rows are strided), a channels_last convolution, a transposed
+    matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, 2, 1, bias=False)
+        self.bn = nn.BatchNorm2d(2)
+        self.conv2 = nn.Conv2d(2, 8, 3, 2, 1, bias=False).to(memory_format=torch.channels_last)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.proj = nn.Parameter(torch.randn(5, 8).t())
+
+    def forward(self, x):
+        h = nn.functional.hardswish(self.bn(self.conv(x)))
+        h = self.bn2(self.conv2(h)).mean((2, 3))
+        return h @ self.proj
+
+
 def _step(model, opt, x, y):
     opt.zero_grad()
     loss = (model(x).sum(-1) - y).square().mean()
@@ -36,17 +58,17 @@ def _step(model, opt, x, y):
     return loss.detach()
 
 
-def _rank_vs_ddp(mode, opt_name):
+def _rank_vs_ddp(mode, opt_name, model_cls=OddShapes, shape=(7,)):
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def train(step_fn, wrap):
         torch.manual_seed(0)
-        model = OddShapes()
+        model = model_cls()
         opt = M.make_optimizer(opt_name, model)
         net = wrap(model)
         g = torch.Generator().manual_seed(1)
         for _ in range(4):
-            x, y = torch.randn(6 * world, 7, generator=g), torch.randn(6 * world, generator=g)
+            x, y = torch.randn(6 * world, *shape, generator=g), torch.randn(6 * world, generator=g)
             step_fn(net, opt, x.chunk(world)[rank], y.chunk(world)[rank])
         sharded = mode in ("zero", "fsdp")   # the optimizer's state: the parameters stand for it
         if mode == "fsdp" and step_fn is not _step:
@@ -61,6 +83,11 @@ def _rank_vs_ddp(mode, opt_name):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero", "fsdp"])
 def test_every_parameter_shape_equals_ddp_on_2_ranks(mode, opt_name, ranks2):
     assert ranks2.run(_rank_vs_ddp, mode, opt_name) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero", "fsdp"])
+def test_every_parameter_layout_equals_ddp_on_2_ranks(mode, ranks2):
+    assert ranks2.run(_rank_vs_ddp, mode, "adamw", Layouts, (3, 16, 16)) == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("mode", ["zero", "fsdp"])
