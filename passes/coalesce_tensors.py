@@ -6,7 +6,8 @@ Requires: a pass that marked the values to reduce over the ranks
 (the parameter deltas, SUM).
 Produces: buckets of the marked values planned by `plan_buckets` (by dtype, op
 and group, in program order, which for gradients is the order the backward pass
-produces them, closed at ctx.bucket_mb, the first one per dtype at
+produces them; with ctx.find_unused in reverse order of the parameters, each
+bucket placed not before the one before it, an order every rank has), closed at ctx.bucket_mb, the first one per dtype at
 ctx.first_bucket_mb, a small tail merged into the bucket before; values of
 different reduction points, Reduction.point, in buckets of their own). For each
 bucket, placed right after its last value: the values flattened and
@@ -97,17 +98,23 @@ def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
 def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
-    grads = program.to_reduce()
+    grads = program.to_reduce(by_parameters=ctx.find_unused)
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
                       g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {n: i for i, n in enumerate(program.graph.nodes)}
+    end = None
     for bucket, names in enumerate(plan):
-        _fuse(program, ctx, bucket, [grads[n] for n in names], position)
+        end = _fuse(program, ctx, bucket, [grads[n] for n in names], position,
+                    end if ctx.find_unused else None)
     lowering.forget_marks(program.graph)
 
 
-def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position):
+
+def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position,
+          after: fx.Node | None = None) -> fx.Node:
+    """The bucket packed, reduced and unpacked right after its last gradient
+    (and after `after`, the bucket before it); returns its last node."""
     graph = program.graph
     users = {g: list(g.users) for g in grads}
     vals = [g.meta["val"] for g in grads]
@@ -118,6 +125,8 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
     last = max(grads, key=position.__getitem__)
     pack_role = last.meta[ROLE]
+    if after is not None and after > last:
+        last = after
     with graph.inserting_before(last.next):
         buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
         issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
@@ -130,6 +139,7 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     for g, view in zip(grads, views):
         for user in users[g]:
             user.replace_input_with(g, view)
+    return max(views)
 
 
 def pack(graph: fx.Graph, values: list[fx.Node], dtype: torch.dtype, role: Role,

@@ -4,7 +4,9 @@ Requires: a pass that marked the values to reduce (meta["reduce"], a
 Reduction): average_grads (the gradients, MEAN) or local_sgd (the parameter
 deltas, SUM).
 Produces: for each marked value that something reads, in program order (for
-gradients, the order the backward pass produces them), the reduction lowered by
+gradients, the order the backward pass produces them; with ctx.find_unused in
+reverse order of the parameters, each issued not before the one before it, an
+order every rank has), the reduction lowered by
 transpiler/lowering.py: issued right after the node that produces the value
 (for a MEAN, `mul(value, 1 / group size)` with the value's role, then
 `all_reduce(., "sum")` over its group on ring 0; hierarchical over several
@@ -27,9 +29,10 @@ from transpiler.program import CommInfo, Program
 from transpiler.roles import REDUCE, ROLE
 
 
-def plan_allreduce(program: Program) -> list[fx.Node]:
-    """The values to reduce, in the order they are produced; unread ones skipped."""
-    return list(program.to_reduce().values())
+def plan_allreduce(program: Program, by_parameters: bool = False) -> list[fx.Node]:
+    """The values to reduce, in the order they are produced (by_parameters: in
+    reverse order of the parameters); unread ones skipped."""
+    return list(program.to_reduce(by_parameters).values())
 
 
 @consumes(Mark.TO_REDUCE)
@@ -37,15 +40,18 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     graph = program.graph
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for value in plan_allreduce(program):
+    previous = None
+    for value in plan_allreduce(program, ctx.find_unused):
         users = list(value.users)
         reduction = value.meta[REDUCE]
         comm = CommInfo("all_reduce", ring=0, params=(reduction.key,),
                         nbytes=value.meta["val"].nbytes)
-        with graph.inserting_before(value.next):
+        # not before the collective before it: the plan's order is every rank's
+        after = value if previous is None or value > previous else previous
+        with graph.inserting_before(after.next):
             issued = lowering.issue(graph, value, reduction, ctx, comm, value.meta[ROLE])
-        with graph.inserting_before(min(users, key=position.__getitem__)):
+        previous = issued.collective
+        with graph.inserting_before(max(min(users), previous.next)):
             reduced = lowering.complete(graph, issued, ctx)
         for user in users:
             user.replace_input_with(value, reduced)

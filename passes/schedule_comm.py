@@ -3,7 +3,9 @@
 Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors).
 Produces: the same nodes in a new order. Each collective, with the nodes that
 pack its buffer (meta["bucket"], not COMM), moves up to right after the
-last node it depends on, so it is issued as soon as its gradients exist and runs
+last node it depends on (and not above the collective before it: every rank
+issues them in the program's order, even where a rank's gradients are ready in
+another order), so it is issued as soon as its gradients exist and runs
 while the rest of the backward pass computes; each wait, with the nodes that
 unpack its result, moves down to right before its first use. Values and
 dependencies are unchanged, and the order is a function of the program alone.
@@ -43,14 +45,18 @@ def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:
 def schedule_comm(program: Program, ctx: PassContext) -> None:
     # fx nodes compare by their place in the graph, kept current as they move.
     graph = program.graph
+    previous = None
     for collective in program.collectives():
         pack = _bucket_chain(collective, lambda n: n.all_input_nodes, comm_role=False)
         for node in sorted(pack):
             if not node.all_input_nodes:
                 continue
             anchor = max(node.all_input_nodes)
+            if node is collective and previous is not None:
+                anchor = max(anchor, previous)   # issued in program order
             if anchor.next is not node:
                 anchor.append(node)
+        previous = collective
     waits = [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT and COMM in n.meta]
     for wait in waits:
         unpack = _bucket_chain(wait, lambda n: n.users, comm_role=True)

@@ -122,7 +122,8 @@ def rank_run(name: str, mode: str, backend: str) -> dict:
     exact = copy.deepcopy(ours).double()
     before = _state(ours)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs, exact)]
-    transpiled = transpile(step, mode=mode, backend=backend)
+    unused = arch.find_unused and mode in ("grad_allreduce", "fuse_all_reduce")
+    transpiled = transpile(step, mode=mode, backend=backend, find_unused_parameters=unused)
     try:
         losses, first_call_s = _train(arch, transpiled, ours, opts[0], rank)
     except TranspileError as e:

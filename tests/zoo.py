@@ -50,7 +50,8 @@ class Arch:
     loss: for a model without a loss of its own, the loss from the model and
         the batch.
     find_unused: DDP needs find_unused_parameters=True (a parameter without a
-        gradient on some rank: an expert no token is routed to).
+        gradient on some rank: an expert no token is routed to); the
+        transpiled step is given it too, where its mode takes it.
     """
     name: str
     kind: Kind
@@ -1066,6 +1067,18 @@ def catalogue() -> list[Arch]:
                                    attention_dropout=0.1)),
              images_captions(8, 16), ("dropout", "tied embeddings", "layernorm",
                                       "cross attention", "label smoothing")),
+
+        # (appended: runs_of depends on the order) 16 experts, one per token, 8
+        # tokens a rank: most experts get no token on a rank, and the ranks'
+        # sets differ at every step (transpile's find_unused_parameters, as DDP's)
+        Arch("qwen2_moe_sparse", Kind.MOE, "transformers.Qwen2MoeForCausalLM",
+             hf(T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, moe_intermediate_size=8,
+                shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, num_experts=16, num_experts_per_tok=1,
+                max_position_embeddings=16),
+             tokens_lm(4), ("rmsnorm", "rotary", "top-1 routing", "experts without tokens",
+                            "decisions on values"), find_unused=True),
     ]
 
 

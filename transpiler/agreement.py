@@ -14,8 +14,9 @@ from .roles import COMM
 
 
 def collective_summary(program: Program) -> list[str]:
-    """The program's collectives in order (op, group, ring, dtype, numel), then the
-    shapes of its parameters and buffers: what must be equal on every rank. Not
+    """The program's collectives in order (op, group, ring, dtype, numel, the
+    parameters whose values they carry, in their order in the buffer), then
+    the shapes of its parameters and buffers: what must be equal on every rank. Not
     the batch's shapes: as under DDP, ranks may hold batches of different sizes
     (a short last batch), and whatever a batch's shape changes in the
     collectives shows in them."""
@@ -23,8 +24,9 @@ def collective_summary(program: Program) -> list[str]:
     for node in program.collectives():
         val = node.meta["val"]
         comm = node.meta[COMM]
+        carried = f" params={','.join(comm.params)}" if comm.params else ""
         lines.append(f"{program.name}: {comm.op} over={comm.over} ring={comm.ring} "
-                     f"{val.dtype} numel={val.numel()}")
+                     f"{val.dtype} numel={val.numel()}{carried}")
     for node in program.placeholders:
         spec = node.meta["input"]
         if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
@@ -65,7 +67,10 @@ def compare(everyone: list[tuple], error: BaseException | None) -> None:
             raise TranspileError(
                 f"rank {rank} built a different program than rank 0 "
                 f"({first_difference(reference[2], theirs[2])}); every rank must run the "
-                "same model (the same parameters requiring grad), mode and options")
+                "same model (the same parameters requiring grad), mode and options; where a "
+                "parameter gets a gradient on some ranks only (an expert no token of a rank's "
+                "batch is routed to), pass transpile(..., find_unused_parameters=True), as DDP "
+                "needs")
 
 
 def raise_first_failure(messages: list[str | None], error: BaseException | None,

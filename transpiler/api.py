@@ -31,9 +31,11 @@ class Common:
     hierarchical: bool = False
     reduce_groups: Sequence[tuple] = ()
     broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
 
     def __post_init__(self):
-        for name in ("skip_nonfinite", "broadcast_buffers", "hierarchical"):
+        for name in ("skip_nonfinite", "broadcast_buffers", "hierarchical",
+                     "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise TranspileError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_int(self.nrings) or not 1 <= self.nrings <= MAX_RINGS:
@@ -61,11 +63,12 @@ class Common:
 
     def adjust(self, passes: Sequence[PassLike]) -> tuple[PassLike, ...]:
         """A program's passes under these options: without broadcast_buffers
-        (DDP(broadcast_buffers=False)), with skip_nonfinite."""
+        (DDP(broadcast_buffers=False)), with unused_params and skip_nonfinite."""
         if not self.broadcast_buffers:
             dropped = resolve(BROADCAST_BUFFERS)
             passes = tuple(p for p in passes if resolve(p) is not dropped)
-        return tuple(passes) + (("skip_nonfinite",) if self.skip_nonfinite else ())
+        return (tuple(passes) + (("unused_params",) if self.find_unused_parameters else ())
+                + (("skip_nonfinite",) if self.skip_nonfinite else ()))
 
 
 def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
@@ -74,6 +77,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
               reduce_groups: Sequence[tuple] = (), broadcast_buffers: bool = True,
+              find_unused_parameters: bool = False,
               dynamic: bool | Mapping[str, Iterable[int]] | None = None,
               micro_batches: str | None = None, **mode_options) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
@@ -116,6 +120,11 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     each rank's own, as DDP(broadcast_buffers=False). Applies to the modes whose
     ranks hold one model (not decentralized, nor local_sgd's local steps);
     passes/broadcast_buffers.py says which buffers.
+    find_unused_parameters: as DDP's: a parameter that gets no gradient on some
+    ranks (an expert no token of this rank's batch is routed to) takes part in
+    the reduction with zeros, and its update (and optimizer state) is kept as
+    it was where no rank gave it a gradient (passes/unused_params.py). Without
+    it, ranks whose programs reduce different parameters stop with an error.
     dynamic: which batch dimensions are traced as symbols, so that one program
     serves every size (capture/shapes.py). None: after a batch tensor's shape
     changes, every batch dimension (the first call is traced with the shapes
@@ -138,7 +147,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     dynamic = _dynamic_dims(dynamic)
     spec = mode_specs.build(mode, passes, mode_options)
     common = Common(backend, nrings, check_every, skip_nonfinite, verify, verify_tolerance,
-                    hierarchical, reduce_groups, broadcast_buffers)
+                    hierarchical, reduce_groups, broadcast_buffers, find_unused_parameters)
     spec.refuse(common)
     schedule = spec.schedule()
     schedule.programs = {name: common.adjust(p) for name, p in schedule.programs.items()}
@@ -147,7 +156,8 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     used = {resolve(p) for program_passes in schedule.programs.values() for p in program_passes}
     settings = spec.settings()
     mode_specs.check_supported(used, {**vars(common), "fuse_dtype": settings.get("fuse_dtype")})
-    context = PassContext(nrings=nrings, hierarchical=hierarchical, **settings)
+    context = PassContext(nrings=nrings, hierarchical=hierarchical,
+                          find_unused=find_unused_parameters, **settings)
     return TranspiledStep(step_fn, schedule, context, backend=backend, check_every=check_every,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,

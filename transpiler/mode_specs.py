@@ -152,10 +152,11 @@ class LocalSGD(_Fused):
         return {**super().settings(), "adaptive_k": self.adaptive}
 
     def refuse(self, common) -> None:
-        if common.verify:
-            raise TranspileError("verify compares with the eager step under DDP's semantics, "
-                                 "which local SGD does not follow by design: use verify with "
-                                 "grad_allreduce or fuse_all_reduce")
+        for option in ("verify", "find_unused_parameters"):
+            if getattr(common, option):
+                raise TranspileError(f"{option} follows DDP's semantics, which local SGD does "
+                                     "not by design: use it with grad_allreduce or "
+                                     "fuse_all_reduce")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,7 +167,7 @@ class Zero(_Fused):
 
     name = "zero"
     passes = modes.ZERO
-    unsupported = (modes.SHARD_OPTIMIZER, ("verify", "reduce_groups"))
+    unsupported = (modes.SHARD_OPTIMIZER, ("verify", "reduce_groups", "find_unused_parameters"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +179,8 @@ class Fsdp(_Fused):
 
     name = "fsdp"
     passes = modes.FSDP
-    unsupported = ("shard_params", ("verify", "reduce_groups", "check_every"))
+    unsupported = ("shard_params", ("verify", "reduce_groups", "check_every",
+                                    "find_unused_parameters"))
     # Free a gathered bucket after its last use in the forward pass and gather
     # it again for the backward pass (torch FSDP2's default); False keeps it
     # to its last use in the step.
@@ -195,7 +197,7 @@ class AllGather(_Buckets):
     name = "all_gather"
     passes = modes.ALL_GATHER
     unsupported = ("gather_grads", ("verify", "reduce_groups", "hierarchical",
-                                    "skip_nonfinite", "fuse_dtype"))
+                                    "skip_nonfinite", "fuse_dtype", "find_unused_parameters"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,7 +208,7 @@ class Decentralized(_Buckets):
     name = "decentralized"
     passes = modes.DECENTRALIZED
     unsupported = ("mix_params", ("verify", "reduce_groups", "hierarchical",
-                                  "skip_nonfinite", "fuse_dtype"))
+                                  "skip_nonfinite", "fuse_dtype", "find_unused_parameters"))
     topology: str | Topology = _option("ring", lambda _, value: check_topology(value))
 
     def schedule(self) -> schedules.Schedule:

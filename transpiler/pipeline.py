@@ -39,6 +39,11 @@ class PassContext:
     # shard_params: gather a bucket again in each forward or backward pass
     # that reads it rather than keeping it to its last use in the step
     reshard_after_forward: bool = True
+    # transpile(find_unused_parameters=True): a parameter may get a gradient on
+    # some ranks only (the trace gives it zeros where it gets none), so what
+    # the ranks reduce is laid out from the parameters, not from the order one
+    # rank's backward pass produced their gradients in
+    find_unused: bool = False
     # mix_params: this rank's mixing in the program being built (decentralized
     # mode; the schedule sets it per program)
     gossip: Gossip | None = None

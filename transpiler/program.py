@@ -211,10 +211,18 @@ class Program:
         return [n for n in self.placeholders
                 if n.meta[INPUT].kind in kinds and n.meta[INPUT].name in updated]
 
-    def to_reduce(self) -> dict[str, fx.Node]:
+    def to_reduce(self, by_parameters: bool = False) -> dict[str, fx.Node]:
         """Key -> node of the values a pass marked to be reduced over the ranks
-        (meta["reduce"], a Reduction) and that something reads, in program order."""
-        return {n.meta[REDUCE].key: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
+        (meta["reduce"], a Reduction) and that something reads, in program
+        order; by_parameters: the parameters' gradients first, in reverse order
+        of the parameters (DDP's first layout), an order every rank has even
+        where a rank's backward pass gives some of them no gradient
+        (find_unused_parameters: the trace gives those zeros where it ends)."""
+        marked = {n.meta[REDUCE].key: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
+        if not by_parameters:
+            return marked
+        params = [s.name for s in reversed(self.inputs) if s.kind is InputKind.PARAM]
+        return {name: marked[name] for name in params if name in marked} | marked
 
     def add_input(self, spec: InputSpec, like: fx.Node, name: str) -> fx.Node:
         """A new placeholder after the others, holding a tensor shaped like `like`."""
@@ -324,13 +332,14 @@ def _on_meta(target, vals, fake_mode):
     machinery (about 8x faster; passes create thousands of nodes), and for an
     elementwise foreach op on plain operands without running its meta kernel
     (_foreach_results). None where that is not plainly the same: not an ATen
-    op, a device argument, inputs on several devices, a result that is not
-    tensors, or no meta kernel."""
+    op, a device argument, inputs on several devices or of symbolic sizes (a
+    meta tensor would decide on them), a result that is not tensors, or no
+    meta kernel."""
     if not isinstance(target, torch._ops.OpOverload) or "device" in vals[1]:
         return None
     leaves = [v for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, torch.Tensor)]
     devices = {v.device for v in leaves}
-    if len(devices) != 1 or not all(isinstance(v, FakeTensor) for v in leaves):
+    if len(devices) != 1 or not all(isinstance(v, FakeTensor) and _static(v) for v in leaves):
         return None
     out = _foreach_results(target, vals)
     try:
@@ -387,6 +396,10 @@ def _foreach_results(target, vals) -> list[torch.Tensor] | None:
             return None
         results.append(torch.empty(shapes.pop() if shapes else (), dtype=dtype, device="meta"))
     return results
+
+
+def _static(v: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*v.shape, *v.stride(), v.storage_offset()))
 
 
 def _meta_like(v: torch.Tensor) -> torch.Tensor:

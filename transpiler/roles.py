@@ -44,5 +44,8 @@ GATHERED = "gathered"
 # for, and on the nodes of per-micro-batch state where one ends, a Carry
 MICRO = "micro"
 CARRY = "carry"
+# capture (transpile(find_unused_parameters=True)): on the zero gradient the
+# trace gives a parameter that got none from this rank's backward pass
+UNUSED = "unused"
 # capture/decisions.py: the Decision a check node (aten._assert_scalar) holds the program to
 DECISION = "decision"

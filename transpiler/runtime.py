@@ -611,7 +611,8 @@ class TranspiledStep:
         with self._timed("trace"):
             captured = trace_step(self.step_fn, step_args,
                                   self._sharded.stand_in if self._sharded else None,
-                                  on_values=self._decides)
+                                  on_values=self._decides,
+                                  zero_unused=self.settings.find_unused)
         self._decides |= bool(captured.decisions)
         record(captured.program, "capture", f"capture: {len(captured.program.graph.nodes)} "
                                             f"nodes from {fn_name} ({why})")

@@ -61,10 +61,11 @@ def compiling_flag():
 
 
 @contextlib.contextmanager
-def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
-    """Mark each backward() (its seed, its loss, its nodes) and record every
-    parameter's .grad where it ends: after the last one before optimizer.step(),
-    those are the gradients the program reduces."""
+def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict],
+                    at_end: Callable[[], None] = lambda: None):
+    """Mark each backward() (its seed, its loss, its nodes), run at_end() where
+    it ends and record every parameter's .grad there: after the last one before
+    optimizer.step(), those are the gradients the program reduces."""
     original = torch.autograd.backward
     running = []   # a backward() of the step is running
 
@@ -98,6 +99,7 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict]):
             original(loss, seed, *args, **kwargs)
         finally:
             running.pop()
+        at_end()
         markers.backwards.append((before, last_node()))
         markers.grads = grads_now()
         markers.ends.append(markers.grads)

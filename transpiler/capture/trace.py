@@ -26,7 +26,7 @@ from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, InputSpec, OutputKind, Program
-from ..roles import CARRY, DECISION, GRAD_AT, MICRO, PARAM, ROLE, Role
+from ..roles import CARRY, DECISION, GRAD_AT, MICRO, PARAM, ROLE, UNUSED, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
@@ -132,11 +132,15 @@ class Captured:
 
 
 def trace_step(step_fn: Callable, step_args: StepArgs,
-               state_stand_in: Callable | None = None, on_values: bool = False) -> Captured:
+               state_stand_in: Callable | None = None, on_values: bool = False,
+               zero_unused: bool = False) -> Captured:
     """Trace the whole step (forward, backward, optimizer update) into a Program.
     state_stand_in(param, entry): what the trace sees of an optimizer state
     entry (mode zero keeps shards; the step reads full entries). on_values:
     trace on this call's values at once (a step known to decide on them).
+    zero_unused (find_unused_parameters): where a backward() ends, a parameter
+    that requires a gradient and has none gets zeros, marked UNUSED, as DDP's
+    bucket holds zeros for it (passes/unused_params.py).
 
     The optimizers' state is made first, as their first step would make it
     (make_first_state), so that the program traced on the first call is the
@@ -149,7 +153,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
     try:
-        captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values)
+        captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
+                                          zero_unused)
         if captured.host_writes:
             _check_converges(step_fn, step_args, state_stand_in, captured, on_values)
     except BaseException:
@@ -169,13 +174,13 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
 
 
 def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
-                           on_values: bool = False) -> Captured:
+                           on_values: bool = False, zero_unused: bool = False) -> Captured:
     """Trace; after a failure, again with the batch's dimensions static or
     with fewer numbers lifted, where that is what failed; one that stopped at
     a decision on a tensor value, again on real values (decisions.py)."""
     while True:
         try:
-            return _trace(step_fn, step_args, state_stand_in, on_values)
+            return _trace(step_fn, step_args, state_stand_in, on_values, zero_unused)
         except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
             if isinstance(exc, NotRollable):
                 raise
@@ -250,7 +255,7 @@ class _StoppedAtDecision(TranspileError):
 
 
 def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None,
-           on_values: bool = False) -> Captured:
+           on_values: bool = False, zero_unused: bool = False) -> Captured:
     modules, optimizers = step_args.modules, step_args.optimizers
     inputs = collect_inputs(step_args, state_stand_in)
     markers = Markers()
@@ -297,6 +302,12 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         def grads_now():
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
                     if t.grad is not None}
+
+        def zero_unused_grads():
+            for i, t in traced.items():
+                if zero_unused and t.requires_grad and t.grad is None and i in inputs.param_names:
+                    t.grad = torch.zeros_like(t)
+                    node_of(t.grad).meta[UNUSED] = inputs.param_names[i]
         real_state = {id(opt): opt.state for opt in optimizers}
         real_params = {id(opt): opt_params(opt) for opt in optimizers}
         with contextlib.ExitStack() as stack:
@@ -319,7 +330,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording(on_values))
-            stack.enter_context(backward_marker(markers, step_fn, grads_now))
+            stack.enter_context(backward_marker(markers, step_fn, grads_now, zero_unused_grads))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
@@ -743,6 +754,9 @@ def _drop_profiler_nodes(graph: fx.Graph):
 
 
 
+_CARRIED = (PARAM, SKIPS, GRAD_AT, CARRY, UNUSED)   # meta on the node of a value
+
+
 class _RoleCarrier(fx.Interpreter):
     """Runs the traced graph under functionalization and gives each node it
     creates in the new graph the role (and gradient mark) of the node it came
@@ -760,11 +774,11 @@ class _RoleCarrier(fx.Interpreter):
                 if key in n.meta:
                     node.meta.setdefault(key, n.meta[key])
             node = node.next
-        if any(key in n.meta for key in (PARAM, SKIPS, GRAD_AT, CARRY)) or n.meta[ROLE] & Role.LOSS:
+        if any(key in n.meta for key in _CARRIED) or n.meta[ROLE] & Role.LOSS:
             # The node of the value itself: a getitem of a multi-output op is
             # created with that op and took its role above.
             node = node_of(_unwrapped(result))
-            for key in (PARAM, SKIPS, GRAD_AT, CARRY):
+            for key in _CARRIED:
                 if key in n.meta:
                     node.meta[key] = n.meta[key]
             if n.meta[ROLE] & Role.LOSS:
