@@ -152,11 +152,14 @@ class LocalSGD(_Fused):
         return {**super().settings(), "adaptive_k": self.adaptive}
 
     def refuse(self, common) -> None:
-        for option in ("verify", "find_unused_parameters"):
-            if getattr(common, option):
-                raise TranspileError(f"{option} follows DDP's semantics, which local SGD does "
-                                     "not by design: use it with grad_allreduce or "
-                                     "fuse_all_reduce")
+        if common.verify:
+            raise TranspileError("verify compares with the eager step under DDP's semantics, "
+                                 "which local SGD does not follow by design: use verify with "
+                                 "grad_allreduce or fuse_all_reduce")
+        if common.find_unused_parameters:
+            raise TranspileError("find_unused_parameters follows DDP's semantics, which local "
+                                 "SGD does not by design (its ranks update their own replicas): "
+                                 "use it with grad_allreduce or fuse_all_reduce")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
