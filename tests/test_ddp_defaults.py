@@ -1,8 +1,11 @@
 """DDP's defaults, exactly: torch DDP with its defaults running the same step
 function in the same processes (2 gloo ranks, each on its own shard of the
-batch) against the transpiled step. BatchNorm's buffers are broadcast from rank
-0 before every step (broadcast_buffers=True); off with broadcast_buffers=False,
-as DDP's option. The gradients of a backward() that the step reads before the
+batch) against the transpiled step. BatchNorm's buffers are rank 0's at every
+forward (broadcast_buffers=True): DDP broadcasts them before each forward
+through its wrapper, a training step's or an evaluation's; the transpiled step
+ends by broadcasting what it wrote, so a forward between steps (an evaluation
+with the module) sees what DDP's would. Off with broadcast_buffers=False, as
+DDP's option. The gradients of a backward() that the step reads before the
 next one (SAM) are averaged where it ends, as DDP averages at every backward();
 pure accumulation is reduced once, as under no_sync()."""
 
@@ -47,7 +50,10 @@ def _ddp(model, broadcast_buffers: bool):
 def rank_bn_vs_ddp(mode, backend, broadcast_buffers, ddp_broadcasts):
     """BatchNorm model, SGD with momentum, 4 steps: the transpiled step (its
     model starts from another seed on each rank: the startup broadcast aligns
-    them) and DDP, each ending with its state on this rank."""
+    them) and DDP, then an evaluation forward on a batch of this rank's (the
+    module itself; DDP's through its wrapper, which first broadcasts rank 0's
+    buffers); each with its state on this rank after the evaluation and the
+    evaluation's output."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     batches = [M.shard(b, rank, world_size) for b in M.batches("bn", STEPS, BATCH)]
     model = M.make("bn", seed=rank)
@@ -56,7 +62,9 @@ def rank_bn_vs_ddp(mode, backend, broadcast_buffers, ddp_broadcasts):
     step = transpile(M.classify_step, mode=mode, backend=backend, **options)
     for batch in batches:
         step(model, opt, *batch)
-    ours = _state(model, opt, step)
+    held_out = batches[0][0] + 1
+    with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
+        ours = _state(model, opt, step), _evaluated(model, held_out)
     ops = [n.meta["comm"].op for n in step.program.collectives()]
 
     model = M.make("bn", seed=0)
@@ -64,7 +72,16 @@ def rank_bn_vs_ddp(mode, backend, broadcast_buffers, ddp_broadcasts):
     ddp = _ddp(model, ddp_broadcasts)
     for batch in batches:
         M.classify_step(ddp, opt, *batch)
-    return ours, _state(model, opt), ops
+    evaluated = _evaluated(ddp, held_out)
+    return ours[0], _state(model, opt), ops, ours[1], evaluated
+
+
+def _evaluated(model, x):
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train()
+    return out
 
 
 def _assert_equal(ours: dict, theirs: dict):
@@ -73,37 +90,43 @@ def _assert_equal(ours: dict, theirs: dict):
         assert torch.equal(ours[k], theirs[k]), (k, (ours[k] - theirs[k]).abs().max())
 
 
-@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
-def test_batchnorm_equals_ddp_defaults_bit_for_bit(mode, ranks2):
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero", "fsdp"])
+def test_batchnorm_and_an_evaluation_after_it_equal_ddp_defaults(mode, ranks2):
     results = ranks2.run(rank_bn_vs_ddp, mode, "eager", None, True)
-    for ours, ddp, ops in results:
+    for ours, ddp, ops, evaluated, ddp_evaluated in results:
         _assert_equal(ours, ddp)
+        assert torch.equal(evaluated, ddp_evaluated)
         # the statistics (f32) and the batch count (i64): one broadcast each
         assert ops.count("broadcast") == 2
-    # Rank 1's statistics are rank 0's, updated on rank 1's batch: they differ.
-    assert not torch.equal(results[0][0]["model.bn.running_mean"],
-                           results[1][0]["model.bn.running_mean"])
+    # Every rank evaluates with rank 0's statistics; rank 1's own (updated on
+    # its batch by the last step) were not: its evaluation would differ.
+    assert torch.equal(results[0][0]["model.bn.running_mean"],
+                       results[1][0]["model.bn.running_mean"])
 
 
 def test_batchnorm_under_inductor_equals_ddp_defaults(ranks2):
     """Inductor's kernels round differently from eager's (test_training_loops
     bounds that at 1e-5); without the broadcast rank 1's statistics would be
     0.09 off."""
-    for ours, ddp, ops in ranks2.run(rank_bn_vs_ddp, "fuse_all_reduce", "inductor", None, True):
+    for ours, ddp, ops, evaluated, ddp_evaluated in ranks2.run(
+            rank_bn_vs_ddp, "fuse_all_reduce", "inductor", None, True):
         assert M.max_rel_error(ours, ddp) <= 1e-5
+        assert M.max_rel_error({"out": evaluated}, {"out": ddp_evaluated}) <= 1e-5
         assert ops.count("broadcast") == 2
 
 
 def test_broadcast_buffers_false_equals_ddp_without_it(ranks2):
-    for ours, ddp, ops in ranks2.run(rank_bn_vs_ddp, "fuse_all_reduce", "eager", False, False):
+    for ours, ddp, ops, evaluated, ddp_evaluated in ranks2.run(
+            rank_bn_vs_ddp, "fuse_all_reduce", "eager", False, False):
         _assert_equal(ours, ddp)
+        assert torch.equal(evaluated, ddp_evaluated)
         assert "broadcast" not in ops
 
 
 def test_without_the_broadcast_rank_1_differs_from_ddp_defaults(ranks2):
     """What the broadcast fixes: the test above can fail."""
-    (ours0, ddp0, _), (ours1, ddp1, _) = ranks2.run(rank_bn_vs_ddp, "grad_allreduce", "eager",
-                                                    False, True)
+    (ours0, ddp0, *_), (ours1, ddp1, *_) = ranks2.run(rank_bn_vs_ddp, "grad_allreduce", "eager",
+                                                      False, True)
     _assert_equal(ours0, ddp0)   # rank 0 broadcasts its own buffers: no difference
     assert not torch.equal(ours1["model.bn.running_mean"], ddp1["model.bn.running_mean"])
 
@@ -133,12 +156,13 @@ def test_only_the_buffers_the_step_writes_are_broadcast():
     broadcast_buffers(program, CTX)
     sent = [n.meta["comm"].params for n in program.collectives()]
     assert sent == [("bn.running_mean", "bn.running_var"), ("bn.num_batches_tracked",)]
-    # only the broadcast reads a broadcast buffer: the forward reads what it received
+    # the program outputs what rank 0 sent in place of each written buffer
+    outputs = dict(zip((s.target for s in program.outputs), program.output_node.args[0]))
     for node in program.placeholders:
         spec = node.meta["input"]
-        if spec.kind is InputKind.BUFFER:
-            sent = {u.meta["role"] is Role.COMM for u in node.users}
-            assert sent == {spec.name != "mask"}, spec.name
+        if spec.kind is InputKind.BUFFER and spec.name != "mask":
+            assert outputs[spec.name].meta["role"] is Role.COMM, spec.name
+    assert "mask" not in outputs
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])

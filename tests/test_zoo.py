@@ -1,8 +1,10 @@
 """The architecture zoo (tests/zoo.py) on 2 gloo ranks against torch DDP with
 its defaults, running the same step in the same processes: each rank its own
-batches and its own dropout seeds, AdamW, 3 steps. A run's verdict:
+batches and its own dropout seeds, AdamW, 3 steps, then an evaluation forward
+with the model (DDP's through its wrapper). A run's verdict:
 
-- bit for bit: every loss, parameter and buffer equal to DDP's (eager);
+- bit for bit: every loss (the evaluation's too), parameter and buffer equal
+  to DDP's (eager);
 - within 1e-5: the largest relative difference at most 1e-5 (inductor);
 - as accurate: (inductor) further than 1e-5 from DDP, but as close to the
   exact result as DDP is: torch.compile's own accuracy rule
@@ -19,6 +21,7 @@ every run of every architecture and writes the pass table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -30,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import same
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import zoo
@@ -45,6 +49,7 @@ INDUCTOR_TOLERANCE = 1e-5
 # A float64 run is a reference only if its first loss is this close to
 # float32's (float64 draws other numbers than float32 from torch.randn).
 REFERENCE_AGREES = 1e-4
+aten = torch.ops.aten
 EXACT, CLOSE, ACCURATE, REFUSED = "bit for bit", "within 1e-5", "as accurate", "refused"
 DIFFERS, CRASH, HANG = "DIFFERS", "CRASH", "HANG"
 
@@ -71,8 +76,7 @@ def _train(arch: zoo.Arch, step, model, opt, rank: int,
     g = torch.Generator().manual_seed(1 + rank)
     losses, first_call_s = [], 0.0
     for i in range(STEPS):
-        batch = {k: v.to(dtype) if torch.is_floating_point(v) else v
-                 for k, v in arch.batch(g).items()}
+        batch = _cast(arch.batch(g), dtype)
         torch.manual_seed(10 * i + rank)
         t0 = time.perf_counter()
         try:
@@ -84,6 +88,12 @@ def _train(arch: zoo.Arch, step, model, opt, rank: int,
         if i == 0:
             first_call_s = time.perf_counter() - t0
     return losses, first_call_s
+
+
+def _cast(batch: dict, dtype: torch.dtype) -> dict:
+    """The batch with its floating tensors in dtype."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in batch.items()}
 
 
 def _state(model) -> dict[str, torch.Tensor]:
@@ -110,6 +120,19 @@ def _with_losses(state: dict, losses: list[torch.Tensor]) -> dict:
     return {**state, **{f"loss {i}": l for i, l in enumerate(losses)}}
 
 
+def _evaluated(arch: zoo.Arch, model, rank: int, dtype=torch.float32) -> dict:
+    """The loss of an evaluation forward after the steps (eval mode, no
+    gradient, a batch of this rank's; DDP's through its wrapper, which first
+    broadcasts rank 0's buffers), then the model's state."""
+    batch = _cast(arch.batch(torch.Generator().manual_seed(100 + rank)), dtype)
+    model.eval()
+    with torch.no_grad():
+        loss = arch.loss_of(model, batch)
+    model.train()
+    module = model.module if isinstance(model, DDP) else model
+    return {**_state(module), "evaluation loss": loss}
+
+
 def rank_run(name: str, mode: str, backend: str) -> dict:
     """One run on this rank: the transpiled step, then DDP from the same start
     (and, for a compiler, DDP in float64: the reference of its accuracy)."""
@@ -129,14 +152,12 @@ def rank_run(name: str, mode: str, backend: str) -> dict:
     except TranspileError as e:
         untouched, where = _largest_difference(_state(ours), before)
         return dict(refused=str(e), untouched=untouched == 0.0, where=where)
-    if mode == "fsdp":
-        with transpiled.unsharded():
-            mine = _state(ours)
-    else:
-        mine = _state(ours)
-    ddp_losses, _ = _train(arch, step, DDP(theirs, find_unused_parameters=arch.find_unused),
-                           opts[1], rank)
-    mine, reference = _with_losses(mine, losses), _with_losses(_state(theirs), ddp_losses)
+    with transpiled.unsharded() if mode == "fsdp" else contextlib.nullcontext():
+        mine = _evaluated(arch, ours, rank)
+    ddp = DDP(theirs, find_unused_parameters=arch.find_unused)
+    ddp_losses, _ = _train(arch, step, ddp, opts[1], rank)
+    mine, reference = _with_losses(mine, losses), _with_losses(_evaluated(arch, ddp, rank),
+                                                               ddp_losses)
     worst, where = _largest_difference(mine, reference)
     answer = dict(worst=worst, where=where, first_call_s=first_call_s, accurate=None)
     if backend != "eager" and worst > INDUCTOR_TOLERANCE:
@@ -150,11 +171,12 @@ def _as_accurate(arch: zoo.Arch, exact, opt, rank: int, mine: dict, reference: d
     (torch._dynamo.utils.same: RMSE from float64 at most 2-3x DDP's, plus
     1e-6); the first that is not, or why there is no reference."""
     try:
-        losses, _ = _train(arch, zoo.step_of(arch), DDP(exact, find_unused_parameters=arch.find_unused),
-                           opt, rank, torch.float64)
+        with Float32Draws():
+            ddp = DDP(exact, find_unused_parameters=arch.find_unused)
+            losses, _ = _train(arch, zoo.step_of(arch), ddp, opt, rank, torch.float64)
+            exact_state = _with_losses(_evaluated(arch, ddp, rank, torch.float64), losses)
     except Exception as e:  # noqa: BLE001 - a model that cannot run in float64
         return f"no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
-    exact_state = _with_losses(_state(exact), losses)
     first = abs(exact_state["loss 0"].item() - reference["loss 0"].item())
     if not first <= REFERENCE_AGREES * abs(reference["loss 0"].item()):
         return f"no float64 reference (its first loss is {first:.1e} off float32's)"
@@ -167,6 +189,31 @@ def _as_accurate(arch: zoo.Arch, exact, opt, rank: int, mine: dict, reference: d
 
 def _quiet(*args) -> None:
     pass
+
+
+# Random ops whose float64 numbers are not float32's (a drop path's torch.rand,
+# a noise's randn): the float64 run draws them in float32, exactly representable.
+_DRAWS = {aten.rand.default, aten.rand.generator, aten.rand_like.default, aten.randn.default,
+          aten.randn.generator, aten.randn_like.default, aten.uniform_.default,
+          aten.normal_.default, aten.exponential_.default}
+
+
+class Float32Draws(TorchDispatchMode):
+    """The float64 reference draws the float32 run's random numbers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        wide = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.float64]
+        if func not in _DRAWS or not (wide or kwargs.get("dtype") == torch.float64):
+            return func(*args, **kwargs)
+        if kwargs.get("dtype") == torch.float64:
+            kwargs["dtype"] = torch.float32
+        narrow = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float64 else a
+                  for a in args]
+        out = func(*narrow, **kwargs)
+        if func._schema.is_mutable:   # an in-place fill: into the float64 tensor
+            return args[0].copy_(narrow[0])
+        return out.double()
 
 
 def outcome_of(run: zoo.Run, got: list[dict]) -> Outcome:
