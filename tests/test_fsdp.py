@@ -4,7 +4,9 @@ processes, each rank its own batch."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -51,10 +53,13 @@ def rank_vs_ddp(model_name: str, opt_name: str, buckets: dict):
     losses.append((step(model, opts[0], x, y).item(), step_fn(ddp, opts[1], x, y).item()))
     traces = step._cache.builds
     with step.unsharded():
+        # an evaluation (DDP's through its wrapper, which broadcasts rank 0's
+        # buffers first), then the states as each evaluated
+        model.eval(), ddp.eval()
+        with torch.no_grad():
+            evaluated = (model(x) - ddp(x)).abs().max().item()
         error = M.max_rel_error(M.state_of(model, opts[1].__class__([torch.zeros(1)], lr=0.1)),
                                 M.state_of(ref, opts[1].__class__([torch.zeros(1)], lr=0.1)))
-        model.eval(), ref.eval()
-        evaluated = (model(x) - ref(x)).abs().max().item()
     released = sum(p.untyped_storage().nbytes() for p in model.parameters())
     return {"error": error, "losses": losses, "between": between, "gathers": gathers,
             "evaluated": evaluated, "released": released, "traces": traces}
@@ -85,6 +90,46 @@ def test_fsdp_trains_as_ddp_with_parameters_sharded_between_steps(
 def test_fsdp_refuses_what_it_does_not_combine_with():
     with pytest.raises(TranspileError, match="verify"):
         transpile(M.classify_step, mode="fsdp", verify=True)
+
+
+# What scripts do with the parameters between steps; each reads their values.
+READS = {
+    "p.sum()": lambda model, opt, ema: next(model.parameters()).sum(),
+    "EMA update": lambda model, opt, ema: ema.update_parameters(model),
+    "torch.save(p)": lambda model, opt, ema: torch.save(next(model.parameters()), io.BytesIO()),
+    "copy.deepcopy(model)": lambda model, opt, ema: copy.deepcopy(model),
+    "model.state_dict()": lambda model, opt, ema: model.state_dict(),
+    "p.data": lambda model, opt, ema: next(model.parameters()).data.clone(),
+    "in-place write": lambda model, opt, ema: next(model.parameters()).mul_(0.5),
+    # (torch's load_state_dict gathers each parameter's error into a RuntimeError)
+    "load_state_dict": lambda model, opt, ema: model.load_state_dict(
+        {k: torch.zeros(v.shape) for k, v in model.state_dict(keep_vars=True).items()}),
+}
+
+
+def rank_reads_released(read: str):
+    """Two steps, then a read of the released parameters: a TranspileError
+    naming the parameter and step.unsharded(), nothing written; training
+    goes on as DDP's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = M.make("mlp"), M.make("mlp")
+    opts = [M.make_optimizer("adamw", m) for m in (model, ref)]
+    ema = torch.optim.swa_utils.AveragedModel(M.make("mlp"))
+    step, ddp = transpile(M.classify_step, mode="fsdp"), DDP(ref)
+    batches = [M.shard(b, rank, world) for b in M.batches("mlp", 3, 12)]
+    for x, y in batches[:2]:
+        step(model, opts[0], x, y), M.classify_step(ddp, opts[1], x, y)
+    with pytest.raises(RuntimeError if read == "load_state_dict" else TranspileError,
+                       match=r"\S+ is kept as shards .* step\.unsharded\(\)"):
+        READS[read](model, opts[0], ema)
+    step(model, opts[0], *batches[2]), M.classify_step(ddp, opts[1], *batches[2])
+    with step.unsharded():
+        return M.max_rel_error(dict(model.state_dict()), dict(ref.state_dict()))
+
+
+@pytest.mark.parametrize("read", READS)
+def test_a_read_of_released_parameters_raises_and_nothing_changes(read, ranks2):
+    assert ranks2.run(rank_reads_released, read) == [0.0, 0.0]
 
 
 # ------------------------------------------------------------------ resharding

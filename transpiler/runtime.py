@@ -272,6 +272,17 @@ class TranspiledStep:
         self._held.load(state["held"])
 
     def __call__(self, *args, **kwargs):
+        # Mode fsdp: the released parameters are plain ones while the step is
+        # called, and refuse to be read again after it (sharded_params.Released).
+        if self._last is not None:
+            sharded_params.restore(self._last.sharded_params)
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            if self._last is not None:
+                sharded_params.free(self._last.sharded_params)
+
+    def _call(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
         if self._found is None:   # what the step reaches outside its arguments (found.py)
             self._found = discover(self.step_fn, step_args.leaves)

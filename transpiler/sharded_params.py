@@ -29,9 +29,58 @@ from .shards import Sharding, as_dtensor, from_dtensor, full_of, refuse_hybrid_d
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
-    """Release the storage of each parameter (a no-op where it is released)."""
-    for _, p in params:
+    """Release the storage of each parameter (a no-op where it is released);
+    until restore(), an op that reads one raises (Released)."""
+    for name, p in params:
         p.untyped_storage().resize_(0)
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = Released
+            p._released_as = name
+
+
+def restore(params: list[tuple[str, torch.Tensor]]) -> None:
+    """Each released parameter a plain parameter again (its storage still released)."""
+    for _, p in params:
+        if type(p) is Released:
+            p.__class__ = torch.nn.Parameter
+            del p._released_as
+
+
+# What a released parameter answers: its metadata, never its values.
+_METADATA = {getattr(torch.Tensor, name).__get__ for name in (
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad",
+    "_grad", "grad_fn", "_grad_fn", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+    "is_mkldnn", "is_nested", "_version", "output_nr", "_base", "_cdata")} | {
+    getattr(torch.Tensor, name).__set__ for name in ("grad", "_grad", "requires_grad")} | {
+    getattr(torch.Tensor, name) for name in (
+        "size", "dim", "numel", "nelement", "stride", "storage_offset", "untyped_storage",
+        "element_size", "is_contiguous", "is_floating_point", "is_complex", "data_ptr",
+        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+        "__hash__", "__format__", "_is_view", "is_shared", "is_pinned")}
+
+
+class Released(torch.nn.Parameter):
+    """A parameter of mode fsdp between steps: its shape, dtype and identity
+    are kept (an optimizer, a module and the step's guards hold it), its
+    storage is released and its values live in the ranks' shards. An op that
+    would read the values (an EMA update, p.sum(), torch.save, deepcopy, an
+    optimizer outside the step) raises, instead of reading released memory."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        released = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if type(a) is Released]
+        name = getattr(released[0], "_released_as", "a parameter") if released else "a parameter"
+        what = getattr(func, "__name__", "")
+        what = f"{what} reads it" if what and what not in ("__get__", "__set__") else "read"
+        raise TranspileError(
+            f"{name} is kept as shards between the steps of mode fsdp and holds no value "
+            f"here ({what}): read or change the "
+            "parameters between steps inside `with step.unsharded():` (every rank enters it; "
+            "writeback=True keeps what the block wrote)")
 
 
 def guard_forward(modules: list[torch.nn.Module], params: list[tuple[str, torch.Tensor]],
@@ -70,6 +119,7 @@ def unsharded(params: list[tuple[str, torch.Tensor]], held: dict[str, torch.Tens
     spread over (`sharding`); on exit the shards are cut again from the
     parameters if `writeback`, and the storage released. A collective: every
     rank enters it."""
+    restore(params)
     for name, p in params:
         full = full_of(held[held_name(Held.PARAM_SHARD, name)], p, sharding)
         p.untyped_storage().resize_(p.numel() * p.element_size())
