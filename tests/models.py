@@ -151,6 +151,20 @@ def state_of(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def as_next_forward_sees(ddp) -> torch.nn.Module:
+    """DDP's module with the buffers its next forward through its wrapper (an
+    evaluation, the next step) starts from: rank 0's, which it broadcasts
+    first (broadcast_buffers=True), unless its last forward ran without grad
+    (require_forward_param_sync). The transpiled step broadcasts what it wrote
+    at the end of the step, so its module holds them already. A collective:
+    every rank calls it."""
+    import torch.distributed as dist
+    if ddp.broadcast_buffers and ddp.require_forward_param_sync:
+        for buffer in ddp.module.buffers():
+            dist.broadcast(buffer, 0)
+    return ddp.module
+
+
 def states_compared(pairs, sharded: bool) -> list[dict[str, torch.Tensor]]:
     """state_of each (model, optimizer); without the optimizer's entries where
     a rank keeps only its shard of them (modes zero, fsdp): the parameters,

@@ -42,7 +42,7 @@ def rank_bn_vs_ddp(opt_name):
     for batch in M.batches("bn", STEPS, BATCH):
         M.classify_step(ddp, opt, *M.shard(batch, rank, world_size))
         scheduler.step()
-    return state, M.state_of(model, opt)
+    return state, M.state_of(M.as_next_forward_sees(ddp), opt)
 
 
 CASES = [("mlp", "sgd"), ("mlp", "adamw"), ("tied", "sgd"), ("tied", "adamw")]

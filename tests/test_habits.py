@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests import models as M
 from tests.habits import EQUAL, HABITS, REFUSED, Data, by_id
 from transpiler import TranspileError, transpile
 
@@ -49,9 +50,11 @@ def _is_transpiler(value) -> bool:
     return type(value).__module__.split(".")[0] == "transpiler"
 
 
-def snapshot(root) -> dict:
+def snapshot(root, ddp_next_forward: bool = False) -> dict:
     """Everything a script can read afterwards on the objects of a setup:
-    path -> a clone of a tensor, or a plain value."""
+    path -> a clone of a tensor, or a plain value. ddp_next_forward: a DDP
+    module's buffers as its next forward starts from them (rank 0's, which it
+    broadcasts first; a collective), as the transpiled step leaves them."""
     out: dict = {}
     seen: dict = {}   # id -> the object, kept alive (a freed temporary's id is reused)
 
@@ -75,6 +78,8 @@ def snapshot(root) -> dict:
             return
         seen[id(value)] = value
         if isinstance(value, nn.parallel.DistributedDataParallel):
+            if ddp_next_forward and value.broadcast_buffers:
+                M.as_next_forward_sees(value)
             return walk(value.module, path, depth)
         if isinstance(value, nn.Module):
             for name, p in value.named_parameters(remove_duplicate=False):
@@ -285,7 +290,7 @@ def run_habit(h, rank: int | None = None, mode: str | None = None) -> list[str]:
             except Exception:  # noqa: BLE001
                 expected = None
             silent = compare({**flatten(result), **snapshot(ours), **rng_state()},
-                             {**flatten(expected), **snapshot(theirs), **rng_state()})
+                             {**flatten(expected), **snapshot(theirs, ranked), **rng_state()})
             not_refused = [f"call {i}: not refused (expected a refusal here); "
                            + (f"{len(silent)} values differ from eager: {silent[0]}" if silent
                               else "it equals eager on this call")]
@@ -339,7 +344,7 @@ def _one_call(h, step, eager, ours, theirs, i, r, ranked) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the reference itself failed
             return [f"call {i}: the {'DDP' if ranked else 'eager'} reference failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-        reference = {**flatten(expected), **snapshot(theirs), **rng_state()}
+        reference = {**flatten(expected), **snapshot(theirs, ranked), **rng_state()}
         diff = compare(mine, reference)
         if diff:
             return [f"call {i}: silent difference, {len(diff)} values differ from "

@@ -42,8 +42,8 @@ def _scheduler(opt):
 
 
 def _reference(model_name, opt_name, k, begin_step, adaptive=False, steps=STEPS):
-    """Plain torch: synchronous steps (buffers broadcast from rank 0, gradients
-    averaged, as under DDP) before begin_step,
+    """Plain torch: synchronous steps (buffers broadcast from rank 0 before
+    each and after the last, gradients averaged, as under DDP) before begin_step,
     then local steps and every k-th one followed by an average of the model
     (parameters and floating-point buffers). Adaptive: after each average, k
     from the averaged loss and the learning rate."""
@@ -54,7 +54,9 @@ def _reference(model_name, opt_name, k, begin_step, adaptive=False, steps=STEPS)
     k0, since, ks, first = k, 0, [], None
     for i, batch in enumerate(M.batches(model_name, steps, BATCH)):
         x, y = M.shard(batch, rank, world_size)
-        if i < begin_step:   # the warm-up steps are DDP's: rank 0's buffers first
+        if i <= begin_step and begin_step:
+            # the warm-up steps are DDP's: rank 0's buffers first, and the
+            # forward after the last one (the first local step's) starts from them
             for b in model.buffers():
                 dist.broadcast(b, 0)
         opt.zero_grad()

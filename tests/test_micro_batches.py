@@ -112,8 +112,9 @@ def rank_vs_ddp(fn_name: str, opt_name: str, ks: tuple[int, ...]):
         opt = M.make_optimizer(opt_name, model)
         step = make_step()
         scaler = _scaler() if fn is scaled else None
-        outputs = _run(step, DDP(model) if step is fn else model, opt, k, rank, scaler)
-        state = M.state_of(model, opt)
+        net = DDP(model) if step is fn else model
+        outputs = _run(step, net, opt, k, rank, scaler)
+        state = M.state_of(M.as_next_forward_sees(net) if net is not model else model, opt)
         if scaler:
             state["scale"] = scaler._scale.clone()
         runs.append((state, outputs, step))

@@ -70,6 +70,8 @@ def _rank_vs_ddp(mode, opt_name, model_cls=OddShapes, shape=(7,)):
         for _ in range(4):
             x, y = torch.randn(6 * world, *shape, generator=g), torch.randn(6 * world, generator=g)
             step_fn(net, opt, x.chunk(world)[rank], y.chunk(world)[rank])
+        if step_fn is _step:   # DDP: the buffers its next forward starts from
+            M.as_next_forward_sees(net)
         sharded = mode in ("zero", "fsdp")   # the optimizer's state: the parameters stand for it
         if mode == "fsdp" and step_fn is not _step:
             with step_fn.unsharded():

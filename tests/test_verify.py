@@ -122,7 +122,7 @@ def rank_reference_vs_ddp(fn_name, model_name):
     opt_ddp = M.make_optimizer("sgd", model_ddp)
     ddp = DDP(model_ddp)
     theirs = [_outputs(fn(ddp, opt_ddp, *batch)) for batch in batches]
-    return _snapshot(model, opt), _snapshot(model_ddp, opt_ddp), ours, theirs
+    return _snapshot(model, opt), _snapshot(M.as_next_forward_sees(ddp), opt_ddp), ours, theirs
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "bn", "centered"])
@@ -163,7 +163,7 @@ def rank_ddp(fn_name, model_name):
     ddp = DDP(model)
     for batch in M.batches(model_name, STEPS, BATCH):
         STEP_FNS[fn_name](ddp, opt, *M.shard(batch, rank, world_size))
-    return _snapshot(model, opt)
+    return _snapshot(M.as_next_forward_sees(ddp), opt)
 
 
 def rank_verdict(fn_name, model_name):

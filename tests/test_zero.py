@@ -95,6 +95,7 @@ def _ddp_and_zero(model_name, opt_name, step_fn, steps=STEPS):
         local = M.shard(batch, rank, world_size)
         ours, theirs = step(model, opt, *local), step_fn(ddp, ref_opt, *local)
         returned.append((ours, theirs))
+    M.as_next_forward_sees(ddp)
     return model, opt, ref, ref_opt, step, returned
 
 

@@ -12,7 +12,10 @@ and independently of what capture concluded about the step:
   backward(): equal to averaging once, as the program does, up to rounding.
 - broadcast_buffers=True: before a module's forward, rank 0's buffers are
   broadcast, unless its previous forward ran without grad (DDP's
-  require_forward_param_sync, kept across calls as on a DDP wrapper).
+  require_forward_param_sync, kept across calls as on a DDP wrapper); and
+  after the step, where DDP's next forward will broadcast them, they are: the
+  buffers compared are those that forward (an evaluation, the next step)
+  starts from, which the program leaves.
 - A call that makes no optimizer.step() (the accumulating call of gradient
   merge) runs as under DDP's no_sync, as the README documents it: it is run
   again without averaging.
@@ -78,6 +81,7 @@ class _Run:
         self.stepped = False      # an optimizer.step() or scaler.step() was called
         self._params: list[torch.Tensor] = []    # the copies' parameters, in a fixed order
         self._pending: set[int] = set()   # id of each parameter this backward() accumulated into
+        self._modules: list[tuple[torch.nn.Module, int]] = []   # the copied modules, by key
 
     def __call__(self, step_fn) -> tuple[dict, list]:
         memo: dict = {}
@@ -91,6 +95,8 @@ class _Run:
         finally:
             for handle in handles:
                 handle.remove()
+        for module, key in self._modules:   # what DDP's next forward starts from
+            self._before_forward(module, key)
         outputs = [o.detach() for o in pytree.tree_leaves(result) if o is not None]
         return memo, outputs
 
@@ -108,6 +114,7 @@ class _Run:
             elif isinstance(copied, torch.nn.Module):
                 key = id(original)
                 self.forward_sync.setdefault(key, True)   # as DDP's constructor leaves it
+                self._modules.append((copied, key))
                 handles.append(copied.register_forward_pre_hook(
                     lambda module, args, key=key: self._before_forward(module, key)))
                 handles.append(copied.register_forward_hook(
