@@ -6,6 +6,7 @@ call where an expert is used by no rank. DDP averages a gradient over every
 rank, zeros where a rank gave none, and leaves a parameter no rank gave one
 untouched (its .grad None, skipped by the optimizer)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -122,3 +123,40 @@ def test_one_process_leaves_an_unused_expert_as_eager_does():
 def test_modes_that_do_not_take_it_refuse_it(mode):
     with pytest.raises(TranspileError, match="find_unused_parameters"):
         transpile(_step, mode=mode, find_unused_parameters=True)
+
+
+def _two_micro_batches(model, opt, x, route, y):
+    """Gradient accumulation: the first micro-batch routes to no token of an
+    expert the second does: that expert is used (its zeros, given where the
+    first backward() ends, take the second's gradient). DDP reduces the last
+    micro-batch's backward only (no_sync), as the transpiled step reduces once."""
+    opt.zero_grad()
+    for half, last in ((slice(0, 2), False), (slice(2, 4), True)):
+        with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
+            loss = (model(x[half], route[half]).squeeze(-1) - y[half]).square().mean()
+            loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _rank_micro_batches_vs_ddp():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ours = RoutedExperts()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    step = transpile(_two_micro_batches, mode="fuse_all_reduce", find_unused_parameters=True)
+    ddp = DDP(theirs, find_unused_parameters=True)
+    g = torch.Generator().manual_seed(1 + rank)
+    # rank 0: expert 1 only in its second micro-batch; no rank routes to 2 or 3
+    routes = [[0, 0, 1, 1], [0, 0, 0, 0]][rank]
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, generator=g)
+        args = (x, torch.tensor(routes), y)
+        a, b = step(ours, opts[0], *args), _two_micro_batches(ddp, opts[1], *args)
+        assert torch.equal(a, b)
+    return M.max_rel_error(dict(ours.state_dict()), dict(theirs.state_dict()))
+
+
+def test_a_parameter_a_later_backward_uses_is_used(ranks2):
+    assert ranks2.run(_rank_micro_batches_vs_ddp) == [0.0, 0.0]

@@ -303,11 +303,18 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
                     if t.grad is not None}
 
+        zeroed: dict[int, tuple[torch.Tensor, int]] = {}   # param id -> its zeros, their version
+
         def zero_unused_grads():
+            """Where a backward() ends, zeros for each parameter it gave no
+            gradient; one a later backward() accumulates into is used."""
             for i, t in traced.items():
-                if zero_unused and t.requires_grad and t.grad is None and i in inputs.param_names:
+                if i in zeroed and (t.grad is not zeroed[i][0] or t.grad._version != zeroed[i][1]):
+                    del zeroed[i]
+                elif zero_unused and t.requires_grad and t.grad is None \
+                        and i in inputs.param_names:
                     t.grad = torch.zeros_like(t)
-                    node_of(t.grad).meta[UNUSED] = inputs.param_names[i]
+                    zeroed[i] = (t.grad, t.grad._version)
         real_state = {id(opt): opt.state for opt in optimizers}
         real_params = {id(opt): opt_params(opt) for opt in optimizers}
         with contextlib.ExitStack() as stack:
@@ -342,6 +349,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
             result = step_args.call(step_fn, leaves)
+            for i, (zeros, _) in zeroed.items():   # no backward() gave it a gradient
+                node_of(zeros).meta[UNUSED] = inputs.param_names[i]
             host.finish()
             late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
