@@ -3,9 +3,9 @@
 Requires: a pass that inserted collectives (insert_allreduce, coalesce_tensors).
 Produces: the same nodes in a new order. Each collective, with the nodes that
 pack its buffer (meta["bucket"], not COMM), moves up to right after the
-last node it depends on (and not above the collective before it: every rank
-issues them in the program's order, even where a rank's gradients are ready in
-another order), so it is issued as soon as its gradients exist and runs
+last node it depends on (with ctx.find_unused not above the collective before
+it: every rank issues them in the plan's order, though a rank's gradients are
+ready in another order), so it is issued as soon as its gradients exist and runs
 while the rest of the backward pass computes; each wait, with the nodes that
 unpack its result, moves down to right before its first use. Values and
 dependencies are unchanged, and the order is a function of the program alone.
@@ -52,8 +52,8 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
             if not node.all_input_nodes:
                 continue
             anchor = max(node.all_input_nodes)
-            if node is collective and previous is not None:
-                anchor = max(anchor, previous)   # issued in program order
+            if node is collective and previous is not None and ctx.find_unused:
+                anchor = max(anchor, previous)   # issued in the plan's order
             if anchor.next is not node:
                 anchor.append(node)
         previous = collective
