@@ -11,7 +11,8 @@ bucket placed not before the one before it, an order every rank has), closed
 at ctx.bucket_mb, the first one per dtype at ctx.first_bucket_mb, a small
 tail merged into the bucket before; values of different reduction points,
 Reduction.point, in buckets of their own). For each bucket, placed right
-after its last value: the values flattened and concatenated into one buffer (optionally cast to ctx.fuse_dtype), its reduction
+after its last value: the values flattened and concatenated into one buffer
+(optionally cast to ctx.fuse_dtype), its reduction
 lowered by transpiler/lowering.py (for a MEAN the buffer times 1 / group size,
 as DDP's reducer scales, then `all_reduce(sum)` over the group on ring 0 and
 its wait; hierarchical over several nodes: reduce-scatter inside the node,
