@@ -200,3 +200,34 @@ def test_a_decision_after_the_backward_is_taken_in_one_process():
     batches = [torch.randn(2, 4, generator=g) for _ in range(3)]
     _, error = _against_eager(model, batches, step_fn=_decide_after_reduction)
     assert error == 0.0
+
+
+class _CountedNorm(nn.BatchNorm1d):
+    """torch's own SyncBatchNorm with momentum=None, in one process: a
+    cumulative average whose factor is 1.0 / num_batches_tracked.item(), a
+    number the op takes as a constant, not a branch."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / self.num_batches_tracked.item()
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                        self.bias, True, factor, self.eps)
+
+
+def _counted_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_number_computed_from_a_tensor_value_is_checked_as_a_decision():
+    """torch cannot put `1.0 / u0 == 1.0` into a graph as a check: without one,
+    the program kept the first call's factor (the running mean 0.2 off eager's
+    at the second call). It is pinned to its value instead, and traced again
+    when it changes."""
+    def build():
+        return nn.Sequential(nn.Linear(16, 6), _CountedNorm(6, momentum=None), nn.Linear(6, 4))
+    step = M.against_eager(_counted_step, build=build)
+    assert step.traces == 4

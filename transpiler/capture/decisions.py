@@ -27,7 +27,9 @@ import torch
 import torch._functorch.config
 import torch.fx as fx
 from torch._subclasses import fake_utils
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+import sympy
+from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode, ShapeEnv,
+                                                   _has_uninterpretable_sympy_function)
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 
 from ..errors import TranspileError
@@ -90,6 +92,7 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     """Put each decision the trace took on real values into the graph as a
     check (DECISION on its node's meta), where the values it reads are
     computed; returns them in the graph's order."""
+    _pin_uninterpretable(shape_env, step_fn)
     by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
                for ra in ras}
     insert_deferred_runtime_asserts(gm, shape_env, step_name(step_fn))
@@ -115,6 +118,29 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
         decisions.append(decision)
     gm.recompile()
     return decisions
+
+
+def _pin_uninterpretable(shape_env: ShapeEnv, step_fn) -> None:
+    """A decision whose expression torch cannot put into a graph (a float
+    computed from a value, `1.0 / t.item()` passed to an op as a number, is
+    specialized to this call's float) would be dropped by
+    insert_deferred_runtime_asserts, and the program would keep the number
+    whatever later calls hold. It becomes a pin of each value it reads to
+    this call's: any other value traces again."""
+    for ras in shape_env.deferred_runtime_asserts.values():
+        for i, ra in reversed(list(enumerate(ras))):
+            if not _has_uninterpretable_sympy_function(ra.expr):
+                continue
+            pins = []
+            for symbol in sorted(ra.expr.free_symbols, key=str):
+                value = shape_env.real_tensor_prop_unbacked_vals.get(symbol)
+                if value is None:
+                    raise TranspileError(
+                        f"{step_name(step_fn)} decides on a tensor value as {ra.expr}"
+                        f"{user_line(step_fn, frames=ra.stack.summary())}, which the program "
+                        "cannot check: compute it with tensor ops, or move it outside the step")
+                pins.append(dataclasses.replace(ra, expr=sympy.Eq(symbol, value)))
+            ras[i:i + 1] = pins
 
 
 class _Checked(Exception):
