@@ -12,6 +12,7 @@ Order: after every pass that inserts collectives.
 
 from __future__ import annotations
 
+from transpiler.collectives import set_group
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import Program
 from transpiler.roles import COMM
@@ -34,6 +35,5 @@ def ring_round_robin(program: Program, ctx: PassContext) -> None:
         by_group.setdefault(node.meta[COMM].over, []).append(node)
     for over, nodes in by_group.items():
         for node, ring in zip(nodes, plan_rings(len(nodes), ctx.mesh.nrings(over))):
-            names = [a.name for a in node.target._schema.arguments]
-            node.update_arg(names.index("group_name"), ctx.mesh.ring(over, ring))
+            set_group(node, ctx.mesh.ring(over, ring))
             node.meta[COMM].ring = ring

@@ -158,7 +158,8 @@ def _derived(graph: fx.Graph, full: set[fx.Node]) -> list[fx.Node]:
 def _hold_shards(program: Program) -> list[Bucket]:
     """Feed each bucket's all-gather from held shards and every read of a
     parameter from its gathered value; the parameters leave the program."""
-    gathers = [n for n in program.collectives() if n.target is ALL_GATHER]
+    # shard_optimizer's gathers of parameters (not a SyncBatchNorm's of statistics)
+    gathers = [n for n in program.collectives() if n.target is ALL_GATHER and n.meta[COMM].params]
     params = {node.meta[INPUT].name: node for node in program.placeholders
               if node.meta[INPUT].kind is InputKind.PARAM}
     updated = {spec.target: i for i, spec in enumerate(program.outputs)

@@ -17,6 +17,12 @@ BROADCAST = _functional.broadcast.default
 WAIT = _functional.wait_tensor.default
 
 
+def set_group(node, group_name: str) -> None:
+    """Issue the collective `node` on the process group named `group_name`."""
+    names = [a.name for a in node.target._schema.arguments]
+    node.update_arg(names.index("group_name"), group_name)
+
+
 def sent_bytes(op: str, nbytes: int, group_size: int) -> float:
     """Bytes one rank sends in a collective over a buffer of `nbytes` (its whole
     size) among `group_size` ranks, counted for the bandwidth-optimal ring

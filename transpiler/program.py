@@ -22,8 +22,8 @@ from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from .collectives import WAIT
-from .mesh import Dim, Over
+from .collectives import WAIT, set_group
+from .mesh import Dim, Mesh, Over
 from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, REDUCE, ROLE, Role
 
 
@@ -246,6 +246,11 @@ class Program:
         node meta is copied one level deep."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.graph, {}))
+        comms: dict[int, CommInfo] = {}   # a collective and its wait share one
+        for node in graph.nodes:
+            if COMM in node.meta:   # mutable (ring_round_robin): each copy its own
+                comm = node.meta[COMM]
+                node.meta[COMM] = comms.setdefault(id(comm), dataclasses.replace(comm))
         program = Program(name, graph_module(self.gm, graph), list(self.inputs),
                           list(self.outputs))
         program.history = list(self.history)
@@ -254,6 +259,13 @@ class Program:
     def collectives(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes
                 if n.op == "call_function" and COMM in n.meta and n.target is not WAIT]
+
+    def place_collectives(self, mesh: Mesh) -> None:
+        """Issue each collective on the communicator of its group and ring in
+        `mesh` (those the capture traced, SyncBatchNorm's, name the default group)."""
+        for node in self.collectives():
+            comm = node.meta[COMM]
+            set_group(node, mesh.ring(comm.over, comm.ring))
 
     @property
     def applied(self) -> list[str]:

@@ -569,6 +569,7 @@ class TranspiledStep:
         programs = {}
         for name, passes in self.schedule.programs.items():
             program = captured.program.copy(name)
+            program.place_collectives(ctx.mesh)
             run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
             if captured.decisions:

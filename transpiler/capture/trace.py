@@ -26,7 +26,7 @@ from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, InputSpec, OutputKind, Program
-from ..roles import CARRY, DECISION, GRAD_AT, MICRO, PARAM, ROLE, UNUSED, Role
+from ..roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, ROLE, UNUSED, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
@@ -64,6 +64,7 @@ from .signature import named_state
 from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
+from .sync_batch_norm import synced_batch_norms
 from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error, user_line
 
@@ -334,6 +335,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
+            stack.enter_context(synced_batch_norms())
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording(on_values))
@@ -763,7 +765,7 @@ def _drop_profiler_nodes(graph: fx.Graph):
 
 
 
-_CARRIED = (PARAM, SKIPS, GRAD_AT, CARRY, UNUSED)   # meta on the node of a value
+_CARRIED = (PARAM, SKIPS, GRAD_AT, CARRY, UNUSED, COMM)   # meta on the node of a value
 
 
 class _RoleCarrier(fx.Interpreter):
