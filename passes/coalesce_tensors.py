@@ -18,7 +18,9 @@ as DDP's reducer scales, then `all_reduce(sum)` over the group on ring 0 and
 its wait; hierarchical over several nodes: reduce-scatter inside the node,
 all-reduce across, all-gather inside), the cast back, and the reduced buffer
 split into views shaped like the values, which every former use of a value now
-reads (no copy back). Pack nodes have the role of the bucket's last value
+reads (no copy back). With ctx.comm_hook (DDP's comm hook) the bucket's buffer,
+not averaged, is reduced by the hook traced into the program instead
+(transpiler/comm_hooks.py). Pack nodes have the role of the bucket's last value
 (BACKWARD for gradients), the rest COMM; all carry meta["bucket"]. Values of
 different dtypes or groups never share a buffer. Every mark is removed. With one
 rank it does not apply.
@@ -35,7 +37,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from transpiler import lowering
+from transpiler import comm_hooks, lowering
 from transpiler.collectives import ReduceOp
 from transpiler.mesh import Dim, Over
 from transpiler.pipeline import Mark, PassContext, consumes
@@ -107,12 +109,12 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     end = None
     for bucket, names in enumerate(plan):
         end = _fuse(program, ctx, bucket, [grads[n] for n in names], position,
-                    end if ctx.find_unused else None)
+                    end if ctx.find_unused else None, last=bucket == len(plan) - 1)
     lowering.forget_marks(program.graph)
 
 
 def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position,
-          after: fx.Node | None = None) -> fx.Node:
+          after: fx.Node | None = None, last: bool = False) -> fx.Node:
     """The bucket packed, reduced and unpacked right after its last gradient
     (and after `after`, the bucket before it); returns its last node."""
     graph = program.graph
@@ -129,9 +131,13 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
         last = after
     with graph.inserting_before(last.next):
         buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
-        issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
-                                **{BUCKET: bucket})
-        waited = lowering.complete(graph, issued, ctx, **{BUCKET: bucket})
+        if ctx.comm_hook is not None:
+            waited = comm_hooks.reduce(graph, ctx.comm_hook, buffer, grads, bucket, last, comm,
+                                       ctx.mesh.ring(comm.over), pack_role)
+        else:
+            issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
+                                    **{BUCKET: bucket})
+            waited = lowering.complete(graph, issued, ctx, **{BUCKET: bucket})
         if comm_dtype != dtype:
             waited = new_node(graph, aten._to_copy.default, (waited,), Role.COMM,
                               {"dtype": dtype}, **{BUCKET: bucket})

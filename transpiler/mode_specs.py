@@ -18,6 +18,7 @@ import torch
 
 from . import modes
 from . import schedule as schedules
+from .comm_hooks import CommHook
 from .errors import TranspileError
 from .pipeline import Pass, PassLike, pass_name, resolve
 from .topology import Topology
@@ -126,12 +127,28 @@ class GradAllReduce(_BucketCap):
     passes = modes.GRAD_ALLREDUCE
 
 
+def _comm_hook(name: str, value) -> None:
+    CommHook.of(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FuseAllReduce(_Fused):
-    """Gradients all-reduced in fused buckets, overlapped with the backward pass."""
+    """Gradients all-reduced in fused buckets, overlapped with the backward pass;
+    comm_hook=(state, hook): each bucket reduced by DDP's comm hook instead."""
 
     name = "fuse_all_reduce"
     passes = modes.FUSE_ALL_REDUCE
+    comm_hook: tuple | None = _option(None, _comm_hook)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.comm_hook is not None and self.fuse_dtype is not None:
+            raise TranspileError("comm_hook and fuse_dtype both say what the buckets are "
+                                 "reduced in: give one (fp16_compress_hook is fuse_dtype="
+                                 "torch.float16's DDP form)")
+
+    def settings(self) -> dict:
+        return {**super().settings(), "comm_hook": CommHook.of(self.comm_hook)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
+from .comm_hooks import CommHook
 from .errors import PassError
 from .mesh import Dim, Mesh, Over
 from .program import HistoryEntry, Program, draws_random
@@ -35,6 +36,7 @@ class PassContext:
     bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
+    comm_hook: CommHook | None = None      # coalesce_tensors: DDP's comm hook on each bucket
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
     # shard_params: gather a bucket again in each forward or backward pass
     # that reads it rather than keeping it to its last use in the step

@@ -293,10 +293,11 @@ def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
-             kwargs: dict | None = None, **meta: Any) -> fx.Node:
+             kwargs: dict | None = None, fake_mode=None, **meta: Any) -> fx.Node:
     """Create a call_function node with its role, other meta and FX's val /
-    tensor_meta, computed on the fake values of its inputs. Insert it where the
-    caller set the graph's insertion point."""
+    tensor_meta, computed on the fake values of its inputs (a factory, with
+    none: under `fake_mode`). Insert it where the caller set the graph's
+    insertion point."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
     node.meta[ROLE] = role
@@ -305,7 +306,7 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
     if target is operator.getitem:   # an element of a list of values: nothing to dispatch
         val = target(*vals[0], **vals[1])
     else:
-        fake_mode = _fake_mode_of(vals)
+        fake_mode = fake_mode or _fake_mode_of(vals)
         val = _on_meta(target, vals, fake_mode)
         if val is None:
             with fake_mode:

@@ -1,0 +1,230 @@
+"""DDP's communication hooks, traced into the program on each bucket.
+
+`transpile(step, mode="fuse_all_reduce", comm_hook=(state, hook))` takes what
+`DistributedDataParallel.register_comm_hook(state, hook)` takes: `hook(state,
+bucket) -> Future[Tensor]`, where the bucket's buffer holds this rank's
+gradients (not divided by the world size: the hook averages) and the future's
+tensor is what the bucket's gradients become. coalesce_tensors calls `reduce`
+for each bucket: the hook runs once under make_fx on a stand-in bucket, with
+torch.distributed's collectives (all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor) run as functional collectives and futures that are
+complete at once, and the graph it gives is put into the program where the
+bucket's all-reduce would be: its collectives are collectives of the program
+(meta["comm"]), scheduled and spread over the rings as the passes' own.
+
+The hook is traced once, so it must be a function of the bucket (buffer,
+gradients, index, is_last) and of a state that is a process group or None, as
+torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook are. A state
+with Python values that change between steps (PowerSGD's iteration counter,
+error feedback and warm start) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, set_group
+from .errors import TranspileError
+from .program import CommInfo, new_node
+from .roles import BUCKET, COMM, Role
+
+_OPS = {ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+               dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommHook:
+    """A hook and its state, as register_comm_hook takes them."""
+
+    state: Any
+    hook: Callable
+
+    @classmethod
+    def of(cls, value) -> "CommHook | None":
+        """transpile()'s comm_hook option: None, or (state, hook)."""
+        if value is None or isinstance(value, CommHook):
+            return value
+        if not (isinstance(value, tuple) and len(value) == 2 and callable(value[1])):
+            raise TranspileError(
+                f"comm_hook must be (state, hook) as DDP's register_comm_hook(state, hook) "
+                f"takes them, got {value!r}")
+        state, hook = value
+        if state is not None and not isinstance(state, dist.ProcessGroup):
+            raise TranspileError(
+                f"comm_hook's state is a {type(state).__name__}: the hook is traced once into "
+                "the program, so its state must be a process group or None (a state whose "
+                "values change between steps, as PowerSGD's, would be frozen)")
+        if state is not None and state != dist.group.WORLD:
+            raise TranspileError("comm_hook's process group must be the world (or None)")
+        return cls(state, hook)
+
+    def __repr__(self) -> str:   # the same on every rank (the settings they agree on)
+        name = f"{getattr(self.hook, '__module__', '')}.{getattr(self.hook, '__qualname__', '')}"
+        return f"CommHook({name}, {'world' if self.state is not None else None})"
+
+
+class _Done:
+    """A future that is complete: what a collective returns while the hook is traced."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def value(self):
+        return self._value
+
+    def wait(self):
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+    def then(self, callback):
+        return _Done(callback(self))
+
+
+class _Work:
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> _Done:
+        return _Done([self._tensor])
+
+
+class _Bucket:
+    """What the hook sees of DDP's GradBucket."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: list[torch.Size], index: int, last: bool):
+        self._buffer, self._shapes, self._index, self._last = buffer, shapes, index, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        parts = self._buffer.split([s.numel() for s in self._shapes])
+        return [p.view(s) for p, s in zip(parts, self._shapes)]
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def parameters(self):
+        raise TranspileError("a comm hook traced into the program sees the bucket's gradients "
+                             "(bucket.gradients()), not its parameters")
+
+
+def _group_name(group) -> str:
+    group = group or dist.group.WORLD
+    if group != dist.group.WORLD:
+        raise TranspileError("a comm hook's collective over a group other than the world is "
+                             "not supported")
+    return group.group_name
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    summed = WAIT(ALL_REDUCE(tensor, _REDUCE_OPS[op], _group_name(group)))
+    tensor.copy_(summed)
+    return _Work(tensor) if async_op else None
+
+
+def _all_gather_into_tensor(output, input, group=None, async_op=False):
+    size = dist.get_world_size(group)
+    output.copy_(WAIT(ALL_GATHER(input.contiguous(), size, _group_name(group))).view_as(output))
+    return _Work(output) if async_op else None
+
+
+def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    size = dist.get_world_size(group)
+    output.copy_(WAIT(REDUCE_SCATTER(input.contiguous(), _REDUCE_OPS[op], size,
+                                     _group_name(group))).view_as(output))
+    return _Work(output) if async_op else None
+
+
+@contextlib.contextmanager
+def _functional_collectives():
+    replaced = {"all_reduce": _all_reduce, "all_gather_into_tensor": _all_gather_into_tensor,
+                "reduce_scatter_tensor": _reduce_scatter_tensor}
+    saved = {name: getattr(dist, name) for name in replaced}
+    for name, fn in replaced.items():
+        setattr(dist, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool) -> fx.GraphModule:
+    def run(buffer):
+        with _functional_collectives():
+            result = hook.hook(hook.state, _Bucket(buffer, shapes, index, last))
+        if not hasattr(result, "wait"):
+            raise TranspileError(f"comm hook {hook!r} returned a {type(result).__name__}, not "
+                                 "a future of the bucket's reduced tensor")
+        value = result.wait()
+        value = value[0] if isinstance(value, (list, tuple)) else value
+        if not isinstance(value, torch.Tensor) or value.numel() != val.numel():
+            raise TranspileError(f"comm hook {hook!r}: its future must hold a tensor of the "
+                                 f"bucket's {val.numel()} elements")
+        return value
+
+    example = torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    gm = make_fx(torch.func.functionalize(run, remove="mutations_and_views"),
+                 tracing_mode="fake")(example)
+    gm.graph.eliminate_dead_code()   # what functionalization left unread
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        raise TranspileError(f"comm hook {hook!r} reads a tensor of its own (a closure's, a "
+                             "global's): the program would freeze it; compute it from the bucket")
+    return gm
+
+
+def reduce(graph: fx.Graph, hook: CommHook, buffer: fx.Node, grads: list[fx.Node],
+           bucket: int, last: bool, comm: CommInfo, ring: str, role: Role) -> fx.Node:
+    """At the insertion point: the bucket's `buffer` (this rank's gradients,
+    packed) reduced by the hook; returns the node of the reduced buffer. Its
+    collectives get `comm` (op and size their own) on `ring`; nodes before the
+    first one have the packing's `role`, the rest COMM; all carry the bucket."""
+    gm = _traced(hook, buffer.meta["val"], [g.meta["val"].shape for g in grads], bucket, last)
+    env: dict[fx.Node, Any] = {}
+    issued = False
+    result = None
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = buffer
+        elif n.op == "output":
+            result = env[n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]]
+        elif n.op == "call_function":
+            if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+                continue   # the hook's write into the buffer, which nothing reads after
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            meta = {BUCKET: bucket}
+            if n.target in _OPS:
+                issued = True
+                meta[COMM] = dataclasses.replace(comm, op=_OPS[n.target],
+                                                 nbytes=n.args[0].meta["val"].nbytes)
+            elif n.target is WAIT:
+                meta[COMM] = env[n.args[0]].meta[COMM]
+            node = new_node(graph, n.target, args, Role.COMM if issued else role, kwargs,
+                            fake_mode=buffer.meta["val"].fake_mode, **meta)
+            if n.target in _OPS:
+                set_group(node, ring)
+            env[n] = node
+    return result
