@@ -25,6 +25,7 @@ import torch
 
 from . import (agreement, consensus, consistency, micro_loop, rebuild, reduce_groups,
                sharded_params, verify)
+from . import schedule as schedules
 from .backends import check_process_group, device_of, resolve
 from .collectives import sent_bytes
 from .control import all_gather_values
@@ -37,6 +38,7 @@ from .micro_loop import MicroLeaves
 from .errors import DivergenceError, TranspileError
 from .executor import Executor, Runnable
 from .held import HeldTensors, Prelude
+from .join import Join
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, pass_name, record, resolve as resolve_pass, run_passes
 from .program import Held, InputKind, OutputKind, Program, format_collectives, held_name
@@ -101,6 +103,7 @@ class TranspiledStep:
         self._last_run: str | None = None
         self.startup_program: Program | None = None
         self._found: list | None = None   # paths to the step objects it reaches (found.py)
+        self._join: Join | None = None   # the join() context the step is called in
 
     @property
     def build_seconds(self) -> float:
@@ -300,6 +303,9 @@ class TranspiledStep:
             self._sharded.shard(step_args.optimizers)
         if self._pending is not None:
             self._decide_pending(call_args)
+        if self._join is not None:   # every rank says whether it steps, and what (join.py)
+            self._join.before_step(self._cache.find(call_args), self.schedule.next_program(),
+                                   step_args.modules)
         builds = self._cache.builds
         try:
             built = self._cache.get(call_args, self._build)
@@ -385,6 +391,25 @@ class TranspiledStep:
             return outputs
         with built.rng.drawing(step_args.leaves):
             return self._executor.run(runnable, leaves)
+
+    def join(self, divide_by_initial_world_size: bool = True) -> Join:
+        """DDP's Join for uneven inputs: `with step.join(): for batch in
+        loader: step(...)`. A rank whose batches run out shadows the others'
+        collectives until every rank is done; then every rank gets the model
+        of the highest rank among those that stepped last (join.py). Every
+        rank must enter it. Modes grad_allreduce and fuse_all_reduce, backend
+        eager."""
+        if not isinstance(self.schedule, schedules.EveryStep) or self._sharded is not None:
+            raise TranspileError("step.join() shadows the collectives of one program with "
+                                 "zeros: modes grad_allreduce and fuse_all_reduce")
+        if self.backend != "eager" or self.verify_steps or self.micro_batches is not None:
+            raise TranspileError("step.join() runs with backend='eager', without verify= and "
+                                 "micro_batches= (a joined rank issues the program's collectives "
+                                 "in its graph's order, which a compiler may change)")
+        if self.settings.find_unused:
+            raise TranspileError("step.join() with find_unused_parameters=True: not supported "
+                                 "(DDP's joined rank contributes its last used map)")
+        return Join(self, divide_by_initial_world_size)
 
     @property
     def parameter_shard_bytes(self) -> int:

@@ -1,0 +1,193 @@
+"""Join for uneven inputs, as DDP's: `with step.join(): for batch in loader: step(...)`.
+
+A rank whose loader runs out leaves the loop and, in the context's exit, shadows
+the collectives of the ranks still stepping until every rank is done: for each
+of their steps it issues the same collectives of its own last program, in the
+same order on the same communicators, with zeros (a joined rank contributes no
+gradient). The gradients are divided by the initial world size, as under DDP's
+Join with divide_by_initial_world_size=True (its default): the program's own
+averaging. When every rank is done, the parameters and buffers are broadcast
+from the highest rank among those that stepped last, as DDP's join hook does
+(torch's own _sync_module_states): every rank ends with the same model, and a
+joined rank's optimizer state stays where its last step left it, as under DDP.
+
+Before each step in the context every rank says on the control plane whether
+it steps (and the digest of the collectives of the program it is about to run)
+or has joined (and the digest of the program it shadows); the ranks go on only
+if those agree, else every rank raises the same error: a rank never waits on a
+collective that no other rank issues. A joined rank cannot trace or compile
+with the others, so a step that would build a new program (a new batch shape,
+another decision on a tensor value) while a rank has joined is refused on every
+rank. What a joined rank cannot shadow with zeros is refused the same way: a
+broadcast (the buffers the step writes, which DDP under Join takes from another
+rank), a gather or scatter of shards (modes zero, fsdp, all_gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.utils import _sync_module_states
+
+from .agreement import summarize
+from .collectives import ALL_REDUCE, WAIT
+from .control import all_gather_values
+from .errors import TranspileError
+from .program import Program
+
+log = logging.getLogger("transpiler")
+
+# DDP's broadcast_bucket_size (int(250 * 1024 * 1024)) for the final broadcast
+_BROADCAST_BYTES = 250 * 1024 * 1024
+# all-reduces whose zeros leave the others' result as it is
+_NEUTRAL = ("sum", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collective:
+    op: str
+    shape: tuple
+    dtype: torch.dtype
+    group: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """What a rank says before each step in the context: it steps (`steps`)
+    or has joined; `digest`: the collectives of the program it runs or
+    shadows ("" where it would build one, or has none); `problem`: why it
+    cannot (a joined rank's program it cannot shadow)."""
+
+    steps: bool
+    digest: str = ""
+    problem: str = ""
+
+
+def shadow_of(program: Program) -> list[_Collective]:
+    """The collectives a joined rank issues for one step of `program`, with
+    zeros; a TranspileError where one cannot be shadowed with zeros."""
+    shadow = []
+    for node in program.collectives():
+        val = node.meta["val"]
+        if node.target is not ALL_REDUCE or node.args[1] not in _NEUTRAL:
+            kind = node.target._opname if node.target is not ALL_REDUCE else \
+                f"all_reduce({node.args[1]})"
+            raise TranspileError(
+                f"program {program.name!r} issues a {kind}, which a rank that has joined cannot "
+                "shadow with zeros (a broadcast of the buffers the step writes: pass "
+                "broadcast_buffers=False, or give every rank as many batches; modes zero, "
+                "fsdp and all_gather gather shards each rank holds)")
+        if any(isinstance(d, torch.SymInt) for d in val.shape):
+            raise TranspileError(f"program {program.name!r} reduces a value of symbolic size, "
+                                 "which a rank that has joined cannot shadow")
+        shadow.append(_Collective(node.args[1], tuple(val.shape), val.dtype, node.args[2]))
+    return shadow
+
+
+def _run(shadow: list[_Collective]) -> None:
+    issued = [ALL_REDUCE(torch.zeros(c.shape, dtype=c.dtype), c.op, c.group) for c in shadow]
+    for t in issued:
+        WAIT(t)
+
+
+class Join:
+    """The context manager `TranspiledStep.join()` returns."""
+
+    def __init__(self, step, divide_by_initial_world_size: bool = True):
+        if divide_by_initial_world_size is not True:
+            raise TranspileError(
+                "join(divide_by_initial_world_size=False) divides by the ranks still stepping, "
+                "which a program does not know when it is built: not supported; the default "
+                "(True) divides by the world size, as DDP's default")
+        self._step = step
+        self._stepped_after_a_join = False   # is_last_joiner, negated (DDP's Join)
+        self._modules: list[torch.nn.Module] = []
+
+    def __enter__(self) -> "Join":
+        if self._step._join is not None:
+            raise TranspileError("step.join() is already entered")
+        self._step._join = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._step._join = None
+        if exc_type is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return False
+        self._shadow_until_every_rank_is_done()
+        self._sync_final_model()
+        return False
+
+    def before_step(self, built, name: str | None, modules) -> None:
+        """On a rank that steps, before the program runs (or is built):
+        every rank's status; raises on every rank if they cannot go on."""
+        self._modules = list(modules)
+        if built is None or built.decisions:
+            mine = Status(steps=True)
+        else:
+            mine = Status(steps=True, digest=summarize([built.programs[name].program])[0])
+        everyone = all_gather_values(mine)
+        _check(everyone)
+
+    def _shadow_until_every_rank_is_done(self) -> None:
+        step = self._step
+        shadow, mine = None, Status(steps=False)
+        if step._last is not None:
+            program = step._last.programs[step._last_run].program
+            try:
+                shadow = shadow_of(program)
+                mine = Status(steps=False, digest=summarize([program])[0])
+            except TranspileError as exc:
+                mine = Status(steps=False, problem=str(exc))
+        while True:
+            everyone = all_gather_values(mine)
+            if not any(s.steps for s in everyone):
+                return
+            _check(everyone)
+            _run(shadow)
+            self._stepped_after_a_join = True
+
+    def _sync_final_model(self) -> None:
+        """DDP's post hook: the parameters and buffers of the highest rank
+        among those that stepped last, broadcast to every rank."""
+        rank = dist.get_rank()
+        candidate = torch.tensor([-1 if self._stepped_after_a_join else rank])
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX)
+        src = int(candidate.item())
+        modules = all_gather_values(len(self._modules))
+        if len(set(modules)) != 1:
+            raise TranspileError(f"the ranks' steps took different numbers of modules ({modules})")
+        for module in self._modules:
+            _sync_module_states(module, dist.group.WORLD, _BROADCAST_BYTES, src, set(),
+                                broadcast_buffers=True)
+        log.info("transpiler: join: every rank done; the model broadcast from rank %d", src)
+
+
+def _check(everyone: list[Status]) -> None:
+    """Raise the same error on every rank unless the ranks that step all run
+    the program the joined ones shadow."""
+    joined = [r for r, s in enumerate(everyone) if not s.steps]
+    if not joined:
+        return
+    stepping = [r for r, s in enumerate(everyone) if s.steps]
+    for r in joined:
+        if everyone[r].problem:
+            raise TranspileError(f"rank {r} has joined (its batches ran out) and cannot shadow "
+                                 f"the others' steps: {everyone[r].problem}")
+        if not everyone[r].digest:
+            raise TranspileError(f"rank {r} has joined before its first step: it has no program "
+                                 "to shadow the others' with; give every rank a batch at least")
+    building = [r for r in stepping if not everyone[r].digest]
+    if building:
+        raise TranspileError(
+            f"rank {building[0]} steps with a batch that needs a new program (new shapes, or "
+            f"another decision on a tensor value) while rank {joined[0]} has joined, which "
+            "cannot trace it with the others: give the last batches the shapes of the others "
+            "(DataLoader(drop_last=True)), or pass transpile(..., dynamic=True)")
+    digests = {everyone[r].digest for r in stepping + joined}
+    if len(digests) != 1:
+        raise TranspileError(
+            f"ranks {stepping} step with a program whose collectives differ from those rank "
+            f"{joined[0]} shadows (it has joined): every rank's steps must run one program")
