@@ -64,7 +64,7 @@ def _unvectorized_kernels(monkeypatch, in_steps: bool) -> tuple[int, list[str]]:
     from torch._inductor.utils import fresh_cache, run_and_get_code
     if not in_steps:
         monkeypatch.setattr("transpiler.backends.reshapes_in_steps", lambda graph: None)
-    model = make_lm()
+    model = make_lm(layers=1)   # each compile is cold: one layer has every kernel kind
     opt = M.make_optimizer("sgd", model)
     step = transpile(M.lm_step, backend="inductor", dynamic=True)
     with fresh_cache():

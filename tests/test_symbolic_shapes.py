@@ -23,9 +23,9 @@ from transpiler.errors import TranspileError
 SHAPES = [(4, 8), (6, 12), (6, 5), (3, 12), (8, 16), (4, 8), (5, 7)]
 
 
-def make_lm(seed: int = 0):
+def make_lm(seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
-    return GPT(vocab=64, d_model=32, nhead=2, layers=2, context=16)
+    return GPT(vocab=64, d_model=32, nhead=2, layers=layers, context=16)
 
 
 def tokens(batch: int, length: int, seed: int):
