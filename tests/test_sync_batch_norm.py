@@ -18,8 +18,26 @@ STEPS = 3
 PER_RANK = 4
 
 
-def _model(seed: int = 0) -> nn.Module:
+class _Block(nn.Module):
+    """A ResNet block with a downsampling shortcut: the shortcut's BatchNorm
+    and the block's first one normalize values that do not depend on each
+    other (so do their gradients in the backward pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6)
+        self.conv2, self.bn2 = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.down = nn.Sequential(nn.Conv2d(3, 6, 1, stride=2), nn.BatchNorm2d(6))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.down(x))
+
+
+def _model(seed: int = 0, kind: str = "chain") -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "block":
+        return nn.Sequential(_Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))
     return nn.Sequential(
         nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
         nn.Conv2d(6, 6, 3, stride=2), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
@@ -49,13 +67,13 @@ def _state(model, grads: bool) -> dict:
     return state
 
 
-def rank_synced(mode: str, backend: str):
+def rank_synced(mode: str, backend: str, kind: str = "chain"):
     """The transpiled step on this rank's shards with SyncBatchNorm; the
     reference (one process, plain BatchNorm, the global batch); the program's
     collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _global_batches(world)
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(_model(seed=rank))
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(_model(seed=rank, kind=kind))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = transpile(_step, mode=mode, backend=backend)
     losses, outs = [], []
@@ -65,9 +83,9 @@ def rank_synced(mode: str, backend: str):
         outs.append(out)
     with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
         ours = _state(model, grads=mode in ("grad_allreduce", "fuse_all_reduce"))
-    ops = [n.meta["comm"].op for n in step.program.collectives()]
+    ops = [n.meta["comm"].op for n in step.program.collectives() if not n.meta["comm"].params]
 
-    reference = _model(seed=0)
+    reference = _model(seed=0, kind=kind)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ref_losses, ref_outs = [], []
     for x, y in batches:
@@ -98,6 +116,16 @@ def test_sync_batch_norm_equals_one_process_on_the_global_batch(mode, ranks2):
     # one gather of the statistics per layer in the forward, one all-reduce of
     # their gradients per layer in the backward
     assert ops.count("all_gather") >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "fsdp"])
+def test_independent_layers_share_their_collectives(mode, ranks2):
+    """The shortcut's BatchNorm is gathered with the block's first one, and
+    their gradients' all-reduces with the second one's: 2 + 2 collectives for
+    3 layers."""
+    ops = _check(ranks2.run(rank_synced, mode, "eager", "block"), 2)
+    assert ops.count("all_gather") == 2 and ops.count("all_reduce") == 2
 
 
 @pytest.mark.slow

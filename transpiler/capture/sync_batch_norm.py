@@ -4,7 +4,8 @@ torch's SyncBatchNorm runs only on accelerators (its CPU forward raises) and
 issues its collectives from an autograd Function, which torch.compile breaks
 the graph on. While the step is traced, its training forward is this module's:
 each rank's per-channel mean, sum of squared deviations and count are
-all-gathered (one collective per layer, as torch's), combined into the global
+all-gathered (one collective per layer, as torch's; passes/
+coalesce_model_collectives.py issues independent layers' as one), combined into the global
 batch's mean and variance (Chan's parallel formula: no sum of squares to
 cancel), and the input normalized with them. The gather's backward all-reduces
 the gradient of every rank's statistics and keeps this rank's row, so the input
