@@ -214,14 +214,6 @@ class _CountedNorm(nn.BatchNorm1d):
                                         self.bias, True, factor, self.eps)
 
 
-def _counted_step(model, opt, x, y):
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def test_a_number_computed_from_a_tensor_value_is_checked_as_a_decision():
     """torch cannot put `1.0 / u0 == 1.0` into a graph as a check: without one,
     the program kept the first call's factor (the running mean 0.2 off eager's
@@ -229,5 +221,5 @@ def test_a_number_computed_from_a_tensor_value_is_checked_as_a_decision():
     when it changes."""
     def build():
         return nn.Sequential(nn.Linear(16, 6), _CountedNorm(6, momentum=None), nn.Linear(6, 4))
-    step = M.against_eager(_counted_step, build=build)
+    step = M.against_eager(M.classify_step, build=build)
     assert step.traces == 4

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tests import models as M
 from transpiler import transpile
 
 transformers_utils = pytest.importorskip("transformers.utils")
@@ -93,3 +94,42 @@ def test_foreach_paths_are_chosen_as_in_eager():
     transpile(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 3))
     assert seen["types"] is True
     assert not any(issubclass(t, FakeTensor) for t in _foreach_supported_types)
+
+
+class _Routed(nn.Module):
+    """Two habits of MoE code (transformers' Switch Transformers): a router
+    that converts its classifier to its dtype in forward (a no-op in eager:
+    Module.to returns the module as it is), and experts in a ModuleDict looked
+    up by a name formatted from a tensor (f"expert_{idx}" formats the value of
+    a 0-d tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(16, 3)
+        self.experts = nn.ModuleDict({f"expert_{i}": nn.Linear(16, 4) for i in range(3)})
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        best = self.classifier(x).sum(0).argmax()
+        return self.experts[f"expert_{best}"](x)
+
+
+def test_a_noop_conversion_and_a_name_formatted_from_a_tensor_run_as_in_eager():
+    step = M.against_eager(M.classify_step, build=_Routed, calls=6)
+    assert step.traces >= 2   # another expert chosen: the program of that decision
+
+
+def _converting_step(model, opt, x, y):
+    model.half()
+    return M.classify_step(model, opt, x, y)
+
+
+def test_a_conversion_in_the_step_is_refused_naming_it():
+    from transpiler import TranspileError
+    model = _Routed()
+    before = [p.detach().clone() for p in model.parameters()]
+    step = transpile(_converting_step)
+    with pytest.raises(TranspileError, match=r"converts _Routed's parameters"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), *M.batches("mlp", 1, 8)[0])
+    assert all(torch.equal(p, q) and p.dtype == torch.float32
+               for p, q in zip(model.parameters(), before))

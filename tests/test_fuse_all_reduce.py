@@ -77,7 +77,7 @@ SMALL = dataclasses.replace(CTX, bucket_mb=200 / 2**20,
                     first_bucket_mb=40 / 2**20)
 
 
-@pytest.mark.parametrize("upto", range(3, len(FUSE) + 1))   # from coalesce_tensors
+@pytest.mark.parametrize("upto", range(FUSE.index("coalesce_tensors") + 1, len(FUSE) + 1))
 def test_golden_fuse(upto):
     program = _captured().program
     run_passes(program, FUSE[:upto], SMALL)

@@ -954,10 +954,10 @@ def catalogue() -> list[Arch]:
                 decoder_start_token_id=0),
              tokens_seq2seq(), ("dropout", "tied embeddings", "rmsnorm", "relative positions",
                                 "top-1 routing", "expert capacity", "router z-loss"),
-             refused=r"at .*modeling_switch_transformers.py:\d+ \(self.classifier = "
-                     r"self.classifier.to\(self.dtype\)\)",
-             why="its router assigns a module in forward: "
-                 "self.classifier = self.classifier.to(self.dtype)",
+             refused=r"tracing it again on this call's values failed: _Checked",
+             why="its experts, found by a loop over nonzero(), come out otherwise when the "
+                 "step is traced again to functionalize it (it writes through a view): "
+                 "refused on the first call, the cause not yet found",
              find_unused=True),
         Arch("qwen3_moe", Kind.MOE, "transformers.Qwen3MoeForCausalLM",
              decoder(T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, moe_intermediate_size=16,

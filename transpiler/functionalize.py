@@ -23,7 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .program import new_node
+from .program import draws_random, new_node
 from .roles import ROLE
 
 aten = torch.ops.aten
@@ -46,11 +46,17 @@ def _is_view(target) -> bool:
     return target not in _SAME and any(r.alias_info is not None for r in target._schema.returns)
 
 
+# In-place ops whose out-of-place twin has another overload name (dropout's draw).
+_RENAMED = {aten.bernoulli_.float: aten.bernoulli.p}
+
+
 def _twin(target):
     """The out-of-place overload of an in-place one (add_.Tensor -> add.Tensor)
     taking the same arguments, or None; None too for the ops that change a
     tensor's shape or strides in place (t_, resize_, set_), which every view of
     it would see."""
+    if target in _RENAMED:
+        return _RENAMED[target]
     name = target._schema.name.split("::")[-1]
     if not name.endswith("_") or torch.Tag.inplace_view in target.tags:
         return None
@@ -62,6 +68,16 @@ def _twin(target):
     same = [(a.name, str(a.type)) for a in twin._schema.arguments] == \
            [(a.name, str(a.type)) for a in target._schema.arguments]
     return twin if same and mutated_index(twin) is None else None
+
+
+def _with_defaults(node: fx.Node) -> dict:
+    """The node's kwargs, and the defaults of the arguments it leaves out,
+    which a renamed twin may not have (bernoulli_(self, p=0.5) -> bernoulli.p)."""
+    kwargs = dict(node.kwargs)
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i >= len(node.args) and arg.name not in kwargs and arg.has_default_value():
+            kwargs[arg.name] = arg.default_value
+    return kwargs
 
 
 @dataclasses.dataclass
@@ -112,6 +128,10 @@ def _plan(graph: fx.Graph) -> _Plan:
         twin = _twin(target)
         if twin is None:
             raise Unsupported(f"{node.name} ({target}) has no out-of-place twin")
+        if draws_random(node) and not node.args[0].meta["val"].is_contiguous():
+            # the twin allocates by a rule of its own: drawn on the target's
+            # layout by the functionalizing trace (capture/random_layout.py)
+            raise Unsupported(f"{node.name} ({target}) draws into a tensor that is not contiguous")
         twins[node] = twin
         for tensor in first_tensors(node):
             r = root[tensor]
@@ -158,7 +178,8 @@ def rewrite(graph: fx.Graph) -> None:
         meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
         role = meta.pop(ROLE)
         with graph.inserting_before(node):
-            new = new_node(graph, twin, node.args, role, dict(node.kwargs), **meta)
+            kwargs = _with_defaults(node) if node.target in _RENAMED else dict(node.kwargs)
+            new = new_node(graph, twin, node.args, role, kwargs, **meta)
             new._rename(twin.overloadpacket.__name__)   # as make_fx names it: _foreach_mul
             if isinstance(mutated, (list, tuple)):
                 for i, tensor in enumerate(mutated):

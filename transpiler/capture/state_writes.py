@@ -5,7 +5,9 @@ module's state; a trace would drop the write (the traced tensors are put back
 when the trace ends). While the step is traced, each such write becomes an
 in-place copy into the traced parameter or buffer, which the program then writes
 back like every state it updates. A write that changes the shape or the dtype,
-or removes the tensor, is refused, naming it."""
+or removes the tensor, is refused, naming it. A module converted in the step
+(`self.classifier = self.classifier.to(self.dtype)`, a router's) is left as
+it is where the conversion changes nothing, as in eager; else refused."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..errors import TranspileError
 from .user_code import step_name, user_line
 
 _DATA = vars(torch._C.TensorBase)["data"]
+_APPLY = torch.nn.Module._apply
 
 
 @contextlib.contextmanager
@@ -41,13 +44,31 @@ def state_writes_kept(step_fn, modules, traced: set[int]):
         if isinstance(value, torch.Tensor) and value is not tensor:
             shared[id(tensor)] = (tensor, value)
 
+    def converted(module, fn, recurse=True):
+        """Module._apply (module.to(...), .float(), .cpu()): a conversion
+        that leaves every tensor as it is, as eager's returns the module
+        untouched; one that would convert a traced tensor is refused."""
+        tensors = [t for t in (*module.parameters(recurse=recurse),
+                               *module.buffers(recurse=recurse))]
+        if all(fn(t) is t for t in tensors):
+            return module
+        if any(id(t) in traced for t in tensors):
+            raise TranspileError(
+                f"{step_name(step_fn)} converts {type(module).__name__}'s parameters or "
+                f"buffers (module.to, .float(), .half()){user_line(step_fn)}: a transpiled step "
+                "writes them in place, in their dtype and device; convert the model before the "
+                "first call")
+        return _APPLY(module, fn, recurse)
+
     torch.Tensor.data = property(_DATA.__get__, set_data)
+    torch.nn.Module._apply = converted
     try:
         yield
         for pair in shared.values():
             _unshare(pair)
     finally:
         del torch.Tensor.data
+        torch.nn.Module._apply = _APPLY
     for name, sub, kind, key, t in installed:
         now = getattr(sub, kind).get(key)
         if now is not t:

@@ -641,17 +641,32 @@ def _seen_as_in_eager():
     """What model and torch code may branch on, as eager has it while the step
     runs: torch.fx's is_fx_tracing() False (make_fx's tracer sets it), and a
     traced tensor's type among those that take torch's foreach paths
-    (clip_grad_norm_ and the optimizers pick them by `type(t) in ...`)."""
+    (clip_grad_norm_ and the optimizers pick them by `type(t) in ...`), and a
+    0-d tensor formatted as its value (f"expert_{idx}": Tensor.__format__
+    formats the value of a plain tensor only), a decision on that value."""
     from torch.fx import _symbolic_trace
     from torch.utils._foreach_utils import _foreach_supported_types as foreach_types
     before = _symbolic_trace._is_fx_tracing_flag
     _symbolic_trace._is_fx_tracing_flag = False
     foreach_types.append(FakeTensor)
+    torch.Tensor.__format__ = _format_as_in_eager
     try:
         yield
     finally:
         _symbolic_trace._is_fx_tracing_flag = before
         foreach_types.remove(FakeTensor)
+        torch.Tensor.__format__ = _FORMAT
+
+
+_FORMAT = torch.Tensor.__format__
+
+
+def _format_as_in_eager(self, format_spec):
+    if isinstance(self, FakeTensor) and self.dim() == 0:
+        value = self.detach().item()
+        kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}.get(type(value))
+        return (kind(value) if kind else value).__format__(format_spec)
+    return _FORMAT(self, format_spec)
 
 
 def _group_tensors(optimizers) -> set[int]:
