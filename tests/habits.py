@@ -1071,7 +1071,6 @@ def det_isfinite_step(model, optimizer, images, targets, lr_scheduler):
        what="images as a list and targets as a list of dicts of tensors, a dict of losses "
             "summed with Python's sum, a warmup scheduler stepped inside the step",
        expect=EQUAL, rule=INPUTS, setup=_det_setup, ranks=True,
-       rank_gap="a torch.distributed collective called inside the step (reduce_dict's dist.all_reduce of the losses for logging): not traced yet",
        call=lambda step, s, i, d: step(s.model, s.opt, *_det_batch(d), s.lr_scheduler))
 def det_step(model, optimizer, images, targets, lr_scheduler):
     images = list(image for image in images)
@@ -3099,8 +3098,9 @@ def _dino_call(step, s, i, d):
        expect=EQUAL,
        rule=GUARD, setup=_dino_setup(), between=_dino_between, call=_dino_call,
        ranks=True, ddp=_dino_ddp,
-       rank_gap="a torch.distributed collective called inside the step (DINOLoss's dist.all_reduce "
-                "of the batch center): not traced yet")
+       rank_gap="a torch.distributed collective (DINOLoss's dist.all_reduce of the batch center) "
+                "in a step that decides on tensor values: the trace on the call's values cannot "
+                "issue it, so it is refused")
 def dino_step(student, teacher, dino_loss, optimizer, images, epoch, it, momentum_schedule, args):
     teacher_output = teacher(images[:2])
     student_output = student(images)
@@ -3438,7 +3438,6 @@ def _swav_setup():
        what="a parameter normalised in place under no_grad before forward, Sinkhorn with "
             "collectives inside, numpy index loops, gradients dropped by an int argument",
        expect=EQUAL, rule=GUARD, setup=_swav_setup, ranks=True,
-       rank_gap="a torch.distributed collective called inside the step (distributed_sinkhorn's dist.all_reduce): not traced yet",
        call=lambda step, s, i, d: step(s.model, s.opt, [d.vec(), d.vec()], i, s.args))
 def swav_step(model, optimizer, inputs, iteration, args):
     with torch.no_grad():

@@ -6,9 +6,8 @@ bucket) -> Future[Tensor]`, where the bucket's buffer holds this rank's
 gradients (not divided by the world size: the hook averages) and the future's
 tensor is what the bucket's gradients become. coalesce_tensors calls `reduce`
 for each bucket: the hook runs once under make_fx on a stand-in bucket, with
-torch.distributed's collectives (all_reduce, all_gather_into_tensor,
-reduce_scatter_tensor) run as functional collectives and futures that are
-complete at once, and the graph it gives is put into the program where the
+torch.distributed's collectives run as functional collectives and futures that
+are complete at once (traced_collectives.py), and the graph it gives is put into the program where the
 bucket's all-reduce would be: its collectives are collectives of the program
 (meta["comm"]), scheduled and spread over the rings as the passes' own.
 
@@ -21,7 +20,6 @@ error feedback and warm start) is refused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -30,14 +28,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, set_group
+from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, WAIT, set_group
 from .errors import TranspileError
 from .program import CommInfo, new_node
 from .roles import BUCKET, COMM, Role
+from .traced_collectives import traced_collectives
 
-_OPS = {ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
-_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
-               dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
+_OPS = {ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter",
+        BROADCAST: "broadcast"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,39 +69,6 @@ class CommHook:
         return f"CommHook({name}, {'world' if self.state is not None else None})"
 
 
-class _Done:
-    """A future that is complete: what a collective returns while the hook is traced."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def value(self):
-        return self._value
-
-    def wait(self):
-        return self._value
-
-    def done(self) -> bool:
-        return True
-
-    def then(self, callback):
-        return _Done(callback(self))
-
-
-class _Work:
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor = tensor
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> _Done:
-        return _Done([self._tensor])
-
-
 class _Bucket:
     """What the hook sees of DDP's GradBucket."""
 
@@ -131,50 +96,9 @@ class _Bucket:
                              "(bucket.gradients()), not its parameters")
 
 
-def _group_name(group) -> str:
-    group = group or dist.group.WORLD
-    if group != dist.group.WORLD:
-        raise TranspileError("a comm hook's collective over a group other than the world is "
-                             "not supported")
-    return group.group_name
-
-
-def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    summed = WAIT(ALL_REDUCE(tensor, _REDUCE_OPS[op], _group_name(group)))
-    tensor.copy_(summed)
-    return _Work(tensor) if async_op else None
-
-
-def _all_gather_into_tensor(output, input, group=None, async_op=False):
-    size = dist.get_world_size(group)
-    output.copy_(WAIT(ALL_GATHER(input.contiguous(), size, _group_name(group))).view_as(output))
-    return _Work(output) if async_op else None
-
-
-def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    size = dist.get_world_size(group)
-    output.copy_(WAIT(REDUCE_SCATTER(input.contiguous(), _REDUCE_OPS[op], size,
-                                     _group_name(group))).view_as(output))
-    return _Work(output) if async_op else None
-
-
-@contextlib.contextmanager
-def _functional_collectives():
-    replaced = {"all_reduce": _all_reduce, "all_gather_into_tensor": _all_gather_into_tensor,
-                "reduce_scatter_tensor": _reduce_scatter_tensor}
-    saved = {name: getattr(dist, name) for name in replaced}
-    for name, fn in replaced.items():
-        setattr(dist, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool) -> fx.GraphModule:
     def run(buffer):
-        with _functional_collectives():
+        with traced_collectives():
             result = hook.hook(hook.state, _Bucket(buffer, shapes, index, last))
         if not hasattr(result, "wait"):
             raise TranspileError(f"comm hook {hook!r} returned a {type(result).__name__}, not "

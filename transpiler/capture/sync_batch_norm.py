@@ -27,17 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..collectives import ALL_GATHER, ALL_REDUCE, WAIT
+from ..collectives import ALL_GATHER, ALL_REDUCE
 from ..errors import TranspileError
-from ..mesh import Dim
-from ..program import CommInfo
-from ..roles import COMM
-from .markers import node_of
-
-
-def _tagged(t: torch.Tensor, comm: CommInfo) -> torch.Tensor:
-    node_of(t).meta[COMM] = comm
-    return t
+from ..traced_collectives import issued
 
 
 class _Gathered(torch.autograd.Function):
@@ -47,15 +39,11 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, row, group_name: str, world: int, rank: int):
         ctx.group_name, ctx.rank = group_name, rank
-        comm = CommInfo("all_gather", nbytes=row.nbytes * world)
-        issued = _tagged(ALL_GATHER(row, world, group_name), comm)
-        return _tagged(WAIT(issued), comm).view(world, -1)
+        return issued(ALL_GATHER, row, world, group_name).view(world, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        comm = CommInfo("all_reduce", nbytes=grad.nbytes)
-        summed = _tagged(WAIT(_tagged(ALL_REDUCE(grad, "sum", ctx.group_name), comm)), comm)
+        summed = issued(ALL_REDUCE, grad.contiguous(), "sum", ctx.group_name)
         return summed[ctx.rank], None, None, None
 
 

@@ -65,6 +65,7 @@ from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
+from ..traced_collectives import traced_collectives
 from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error, user_line
 
@@ -336,6 +337,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
             stack.enter_context(synced_batch_norms())
+            stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording(on_values))

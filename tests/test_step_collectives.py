@@ -1,0 +1,93 @@
+"""torch.distributed's collectives called in the step (transpiler/traced_collectives.py):
+a loss or a metric reduced over the ranks for logging, as training scripts do,
+is a collective of the program, equal to torch DDP running the same step in the
+same processes; the collectives a program cannot hold are refused at the first
+call on every rank, nothing written. (Traced as they were, they issued
+nothing: the step returned each rank's own loss where eager returns the
+reduced one.)"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+def logged_step(model, opt, x, y):
+    """The mean loss over the ranks (sync), the correct count of every rank
+    (all_gather of a list, async with wait()), rank 0's first label (broadcast)."""
+    opt.zero_grad()
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    opt.step()
+    reduced = loss.detach().clone()
+    dist.all_reduce(reduced)
+    correct = (out.argmax(1) == y).sum().reshape(1)
+    counts = [torch.zeros_like(correct) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, correct, async_op=True).wait()
+    first = y[:1].clone()
+    dist.broadcast(first, src=0)
+    return reduced / dist.get_world_size(), torch.stack(counts), first
+
+
+def rank_logged(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, theirs = M.make("mlp", seed=rank), M.make("mlp", seed=0)   # the startup aligns ours
+    opts = [M.make_optimizer("sgd", m) for m in (ours, theirs)]
+    step, ddp = transpile(logged_step, mode=mode), DDP(theirs)
+    for batch in M.batches("mlp", 3, 16):
+        x, y = M.shard(batch, rank, world)
+        a, b = step(ours, opts[0], x, y), logged_step(ddp, opts[1], x, y)
+        if not all(torch.equal(p, q) for p, q in zip(a, b)):
+            return f"outputs differ: {a} != {b}"
+    ops = sorted(n.meta["comm"].op for n in step.program.collectives() if not n.meta["comm"].params)
+    if not all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())):
+        return "parameters differ"
+    return ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
+def test_collectives_in_the_step_equal_ddp(mode, ranks2):
+    for ops in ranks2.run(rank_logged, mode):
+        assert ops == ["all_gather", "all_reduce", "broadcast"], ops
+
+
+def barrier_step(model, opt, x, y):
+    loss = M.classify_step(model, opt, x, y)
+    dist.barrier()
+    return loss
+
+
+def subgroup_step(model, opt, x, y):
+    loss = M.classify_step(model, opt, x, y).detach().clone()
+    dist.all_reduce(loss, group=SUBGROUP[0])
+    return loss
+
+
+SUBGROUP: list = []
+
+
+def rank_refused(fn_name: str):
+    if not SUBGROUP:
+        SUBGROUP.append(dist.new_group([0, 1]))
+    model = M.make("mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile({"barrier": barrier_step, "subgroup": subgroup_step}[fn_name])
+    with pytest.raises(TranspileError) as info:
+        step(model, opt, *M.shard(M.batches("mlp", 1, 8)[0], dist.get_rank(), 2))
+    untouched = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    return str(info.value), untouched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn_name,match", [("barrier", "torch.distributed.barrier"),
+                                           ("subgroup", "process group")])
+def test_collectives_a_program_cannot_hold_are_refused(fn_name, match, ranks2):
+    for message, untouched in ranks2.run(rank_refused, fn_name):
+        assert match in message and untouched, message
