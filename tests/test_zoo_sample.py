@@ -16,8 +16,10 @@ from tests import zoo
 from transpiler import transpile
 from transpiler.errors import TranspileError
 
+# (switch_transformers is not in it: where its first call is refused depends on
+# the draws, see its entry in tests/zoo.py)
 SAMPLE = ["whisper", "mamba", "bert", "t5", "vit", "beit", "mixtral", "qwen2_moe", "deepseek_v3",
-          "switch_transformers", "gpt2", "wav2vec2", "longformer", "clip", "resnet"]
+          "gpt2", "wav2vec2", "longformer", "clip", "resnet"]
 
 pytestmark = pytest.mark.skipif(zoo.T is None, reason="transformers is not installed")
 

@@ -955,9 +955,11 @@ def catalogue() -> list[Arch]:
              tokens_seq2seq(), ("dropout", "tied embeddings", "rmsnorm", "relative positions",
                                 "top-1 routing", "expert capacity", "router z-loss"),
              refused=r"tracing it again on this call's values failed: _Checked",
-             why="its experts, found by a loop over nonzero(), come out otherwise when the "
-                 "step is traced again to functionalize it (it writes through a view): "
-                 "refused on the first call, the cause not yet found",
+             why="its router multiplies its jitter noise in place into the tensor a no-op "
+                 ".to(float32) returned, the caller's view: the trace again that functionalizes "
+                 "it routes otherwise than the first (real-tensor propagation through the "
+                 "view), so a call whose routing is new is refused; the first call is refused "
+                 "or trains, as the draws fall",
              find_unused=True),
         Arch("qwen3_moe", Kind.MOE, "transformers.Qwen3MoeForCausalLM",
              decoder(T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, moe_intermediate_size=16,
