@@ -125,3 +125,10 @@ def test_comm_hook_and_fuse_dtype_are_one_choice():
 def test_other_modes_refuse_a_comm_hook(mode):
     with pytest.raises(TranspileError, match="comm_hook"):
         transpile(M.classify_step, mode=mode, comm_hook=(None, default_hooks.allreduce_hook))
+
+
+@pytest.mark.parametrize("option", [{"hierarchical": True}])
+def test_a_hook_reduces_over_the_world_only(option):
+    with pytest.raises(TranspileError, match="not with reduce_groups or hierarchical"):
+        transpile(M.classify_step, mode="fuse_all_reduce",
+                  comm_hook=(None, default_hooks.allreduce_hook), **option)

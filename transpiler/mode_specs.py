@@ -150,6 +150,12 @@ class FuseAllReduce(_Fused):
     def settings(self) -> dict:
         return {**super().settings(), "comm_hook": CommHook.of(self.comm_hook)}
 
+    def refuse(self, common) -> None:
+        if self.comm_hook is not None and (common.reduce_groups or common.hierarchical):
+            raise TranspileError("comm_hook reduces every bucket over the world as the hook "
+                                 "writes it (DDP's hooks average over their process group): "
+                                 "not with reduce_groups or hierarchical")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalSGD(_Fused):
