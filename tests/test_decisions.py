@@ -223,3 +223,46 @@ def test_a_number_computed_from_a_tensor_value_is_checked_as_a_decision():
         return nn.Sequential(nn.Linear(16, 6), _CountedNorm(6, momentum=None), nn.Linear(6, 4))
     step = M.against_eager(M.classify_step, build=build)
     assert step.traces == 4
+
+
+class _Speech(nn.Module):
+    """A CTC head as transformers' wav2vec2 computes its loss: log-probs over
+    time, the labels' non-padding tokens concatenated (masked_select), the
+    lengths as tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 6)
+
+    def forward(self, x):
+        return self.proj(x).log_softmax(-1).transpose(0, 1)   # (T, B, C)
+
+
+def _ctc_step(model, opt, x, labels):
+    opt.zero_grad()
+    mask = labels > 0
+    loss = nn.functional.ctc_loss(model(x), labels.masked_select(mask),
+                                  torch.full((x.shape[0],), x.shape[1]), mask.sum(-1))
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_ctc_loss_with_lengths_as_tensors_equals_eager():
+    """F.ctc_loss's saved alphas are sized by the target lengths' values: read
+    as lists (a decision), as its CPU kernel reads them; another set of
+    lengths traces again."""
+    torch.manual_seed(0)
+    ours = _Speech()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_ctc_step)
+    g = torch.Generator().manual_seed(0)
+    for lengths in ([3, 2], [3, 2], [1, 4]):
+        x = torch.randn(2, 10, 16, generator=g)
+        labels = torch.zeros(2, 4, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            labels[row, :n] = torch.randint(1, 6, (n,), generator=g)
+        assert torch.equal(step(ours, opts[0], x, labels), _ctc_step(theirs, opts[1], x, labels))
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert step.traces == 2

@@ -880,10 +880,7 @@ def catalogue() -> list[Arch]:
                 num_feat_extract_layers=2, num_conv_pos_embeddings=4,
                 num_conv_pos_embedding_groups=2, mask_time_prob=0.0, pad_token_id=0),
              waveform_ctc(), ("dropout", "layernorm", "groupnorm", "conv1d", "ctc loss",
-                              "layerdrop", "weight norm"),
-             refused=r"calls aten._ctc_loss.Tensor at .*loss_ctc.py.*whose result's shape depends",
-             why="CTC's loss (aten._ctc_loss.Tensor) has no meta function for a size that "
-                 "depends on the target lengths' values"),
+                              "layerdrop", "weight norm")),
         Arch("hubert", Kind.AUDIO, "transformers.HubertForSequenceClassification",
              hf(T.HubertForSequenceClassification, T.HubertConfig, **WAVE, mask_time_prob=0.0,
                 layerdrop=0.0, feat_proj_dropout=0.1, classifier_proj_size=8, num_labels=3),

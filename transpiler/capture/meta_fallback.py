@@ -7,7 +7,9 @@ While the step is traced, an aten op whose meta function raises is run once on
 zero tensors of its fake inputs' layouts (the fallback FakeTensorMode takes for
 ops with no meta function): if the kernel computes, the op takes its result's
 shape, dtype and strides, as eager does; if it raises too, or its inputs have
-symbolic sizes, the meta function's error stands.
+symbolic sizes, the meta function's error stands. So does an op whose sizes
+come from its integer arguments though torch tags it as depending on values
+(_SIZED_BY_ARGUMENTS).
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
 import torch.utils._pytree as pytree
 from torch._subclasses import fake_tensor
+
+# Ops tagged dynamic_output_shape whose sizes come from their integer arguments
+# (CTC's loss: the lengths as lists, which trace.py reads from its tensor
+# overload's arguments), not from tensor values: their kernel on zeros gives them.
+_SIZED_BY_ARGUMENTS = {torch.ops.aten._ctc_loss.default}
 
 # FakeTensorMode logs a failed meta function with its traceback before it raises.
 _META_FAILED = "failed while attempting to run meta for"
@@ -34,8 +42,12 @@ def kernels_where_meta_refuses():
     def dispatch(mode, func, types, args, kwargs):
         try:
             return original(mode, func, types, args, kwargs)
-        except (NotImplementedError, fake_tensor.DynamicOutputShapeException,
-                fake_tensor.DataDependentOutputException):
+        except fake_tensor.DynamicOutputShapeException as exc:
+            if func not in _SIZED_BY_ARGUMENTS:
+                raise
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            return fake_tensor.run_fallback_kernel(mode, func, flat, spec, exc)
+        except (NotImplementedError, fake_tensor.DataDependentOutputException):
             raise
         except RuntimeError as exc:
             if func.namespace != "aten" or not mode.allow_fallback_kernels:

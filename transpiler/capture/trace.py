@@ -92,7 +92,35 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
                                                            running_var, training, momentum, eps)
 
 
-_DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm}
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """CTC's loss with tensor lengths: its saved alphas' size depends on the
+    lengths' values, which fake tensors do not hold. As its CPU kernel does,
+    the lengths are read as lists (a decision on their values: one program per
+    lengths) and the list overload runs, which has a meta function."""
+    targets, inputs, lengths = _ctc_lengths(targets, input_lengths, target_lengths)
+    return torch.ops.aten._ctc_loss.default(log_probs, targets, inputs, lengths, blank,
+                                            zero_infinity)
+
+
+def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood,
+                       log_alpha, blank, zero_infinity=False):
+    targets, inputs, lengths = _ctc_lengths(targets, input_lengths, target_lengths)
+    return torch.ops.aten._ctc_loss_backward.default(grad, log_probs, targets, inputs, lengths,
+                                                     neg_log_likelihood, log_alpha, blank,
+                                                     zero_infinity)
+
+
+def _ctc_lengths(targets, input_lengths, target_lengths):
+    inputs = [int(n) for n in input_lengths.tolist()]
+    lengths = [int(n) for n in target_lengths.tolist()]
+    if targets.dim() == 1:   # concatenated (masked_select's): its size is their sum
+        targets = targets.reshape(sum(lengths))
+    return targets, inputs, lengths
+
+
+_DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm,
+                   torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
+                   torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward}
 
 
 
