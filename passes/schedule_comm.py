@@ -61,6 +61,8 @@ def schedule_comm(program: Program, ctx: PassContext) -> None:
     for wait in waits:
         unpack = _bucket_chain(wait, lambda n: n.users, comm_role=True)
         for node in sorted(unpack, reverse=True):
+            if not node.users:   # a result nothing reads (a step's unused gather): left where it is
+                continue
             first_use = min(node.users)
             if node.next is not first_use:
                 first_use.prepend(node)

@@ -91,3 +91,47 @@ def rank_refused(fn_name: str):
 def test_collectives_a_program_cannot_hold_are_refused(fn_name, match, ranks2):
     for message, untouched in ranks2.run(rank_refused, fn_name):
         assert match in message and untouched, message
+
+
+def deciding_step(model, opt, x, y):
+    """A decision on a tensor's value (traced on the call's values), then the
+    loss reduced over the ranks."""
+    if x.abs().max() > 3:   # an outlier batch: its inputs scaled down
+        x = x / 2
+    return logged_step(model, opt, x, y)[0]
+
+
+def decided_on_the_sum(model, opt, x, y):
+    loss = M.classify_step(model, opt, x, y).detach().clone()
+    dist.all_reduce(loss)
+    if loss > 100:
+        loss = loss * 0
+    return loss
+
+
+def rank_deciding():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, theirs = M.make("mlp", seed=rank), M.make("mlp", seed=0)
+    opts = [M.make_optimizer("sgd", m) for m in (ours, theirs)]
+    step, ddp = transpile(deciding_step, mode="fuse_all_reduce"), DDP(theirs)
+    g = torch.Generator().manual_seed(rank)
+    for i in range(4):
+        x, y = torch.randn(8, 16, generator=g) * (1 + i), torch.randint(0, 4, (8,), generator=g)
+        if not torch.equal(step(ours, opts[0], x, y), deciding_step(ddp, opts[1], x, y)):
+            return "outputs differ"
+    if not all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())):
+        return "parameters differ"
+    refused = transpile(decided_on_the_sum)
+    try:
+        refused(ours, opts[0], x, y)
+    except TranspileError as e:
+        return f"refused: {e}"
+    return "not refused"
+
+
+@pytest.mark.slow
+def test_a_step_traced_on_its_values_issues_its_collectives_as_eager(ranks2):
+    """The trace on the call's values issues no collective (a rank may trace
+    alone); a decision on a reduced value is refused on every rank."""
+    for answer in ranks2.run(rank_deciding):
+        assert answer.startswith("refused") and "(if loss > 100:)" in answer, answer

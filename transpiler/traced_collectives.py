@@ -12,7 +12,9 @@ their nodes carry meta["comm"] (over the world, placed on the mesh's
 communicators before the passes run: Program.place_collectives). An async_op
 returns a work whose future is complete. Only the world's group is supported;
 another group is refused, naming it, and so are the other collectives (reduce,
-all_to_all, the object collectives, send and recv, barrier).
+all_to_all, the object collectives, send and recv, barrier). A step traced on
+its values (a decision on a tensor's value) issues nothing while traced: the
+collectives' results have no real values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch._functorch.config
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
@@ -75,17 +76,29 @@ def _group_name(group) -> str:
     return group.group_name
 
 
+@contextlib.contextmanager
+def _without_real_values(t: torch.Tensor):
+    """Traced on this call's values (capture/decisions.py), each op also runs
+    on the fake tensors' real twins: a collective would be issued while
+    tracing, by one rank alone where only its decisions changed. Without a
+    real twin on its input it is not; what is computed from its result has no
+    real value either, so a decision on it stops the trace (refused), and
+    what a decision before it took is checked by the program on every run."""
+    real = getattr(t, "real_tensor", None)
+    if real is not None:
+        t.real_tensor = None
+    try:
+        yield
+    finally:
+        if real is not None:
+            t.real_tensor = real
+
+
 def issued(collective, *args) -> torch.Tensor:
     """The collective issued and waited for, both nodes tagged when traced."""
-    if torch._functorch.config.fake_tensor_propagate_real_tensors:
-        # traced on this call's values (capture/decisions.py): the real twin
-        # would issue the collective while tracing, on one rank or all
-        raise TranspileError(
-            "a torch.distributed collective in a step that decides on tensor values: the "
-            "trace on this call's values cannot issue it; call the collective outside the "
-            "step, or decide with tensor ops (torch.where, masking)")
-    issued = collective(*args)
-    waited = WAIT(issued)
+    with _without_real_values(args[0]):
+        issued = collective(*args)
+        waited = WAIT(issued)
     mode = get_proxy_mode()
     if mode is not None:
         comm = CommInfo({ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
@@ -99,6 +112,9 @@ def issued(collective, *args) -> torch.Tensor:
 
 
 def _done(value, async_op: bool):
+    for t in value if isinstance(value, list) else [value]:
+        if getattr(t, "real_tensor", None) is not None:
+            t.real_tensor = None   # written from a result with no real value
     return _Work(value) if async_op else None
 
 
