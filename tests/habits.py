@@ -2824,7 +2824,7 @@ def _moco_setup():
               "ptr = int(self.queue_ptr); self.queue[:, ptr:ptr + batch_size] = keys.T",
        what="a queue buffer written at an offset read from another buffer with int() (a slice "
             "bound from a tensor's value), a key encoder updated by replacing .data",
-       expect=EQUAL, rule=DECISION, setup=_moco_setup,
+       expect=EQUAL, rule=DECISION, setup=_moco_setup, ranks=True,
        call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, [d.vec(), d.vec()]))
 def moco_step(model, criterion, optimizer, images):
     output, target = model(im_q=images[0], im_k=images[1])

@@ -598,6 +598,7 @@ class TranspiledStep:
             run_passes(program, passes, self.schedule.context(name, ctx))
             reduce_groups.check_program(program, ctx.groups)
             if captured.decisions:
+                decisions.hoist_checks(program)
                 decisions.check_program(program, captured.decisions, backend, self.step_fn)
             sent = sum(sent_bytes(c.op, c.nbytes, ctx.mesh.size(c.over))
                        for c in (n.meta[COMM] for n in program.collectives()))

@@ -77,7 +77,7 @@ def _group_name(group) -> str:
 
 
 @contextlib.contextmanager
-def _without_real_values(t: torch.Tensor):
+def without_real_values(t: torch.Tensor):
     """Traced on this call's values (capture/decisions.py), each op also runs
     on the fake tensors' real twins: a collective would be issued while
     tracing, by one rank alone where only its decisions changed. Without a
@@ -96,7 +96,7 @@ def _without_real_values(t: torch.Tensor):
 
 def issued(collective, *args) -> torch.Tensor:
     """The collective issued and waited for, both nodes tagged when traced."""
-    with _without_real_values(args[0]):
+    with without_real_values(args[0]):
         issued = collective(*args)
         waited = WAIT(issued)
     mode = get_proxy_mode()
@@ -111,10 +111,15 @@ def issued(collective, *args) -> torch.Tensor:
     return waited
 
 
+def forget_real_values(t: torch.Tensor) -> None:
+    """`t` was written from a collective's result: it has no real value."""
+    if getattr(t, "real_tensor", None) is not None:
+        t.real_tensor = None
+
+
 def _done(value, async_op: bool):
     for t in value if isinstance(value, list) else [value]:
-        if getattr(t, "real_tensor", None) is not None:
-            t.real_tensor = None   # written from a result with no real value
+        forget_real_values(t)
     return _Work(value) if async_op else None
 
 
@@ -154,6 +159,8 @@ def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, asyn
 _TRACED = {"all_reduce": _all_reduce, "broadcast": _broadcast,
            "all_gather_into_tensor": _all_gather_into_tensor, "all_gather": _all_gather,
            "reduce_scatter_tensor": _reduce_scatter_tensor}
+ISSUED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
+
 # The others, refused where traced code calls them (traced as they are, they
 # would run once on fake tensors, or not at all, and the program without them).
 _REFUSED = ("reduce", "gather", "scatter", "reduce_scatter", "all_to_all", "all_to_all_single",

@@ -23,16 +23,18 @@ import dataclasses
 import re
 from unittest import mock
 
+import sympy
 import torch
 import torch._functorch.config
 import torch.fx as fx
 from torch._subclasses import fake_utils
-import sympy
 from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode, ShapeEnv,
                                                    _has_uninterpretable_sympy_function)
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 
+from ..collectives import WAIT
 from ..errors import TranspileError
+from ..program import draws_random
 from ..roles import DECISION
 from .user_code import step_name, user_line
 
@@ -184,6 +186,34 @@ def traced_otherwise(decision: Decision) -> TranspileError:
         "compute the value differently (a decision on a random draw does: the trace's real "
         "tensors draw other numbers). Decide with tensor ops (torch.where, masking), or move "
         "the decision outside the step")
+
+
+def hoist_checks(program) -> None:
+    """Each decision's check, with the nodes that compute what it reads, moved
+    up to right after the last value it needs: a decision on a value the step
+    reads after a collective but that does not depend on it (MoCo's queue
+    pointer, read after its keys' all-gather) is taken before the program
+    issues anything. The program is functional, so moving pure nodes earlier
+    changes no value; a chain that draws random numbers or reads a
+    collective's result stays where it is, and no check moves above the one
+    before it (which may guard what it reads: a loop's row count before a row)."""
+    graph = program.graph
+    collectives = set(program.collectives())
+    previous = None   # checks keep their order: an earlier one guards what a later one reads
+    for check in [n for n in graph.nodes if DECISION in n.meta]:
+        cone, todo = set(), [check]
+        while todo:
+            n = todo.pop()
+            if n in cone or n.op != "call_function" or (previous is not None and n < previous):
+                continue
+            cone.add(n)
+            todo += n.all_input_nodes
+        if not any(n in collectives or n.target is WAIT or draws_random(n) for n in cone):
+            for n in sorted(cone):
+                anchor = max([*n.all_input_nodes, *([previous] if previous else [])], default=None)
+                if anchor is not None and anchor.next is not n and anchor < n:
+                    anchor.append(n)
+        previous = check
 
 
 def check_program(program, decisions: list[Decision], backend: str, step_fn) -> None:

@@ -65,7 +65,8 @@ from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
-from ..traced_collectives import traced_collectives
+from ..collectives import WAIT
+from ..traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error, user_line
 
@@ -844,6 +845,11 @@ class _RoleCarrier(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if drawn_in_place(target, args):   # drawn on the target's layout, as eager draws
             return args[0].copy_(twin(target)(*args, **kwargs))
+        if target in ISSUED or target is WAIT:   # nothing issued while traced (traced_collectives)
+            with without_real_values(_unwrapped(args[0])):
+                result = super().call_function(target, args, kwargs)
+            forget_real_values(_unwrapped(result))
+            return result
         return super().call_function(target, args, kwargs)
 
 
