@@ -35,7 +35,7 @@ from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from ..collectives import WAIT
 from ..errors import TranspileError
 from ..program import draws_random
-from ..roles import DECISION
+from ..roles import DECISION, MICRO
 from .user_code import step_name, user_line
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +198,8 @@ def hoist_checks(program) -> None:
     collective's result stays where it is, and no check moves above the one
     before it (which may guard what it reads: a loop's row count before a row)."""
     graph = program.graph
+    if any(MICRO in n.meta for n in graph.nodes):
+        return   # a micro-batch loop's nodes keep their places (micro_loop.py cuts by them)
     collectives = set(program.collectives())
     previous = None   # checks keep their order: an earlier one guards what a later one reads
     for check in [n for n in graph.nodes if DECISION in n.meta]:
