@@ -210,7 +210,8 @@ def hoist_checks(program) -> None:
                 continue
             cone.add(n)
             todo += n.all_input_nodes
-        if not any(n in collectives or n.target is WAIT or draws_random(n) for n in cone):
+        if not any(n in collectives or n.target is WAIT or draws_random(n)
+                   or (n is not check and n.is_impure()) for n in cone):
             for n in sorted(cone):
                 anchor = max([*n.all_input_nodes, *([previous] if previous else [])], default=None)
                 if anchor is not None and anchor.next is not n and anchor < n:
