@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .capture.meta_fallback import kernels_where_meta_refuses
 from .capture.shapes import is_symbolic
 from .compiler_graph import draws_as_kernels, packs_as_cat, reshapes_in_steps, views_as_reshapes
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
@@ -165,7 +166,10 @@ class _Inductor:
             # copy that nothing seeds: such a program is compiled, not loaded.
             options = dict(options, fx_graph_cache=False)
         before = _cache_lookups()
-        with _cacheable(self.gm):
+        # inductor propagates fake tensors through the program as the trace
+        # did: an op whose meta function refuses what its CPU kernel computes
+        # (fp32 aten._grouped_mm, transformers' MoE experts) takes the kernel's result
+        with _cacheable(self.gm), kernels_where_meta_refuses():
             self.compiled = compile_fx(self.gm, _examples(self.gm, inputs),
                                        config_patches=options)
         hits, misses = (after - b for after, b in zip(_cache_lookups(), before))
