@@ -51,6 +51,7 @@ class _Collective:
     op: str
     shape: tuple
     dtype: torch.dtype
+    device: torch.device
     group: str
 
 
@@ -83,12 +84,14 @@ def shadow_of(program: Program) -> list[_Collective]:
         if any(isinstance(d, torch.SymInt) for d in val.shape):
             raise TranspileError(f"program {program.name!r} reduces a value of symbolic size, "
                                  "which a rank that has joined cannot shadow")
-        shadow.append(_Collective(node.args[1], tuple(val.shape), val.dtype, node.args[2]))
+        shadow.append(_Collective(node.args[1], tuple(val.shape), val.dtype, val.device,
+                                  node.args[2]))
     return shadow
 
 
 def _run(shadow: list[_Collective]) -> None:
-    issued = [ALL_REDUCE(torch.zeros(c.shape, dtype=c.dtype), c.op, c.group) for c in shadow]
+    issued = [ALL_REDUCE(torch.zeros(c.shape, dtype=c.dtype, device=c.device), c.op, c.group)
+              for c in shadow]
     for t in issued:
         WAIT(t)
 
@@ -152,11 +155,10 @@ class Join:
     def _sync_final_model(self) -> None:
         """DDP's post hook: the parameters and buffers of the highest rank
         among those that stepped last, broadcast to every rank."""
-        rank = dist.get_rank()
-        candidate = torch.tensor([-1 if self._stepped_after_a_join else rank])
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX)
-        src = int(candidate.item())
-        modules = all_gather_values(len(self._modules))
+        everyone = all_gather_values((-1 if self._stepped_after_a_join else dist.get_rank(),
+                                      len(self._modules)))
+        src = max(candidate for candidate, _ in everyone)
+        modules = [n for _, n in everyone]
         if len(set(modules)) != 1:
             raise TranspileError(f"the ranks' steps took different numbers of modules ({modules})")
         for module in self._modules:
