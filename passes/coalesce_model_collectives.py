@@ -10,8 +10,9 @@ collective joins the group of an earlier one when what it reduces depends on
 no result of the group's collectives (a downsampling shortcut's BatchNorm
 beside the block's first one; their gradients in the backward pass), and the
 nodes that compute its input after the group's first collective can move
-above it (none draws random numbers or checks a decision). Those nodes move
-right above the group's first collective, in their order; there the inputs are
+above it (none draws random numbers, no decision's check lies between).
+Those nodes move right above the group's first collective, in their order;
+there the inputs are
 concatenated, reduced by one collective and split into views shaped as the
 former results, which their users read. Every rank plans the same groups:
 they are a function of the program.
@@ -29,7 +30,7 @@ import torch.fx as fx
 from transpiler.collectives import ALL_GATHER, ALL_REDUCE, WAIT
 from transpiler.pipeline import PassContext
 from transpiler.program import CommInfo, Program, draws_random, new_node
-from transpiler.roles import COMM, ROLE, Role
+from transpiler.roles import COMM, DECISION, ROLE, Role
 
 aten = torch.ops.aten
 _OPS = (ALL_GATHER, ALL_REDUCE)
@@ -80,12 +81,16 @@ def plan_groups(program: Program) -> list[list[fx.Node]]:
     """The model's collectives in groups issued as one (each in program order);
     a group of one is left as it is."""
     position = {n: i for i, n in enumerate(program.graph.nodes)}
+    # a decision's check guards what comes after it (capture/decisions.py):
+    # nothing moves above one
+    checks = [position[n] for n in program.graph.nodes if DECISION in n.meta]
     groups: list[list[fx.Node]] = []
     results: dict[int, set[fx.Node]] = {}   # group -> its collectives' and waits' nodes
     for c in _model_collectives(program):
         placed = False
         for g, group in enumerate(groups):
-            if _key(group[0]) != _key(c):
+            if _key(group[0]) != _key(c) or any(position[group[0]] < p < position[c]
+                                                for p in checks):
                 continue
             cone = _cone(c.args[0], position[group[0]], position)
             if _movable(cone) and not _depends(c.args[0], results[g], position,
