@@ -109,12 +109,12 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     end = None
     for bucket, names in enumerate(plan):
         end = _fuse(program, ctx, bucket, [grads[n] for n in names], position,
-                    end if ctx.find_unused else None, last=bucket == len(plan) - 1)
+                    end if ctx.find_unused else None, is_last=bucket == len(plan) - 1)
     lowering.forget_marks(program.graph)
 
 
 def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position,
-          after: fx.Node | None = None, last: bool = False) -> fx.Node:
+          after: fx.Node | None = None, is_last: bool = False) -> fx.Node:
     """The bucket packed, reduced and unpacked right after its last gradient
     (and after `after`, the bucket before it); returns its last node."""
     graph = program.graph
@@ -132,8 +132,9 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     with graph.inserting_before(last.next):
         buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
         if ctx.comm_hook is not None:
-            waited = comm_hooks.reduce(graph, ctx.comm_hook, buffer, grads, bucket, last, comm,
+            waited = comm_hooks.reduce(graph, ctx.comm_hook, buffer, grads, bucket, is_last, comm,
                                        ctx.mesh.ring(comm.over), pack_role)
+            comm_dtype = waited.meta["val"].dtype   # DDP copies it into the gradients: cast
         else:
             issued = lowering.issue(graph, buffer, grads[0].meta[REDUCE], ctx, comm, pack_role,
                                     **{BUCKET: bucket})

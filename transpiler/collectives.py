@@ -15,6 +15,9 @@ REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
 ALL_GATHER = _functional.all_gather_into_tensor.default
 BROADCAST = _functional.broadcast.default
 WAIT = _functional.wait_tensor.default
+# CommInfo.op of each collective
+OP_NAMES = {ALL_REDUCE: "all_reduce", REDUCE_SCATTER: "reduce_scatter", ALL_GATHER: "all_gather",
+            BROADCAST: "broadcast"}
 
 
 def set_group(node, group_name: str) -> None:

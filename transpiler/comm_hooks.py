@@ -28,15 +28,11 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, WAIT, set_group
+from .collectives import OP_NAMES, WAIT, set_group
 from .errors import TranspileError
 from .program import CommInfo, new_node
 from .roles import BUCKET, COMM, Role
 from .traced_collectives import traced_collectives
-
-_OPS = {ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter",
-        BROADCAST: "broadcast"}
-
 
 @dataclasses.dataclass(frozen=True)
 class CommHook:
@@ -140,15 +136,15 @@ def reduce(graph: fx.Graph, hook: CommHook, buffer: fx.Node, grads: list[fx.Node
                 continue   # the hook's write into the buffer, which nothing reads after
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
             meta = {BUCKET: bucket}
-            if n.target in _OPS:
+            if n.target in OP_NAMES:
                 issued = True
-                meta[COMM] = dataclasses.replace(comm, op=_OPS[n.target],
+                meta[COMM] = dataclasses.replace(comm, op=OP_NAMES[n.target],
                                                  nbytes=n.args[0].meta["val"].nbytes)
             elif n.target is WAIT:
                 meta[COMM] = env[n.args[0]].meta[COMM]
             node = new_node(graph, n.target, args, Role.COMM if issued else role, kwargs,
                             fake_mode=buffer.meta["val"].fake_mode, **meta)
-            if n.target in _OPS:
+            if n.target in OP_NAMES:
                 set_group(node, ring)
             env[n] = node
     return result

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
-from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, WAIT
+from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, OP_NAMES, REDUCE_SCATTER, WAIT
 from .errors import TranspileError
 from .program import CommInfo
 from .roles import COMM
@@ -101,9 +101,7 @@ def issued(collective, *args) -> torch.Tensor:
         waited = WAIT(issued)
     mode = get_proxy_mode()
     if mode is not None:
-        comm = CommInfo({ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
-                         REDUCE_SCATTER: "reduce_scatter", BROADCAST: "broadcast"}[collective],
-                        nbytes=max(args[0].nbytes, waited.nbytes))
+        comm = CommInfo(OP_NAMES[collective], nbytes=max(args[0].nbytes, waited.nbytes))
         for t in (issued, waited):
             slot = get_proxy_slot(t, mode.tracer, None)
             if slot is not None:   # (under functionalization, a comm hook's: tagged by comm_hooks)
@@ -159,7 +157,7 @@ def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, asyn
 _TRACED = {"all_reduce": _all_reduce, "broadcast": _broadcast,
            "all_gather_into_tensor": _all_gather_into_tensor, "all_gather": _all_gather,
            "reduce_scatter_tensor": _reduce_scatter_tensor}
-ISSUED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
+ISSUED = tuple(OP_NAMES)
 
 # The others, refused where traced code calls them (traced as they are, they
 # would run once on fake tensors, or not at all, and the program without them).
