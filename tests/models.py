@@ -165,6 +165,23 @@ def as_next_forward_sees(ddp) -> torch.nn.Module:
     return ddp.module
 
 
+def evaluated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's output on `x` in eval mode, without grad (an evaluation
+    between steps: through DDP's wrapper, after its buffers' broadcast)."""
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train()
+    return out
+
+
+def assert_states_equal(ours: dict, theirs: dict) -> None:
+    """Two states by name, every tensor bit for bit."""
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), (k, (ours[k] - theirs[k]).abs().max())
+
+
 def states_compared(pairs, sharded: bool) -> list[dict[str, torch.Tensor]]:
     """state_of each (model, optimizer); without the optimizer's entries where
     a rank keeps only its shard of them (modes zero, fsdp): the parameters,

@@ -334,14 +334,14 @@ def test_hpu_backend_says_which_outputs_are_returned(monkeypatch):
 
 
 @pytest.mark.parametrize("device,group,message", [
-    ("cpu", "nccl", "on cpu but the default process group uses 'nccl': initialize it "
+    ("cpu", "nccl", "on cpu but the step's process group uses 'nccl': initialize it "
                     "with backend='gloo'"),
-    ("cuda", "mpi", "on cuda but the default process group uses 'mpi': initialize it "
+    ("cuda", "mpi", "on cuda but the step's process group uses 'mpi': initialize it "
                     "with backend='nccl'"),
     ("cuda", "cpu:gloo,cuda:mpi", "uses 'mpi'"),
 ])
 def test_process_group_must_match_the_device(device, group, message, monkeypatch):
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda: group)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda _=None: group)
     with pytest.raises(TranspileError, match=message):
         backends.check_process_group(torch.device(device))
 
@@ -349,7 +349,7 @@ def test_process_group_must_match_the_device(device, group, message, monkeypatch
 def test_process_group_matching_the_device_passes(monkeypatch):
     for device, group in [("cpu", "gloo"), ("cuda", "nccl"), ("cuda", "gloo"),
                           ("cpu", "cpu:gloo,cuda:nccl")]:
-        monkeypatch.setattr(torch.distributed, "get_backend", lambda: group)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda _=None, group=group: group)
         backends.check_process_group(torch.device(device))
 
 

@@ -64,7 +64,7 @@ def rank_bn_vs_ddp(mode, backend, broadcast_buffers, ddp_broadcasts):
         step(model, opt, *batch)
     held_out = batches[0][0] + 1
     with step.unsharded() if mode == "fsdp" else contextlib.nullcontext():
-        ours = _state(model, opt, step), _evaluated(model, held_out)
+        ours = _state(model, opt, step), M.evaluated(model, held_out)
     ops = [n.meta["comm"].op for n in step.program.collectives()]
 
     model = M.make("bn", seed=0)
@@ -72,29 +72,15 @@ def rank_bn_vs_ddp(mode, backend, broadcast_buffers, ddp_broadcasts):
     ddp = _ddp(model, ddp_broadcasts)
     for batch in batches:
         M.classify_step(ddp, opt, *batch)
-    evaluated = _evaluated(ddp, held_out)
+    evaluated = M.evaluated(ddp, held_out)
     return ours[0], _state(model, opt), ops, ours[1], evaluated
-
-
-def _evaluated(model, x):
-    model.eval()
-    with torch.no_grad():
-        out = model(x)
-    model.train()
-    return out
-
-
-def _assert_equal(ours: dict, theirs: dict):
-    assert ours.keys() == theirs.keys()
-    for k in ours:
-        assert torch.equal(ours[k], theirs[k]), (k, (ours[k] - theirs[k]).abs().max())
 
 
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero", "fsdp"])
 def test_batchnorm_and_an_evaluation_after_it_equal_ddp_defaults(mode, ranks2):
     results = ranks2.run(rank_bn_vs_ddp, mode, "eager", None, True)
     for ours, ddp, ops, evaluated, ddp_evaluated in results:
-        _assert_equal(ours, ddp)
+        M.assert_states_equal(ours, ddp)
         assert torch.equal(evaluated, ddp_evaluated)
         # the statistics (f32) and the batch count (i64): one broadcast each
         assert ops.count("broadcast") == 2
@@ -118,7 +104,7 @@ def test_batchnorm_under_inductor_equals_ddp_defaults(ranks2):
 def test_broadcast_buffers_false_equals_ddp_without_it(ranks2):
     for ours, ddp, ops, evaluated, ddp_evaluated in ranks2.run(
             rank_bn_vs_ddp, "fuse_all_reduce", "eager", False, False):
-        _assert_equal(ours, ddp)
+        M.assert_states_equal(ours, ddp)
         assert torch.equal(evaluated, ddp_evaluated)
         assert "broadcast" not in ops
 
@@ -127,7 +113,7 @@ def test_without_the_broadcast_rank_1_differs_from_ddp_defaults(ranks2):
     """What the broadcast fixes: the test above can fail."""
     (ours0, ddp0, *_), (ours1, ddp1, *_) = ranks2.run(rank_bn_vs_ddp, "grad_allreduce", "eager",
                                                       False, True)
-    _assert_equal(ours0, ddp0)   # rank 0 broadcasts its own buffers: no difference
+    M.assert_states_equal(ours0, ddp0)   # rank 0 broadcasts its own buffers: no difference
     assert not torch.equal(ours1["model.bn.running_mean"], ddp1["model.bn.running_mean"])
 
 
@@ -239,7 +225,7 @@ def rank_step_vs_ddp(fn_name, mode, verify=0):
 def test_read_gradients_averaged_at_their_backward_as_ddp(fn_name, mode, ranks2):
     for ((ours, our_returned), (ddp, ddp_returned)), ops in ranks2.run(rank_step_vs_ddp,
                                                                          fn_name, mode):
-        _assert_equal(ours, ddp)
+        M.assert_states_equal(ours, ddp)
         assert all(torch.equal(a, b) for a, b in zip(our_returned, ddp_returned))
         # two reduction points: each parameter's gradient twice (per parameter,
         # or in one bucket per point)
@@ -251,7 +237,7 @@ def test_read_gradients_averaged_at_their_backward_as_ddp(fn_name, mode, ranks2)
 def test_sam_verified_equals_ddp(ranks2):
     """verify= averages its reference where the program does: it accepts."""
     for ((ours, _), (ddp, _)), _ in ranks2.run(rank_step_vs_ddp, "sam", "fuse_all_reduce", STEPS):
-        _assert_equal(ours, ddp)
+        M.assert_states_equal(ours, ddp)
 
 
 @pytest.mark.parametrize("mode,per_step", [("grad_allreduce", 6), ("fuse_all_reduce", 1)])
@@ -259,7 +245,7 @@ def test_pure_accumulation_reduces_once(mode, per_step, ranks2):
     """Micro-batches only accumulated into: one reduction per gradient (bucket),
     equal to DDP under no_sync."""
     for ((ours, _), (ddp, _)), ops in ranks2.run(rank_step_vs_ddp, "accumulate", mode):
-        _assert_equal(ours, ddp)
+        M.assert_states_equal(ours, ddp)
         assert len(ops) == per_step and all(op == "all_reduce" for op, _ in ops)
         assert sorted(p for _, group in ops for p in group) == sorted(
             k.removeprefix("model.") for k in ours if k.startswith("model."))
@@ -298,7 +284,7 @@ def test_single_process_equals_eager(fn_name):
         for batch in M.batches("mlp", STEPS, BATCH):
             step(model, opt, *batch)
         states.append(_state(model, opt))
-    _assert_equal(*states)
+    M.assert_states_equal(*states)
 
 
 def test_early_averages_plan():

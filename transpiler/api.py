@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Callable, Sequence
 
-from . import hpu, mode_specs
+from . import hpu, mode_specs, world
 from .backends import BACKENDS
 from .errors import TranspileError
 from .mode_specs import ModeSpec, is_int
@@ -32,8 +32,14 @@ class Common:
     reduce_groups: Sequence[tuple] = ()
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
+    process_group: object = None
 
     def __post_init__(self):
+        self.process_group = world.checked(self.process_group)
+        if self.process_group is not None and (self.hierarchical or self.reduce_groups):
+            raise TranspileError("process_group= runs the step over that group alone, as "
+                                 "DDP(process_group=...): not with hierarchical or reduce_groups, "
+                                 "which build groups over the default group's ranks")
         for name in ("skip_nonfinite", "broadcast_buffers", "hierarchical",
                      "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
@@ -77,7 +83,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
               skip_nonfinite: bool = False, verify: int = 0,
               verify_tolerance: float = 1e-3, hierarchical: bool = False,
               reduce_groups: Sequence[tuple] = (), broadcast_buffers: bool = True,
-              find_unused_parameters: bool = False,
+              find_unused_parameters: bool = False, process_group=None,
               dynamic: bool | Mapping[str, Iterable[int]] | None = None,
               micro_batches: str | None = None, **mode_options) -> TranspiledStep:
     """Return a callable with the signature of `step_fn` that runs the whole
@@ -125,6 +131,12 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     the reduction with zeros, and its update (and optimizer state) is kept as
     it was where no rank gave it a gradient (passes/unused_params.py). Without
     it, ranks whose programs reduce different parameters stop with an error.
+    process_group: as DDP's: the step is data parallel over this group's ranks
+    alone (a group from dist.new_group that this rank is in; None: every rank).
+    Its collectives run on that group and nothing is created over ranks outside
+    it, so the other ranks of the job may do something else meanwhile
+    (transpiler/world.py). Not with hierarchical, reduce_groups or mode
+    decentralized.
     dynamic: which batch dimensions are traced as symbols, so that one program
     serves every size (capture/shapes.py). None: after a batch tensor's shape
     changes, every batch dimension (the first call is traced with the shapes
@@ -147,7 +159,8 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     dynamic = _dynamic_dims(dynamic)
     spec = mode_specs.build(mode, passes, mode_options)
     common = Common(backend, nrings, check_every, skip_nonfinite, verify, verify_tolerance,
-                    hierarchical, reduce_groups, broadcast_buffers, find_unused_parameters)
+                    hierarchical, reduce_groups, broadcast_buffers, find_unused_parameters,
+                    process_group)
     spec.refuse(common)
     schedule = spec.schedule()
     schedule.programs = {name: common.adjust(p) for name, p in schedule.programs.items()}
@@ -162,7 +175,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,
                           sharded_state=resolve(SHARD_OPTIMIZER) in used, dynamic=dynamic,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, process_group=common.process_group)
 
 
 def _dynamic_dims(dynamic) -> bool | dict[str, frozenset[int]] | None:

@@ -36,7 +36,7 @@ from .errors import TranspileError
 from .failure_points import written_safely
 from .program import InputKind, OutputKind, Program, graph_module, same_layout
 from .reinplace import reinplace
-from .rings import backend_for
+from .world import backend_for
 from .roles import INPUT
 
 log = logging.getLogger("transpiler")
@@ -90,12 +90,12 @@ def resolve(backend: str, device: torch.device) -> str:
 
 
 def check_process_group(device: torch.device) -> None:
-    """The default process group must be able to reduce tensors of `device`."""
+    """The step's process group must be able to reduce tensors of `device`."""
     need = PROCESS_GROUP.get(device.type)
     got = backend_for(device.type)
     if need is not None and got not in need:
         raise TranspileError(
-            f"the model's parameters are on {device.type} but the default process group "
+            f"the model's parameters are on {device.type} but the step's process group "
             f"uses {got!r}: initialize it with backend={need[0]!r} for {device.type} tensors "
             f"(torch.distributed.init_process_group({need[0]!r}))")
 

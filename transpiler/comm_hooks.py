@@ -56,13 +56,22 @@ class CommHook:
                 f"comm_hook's state is a {type(state).__name__}: the hook is traced once into "
                 "the program, so its state must be a process group or None (a state whose "
                 "values change between steps, as PowerSGD's, would be frozen)")
-        if state is not None and state != dist.group.WORLD:
-            raise TranspileError("comm_hook's process group must be the world (or None)")
         return cls(state, hook)
+
+    def refuse_other_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """The hook's group must be the step's: DDP's built-in hooks reduce
+        over their state, the default group when it is None."""
+        if (self.state or dist.group.WORLD) is not (process_group or dist.group.WORLD):
+            raise TranspileError(
+                "comm_hook's state must be the step's process group: DDP's hooks reduce over "
+                "their state (None: the default group); pass comm_hook=(process_group, hook) "
+                "with the group given as process_group=, or None without it")
 
     def __repr__(self) -> str:   # the same on every rank (the settings they agree on)
         name = f"{getattr(self.hook, '__module__', '')}.{getattr(self.hook, '__qualname__', '')}"
-        return f"CommHook({name}, {'world' if self.state is not None else None})"
+        group = None if self.state is None else (
+            "world" if self.state is dist.group.WORLD else self.state.group_name)
+        return f"CommHook({name}, {group})"
 
 
 class _Bucket:

@@ -26,7 +26,7 @@ from .agreement import raise_first_failure
 from .capture.shapes import is_symbolic
 from .control import all_gather_values
 from .program import Program
-from .rings import world
+from .world import world
 
 log = logging.getLogger("transpiler")
 

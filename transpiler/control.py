@@ -4,7 +4,7 @@ verdicts), apart from the data plane the programs' collectives run on.
 
 Those exchanges are small CPU tensors, which nccl and hccl cannot take; so they
 run on a gloo group of their own whatever the default group's backend is, as
-torch's monitored_barrier does. A default group that is gloo alone already
+torch's monitored_barrier does. A step's group that is gloo alone already
 takes CPU tensors and is reused: one group fewer to connect, and the groups a
 gloo run creates are the same as before the control plane had its own.
 """
@@ -17,34 +17,38 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from .rings import world, world_timeout
+from .world import global_ranks, group, is_default, world, world_timeout
 
 log = logging.getLogger("transpiler")
 
-# (the default group, its control group): one control group per default group;
-# holding the default group keeps its id from being reused by a later one
-_control: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+# (the step's group, its control group), per group; holding the group keeps its
+# id from being reused by a later one
+_control: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def control_group() -> dist.ProcessGroup:
-    """The gloo group over all ranks for control exchanges, created on first
-    use with the default group's timeout. A collective: every rank calls it."""
-    global _control
-    world = dist.group.WORLD
-    if _control is None or _control[0] is not world:
+    """The gloo group over the step's ranks for control exchanges, created on
+    first use with the step's group's timeout. A collective: every rank of the
+    step's group calls it."""
+    current = group()
+    known = _control.get(current.group_name)
+    if known is None or known[0] is not current:
         # Every rank must create its groups in the same order. The first control
         # exchange is the settings agreement at the start of a step's first build,
         # which every rank reaches at the same point, before that build creates
         # its rings; so creating the group here, lazily, is the same on every rank.
-        if dist.get_backend() == dist.Backend.GLOO:
-            group = world
-        else:
-            group = dist.new_group(backend=dist.Backend.GLOO, timeout=world_timeout())
-        log.debug("control plane: %s (group %s) beside the default group's %s",
-                  "the default group itself" if group is world else "a new gloo group",
-                  group.group_name, dist.get_backend())
-        _control = (world, group)
-    return _control[1]
+        if dist.get_backend(current) == dist.Backend.GLOO:
+            control = current
+        elif is_default():
+            control = dist.new_group(backend=dist.Backend.GLOO, timeout=world_timeout())
+        else:   # the other ranks of the job are not here to create it with us
+            control = dist.new_group(global_ranks(), backend=dist.Backend.GLOO,
+                                     timeout=world_timeout(), use_local_synchronization=True)
+        log.debug("control plane: %s (group %s) beside the step's group's %s",
+                  "the step's group itself" if control is current else "a new gloo group",
+                  control.group_name, dist.get_backend(current))
+        known = _control[current.group_name] = (current, control)
+    return known[1]
 
 
 def all_gather_values(value) -> list:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .program import graph_module
-from .rings import backend_for
+from .world import backend_for
 from .roles import COMM
 
 log = logging.getLogger("transpiler")

@@ -23,7 +23,7 @@ from .compile_once import Plan, compiled_on_every_rank, digest
 from .errors import TranspileError
 from .nodes import node_first_rank
 from .program import InputKind, OutputKind, Program
-from .rings import world
+from .world import world
 
 if TYPE_CHECKING:
     from .micro_loop import Loop

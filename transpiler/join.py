@@ -29,9 +29,9 @@ import dataclasses
 import logging
 
 import torch
-import torch.distributed as dist
 from torch.distributed.utils import _sync_module_states
 
+from . import world
 from .agreement import summarize
 from .collectives import ALL_REDUCE, WAIT
 from .control import all_gather_values
@@ -107,6 +107,7 @@ class Join:
                 "(True) divides by the world size, as DDP's default")
         self._step = step
         self._stepped_after_a_join = False   # is_last_joiner, negated (DDP's Join)
+        self.every_rank_steps = True   # at the step being run: no rank has joined
         self._modules: list[torch.nn.Module] = []
 
     def __enter__(self) -> "Join":
@@ -117,10 +118,11 @@ class Join:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._step._join = None
-        if exc_type is not None or not dist.is_initialized() or dist.get_world_size() == 1:
-            return False
-        self._shadow_until_every_rank_is_done()
-        self._sync_final_model()
+        with world.over(self._step.process_group):
+            if exc_type is not None or world.world()[0] == 1:
+                return False
+            self._shadow_until_every_rank_is_done()
+            self._sync_final_model()
         return False
 
     def before_step(self, built, name: str | None, modules) -> None:
@@ -133,6 +135,7 @@ class Join:
             mine = Status(steps=True, digest=summarize([built.programs[name].program])[0])
         everyone = all_gather_values(mine)
         _check(everyone)
+        self.every_rank_steps = all(s.steps for s in everyone)
 
     def _shadow_until_every_rank_is_done(self) -> None:
         step = self._step
@@ -155,14 +158,14 @@ class Join:
     def _sync_final_model(self) -> None:
         """DDP's post hook: the parameters and buffers of the highest rank
         among those that stepped last, broadcast to every rank."""
-        everyone = all_gather_values((-1 if self._stepped_after_a_join else dist.get_rank(),
+        everyone = all_gather_values((-1 if self._stepped_after_a_join else world.world()[1],
                                       len(self._modules)))
         src = max(candidate for candidate, _ in everyone)
         modules = [n for _, n in everyone]
         if len(set(modules)) != 1:
             raise TranspileError(f"the ranks' steps took different numbers of modules ({modules})")
         for module in self._modules:
-            _sync_module_states(module, dist.group.WORLD, _BROADCAST_BYTES, src, set(),
+            _sync_module_states(module, world.group(), _BROADCAST_BYTES, src, set(),
                                 broadcast_buffers=True)
         log.info("transpiler: join: every rank done; the model broadcast from rank %d", src)
 

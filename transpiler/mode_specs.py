@@ -155,6 +155,8 @@ class FuseAllReduce(_Fused):
             raise TranspileError("comm_hook reduces every bucket over the world as the hook "
                                  "writes it (DDP's hooks average over their process group): "
                                  "not with reduce_groups or hierarchical")
+        if self.comm_hook is not None:
+            CommHook.of(self.comm_hook).refuse_other_group(common.process_group)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -245,6 +247,9 @@ class Decentralized(_Buckets):
             raise TranspileError("check_every compares the ranks' parameters, which differ by "
                                  "design in mode 'decentralized'; watch "
                                  "step.consensus_distance() instead")
+        if common.process_group is not None:
+            raise TranspileError("mode 'decentralized' builds its topology's groups over the "
+                                 "default group's ranks: not with process_group=")
 
 
 def _pass_list(name: str, value) -> None:

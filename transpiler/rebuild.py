@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import agreement, rings
 from .errors import TranspileError
 from .program import Program
-from .rings import world, world_timeout
+from .world import group, world, world_timeout
 
 log = logging.getLogger("transpiler")
 
@@ -87,7 +87,7 @@ class AgreedPrograms:
     def _rendezvous(self, mine: tuple, error: BaseException | None, why: str) -> None:
         world_size, rank = world()
         prefix = _current()
-        _state.entered += 1
+        _state().entered += 1
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{prefix}/{rank}", pickle.dumps((*mine, why)))
         keys = [f"{prefix}/{r}" for r in range(world_size)]
@@ -137,12 +137,13 @@ def raise_if_abandoned(exc: BaseException) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     decision = f"{_current()}/decision"
-    if _state.abandoned is not None or store.check([decision]):
-        _raise(store.get(decision) if _state.abandoned is None else b"", exc)
+    abandoned = _state().abandoned
+    if abandoned is not None or store.check([decision]):
+        _raise(store.get(decision) if abandoned is None else b"", exc)
 
 
 class _State:
-    """Per default group: the rendezvous entered so far, and the reason the
+    """Per step's group: the rendezvous entered so far, and the reason the
     job was abandoned (once it was)."""
 
     def __init__(self, world_group=None):
@@ -151,24 +152,29 @@ class _State:
         self.abandoned: str | None = None
 
 
-_state = _State()
+_states: dict[str, _State] = {}   # by group name
+
+
+def _state() -> _State:
+    """The step's group's state (a fresh one for a new group of an old name)."""
+    state = _states.get(group().group_name)
+    if state is None or state.world is not group():
+        state = _states[group().group_name] = _State(group())
+    return state
 
 
 def _current() -> str:
-    """The store prefix of the next rendezvous on this default group."""
-    global _state
-    if _state.world is not dist.group.WORLD:
-        _state = _State(dist.group.WORLD)
-    return f"transpiler/rebuild/{_state.entered}"
+    """The store prefix of the next rendezvous on the step's group."""
+    return f"transpiler/rebuild/{group().group_name}/{_state().entered}"
 
 
 def _raise(decided: bytes = b"", cause: BaseException | None = None) -> None:
     """If `decided` (a rendezvous's decision) abandons the job, or it was
     abandoned before: shut the communicators down once and raise the reason."""
-    _current()
-    if _state.abandoned is None:
+    state = _state()
+    if state.abandoned is None:
         if not decided.startswith(_ABANDONED):
             return
-        _state.abandoned = decided[len(_ABANDONED):].decode()
+        state.abandoned = decided[len(_ABANDONED):].decode()
         rings.shut_down()
-    raise TranspileError(_state.abandoned) from cause
+    raise TranspileError(state.abandoned) from cause

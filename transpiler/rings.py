@@ -9,6 +9,7 @@ so a collective whose peer died raises within the timeout the user configured.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Sequence
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from .errors import TranspileError
 from .mesh import Dim, Mesh, Over, Peers, UserGroup
+from .world import group as step_group, is_default, world, world_timeout
 
 log = logging.getLogger("transpiler")
 
@@ -25,21 +27,6 @@ log = logging.getLogger("transpiler")
 # its id from being reused by a later default group)
 _names: dict[tuple, str] = {}
 _world: list = [None]
-
-
-def world() -> tuple[int, int]:
-    """(world_size, rank); (1, 0) without an initialized process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(), dist.get_rank()
-
-
-def backend_for(device_type: str) -> str:
-    """The default process group's backend for tensors of `device_type`
-    (a group may name one per device: "cpu:gloo,cuda:nccl")."""
-    have = dist.get_backend()
-    per_device = dict(part.split(":", 1) for part in have.split(",") if ":" in part)
-    return per_device.get(device_type, have)
 
 
 def local_world_size() -> int:
@@ -56,32 +43,22 @@ def local_world_size() -> int:
     return int(value)
 
 
-def world_timeout():
-    """The timeout the user gave init_process_group: new groups would otherwise
-    get torch's default (30 minutes for gloo) and wait that long for a dead rank."""
-    world = dist.group.WORLD
-    for device in world._device_types:
-        options = getattr(world._get_backend(device), "options", None)
-        if options is not None:
-            return options._timeout
-    return None
-
-
 def reduce_scatter_native(device) -> bool:
-    """Whether the world's communicator for `device` reduce-scatters natively.
+    """Whether the step's communicator for `device` reduce-scatters natively.
     gloo's reduce-scatter (ProcessGroupGloo.reduce_scatter_tensor_coalesced)
     clones its input, all-reduces the clone and copies this rank's chunk out."""
     gloo = getattr(dist, "ProcessGroupGloo", None)
-    return gloo is None or not isinstance(dist.group.WORLD._get_backend(device), gloo)
+    return gloo is None or not isinstance(step_group()._get_backend(device), gloo)
 
 
 def plain_mesh(nodes: bool) -> Mesh:
     """This world without communicators: with `nodes`, as torchrun's nodes
-    (LOCAL_WORLD_SIZE ranks each), else as one node."""
+    (LOCAL_WORLD_SIZE ranks each), else as one node. A step over a group of
+    its own (process_group=) is one node."""
     world_size, rank = world()
     if world_size == 1:
         return Mesh()
-    return Mesh(world_size, rank, local_world_size() if nodes else world_size)
+    return Mesh(world_size, rank, local_world_size() if nodes and is_default() else world_size)
 
 
 def build_mesh(nrings: int, hierarchical: bool,
@@ -98,6 +75,8 @@ def build_mesh(nrings: int, hierarchical: bool,
     mesh = plain_mesh(hierarchical or bool(dims))
     if mesh.world_size == 1:
         return mesh
+    if not is_default():   # the user's group is the one communicator (as DDP's)
+        return dataclasses.replace(mesh, rings={Dim.WORLD: (step_group().group_name,)})
     world_size, rank, local_size = mesh.world_size, mesh.rank, mesh.local_size
     if hierarchical and mesh.nodes > 1:
         dims |= {Dim.NODE, Dim.ACROSS}
@@ -153,8 +132,8 @@ def shut_down() -> None:
     of their collectives fails at once (gloo: "Connection closed by peer")
     rather than at the timeout. Their names stay taken, so this world's
     programs cannot run again (a new default group gets new communicators)."""
-    if _world[0] is not dist.group.WORLD:
-        return
+    if _world[0] is not dist.group.WORLD or not is_default():
+        return   # a step over the user's group (process_group=) created none
     for name in _names.values():
         dist.destroy_process_group(dist.distributed_c10d._resolve_process_group(name))
         log.debug("destroyed communicator group %s", name)

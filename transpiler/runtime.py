@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -46,12 +47,22 @@ from .roles import COMM
 from .program_cache import Built, ProgramCache
 from .rebuild import AgreedPrograms
 from .mesh import Dim
-from .rings import build_mesh, reduce_scatter_native, world
+from .rings import build_mesh, reduce_scatter_native
+from .world import global_ranks, over, world
 from .shards import Sharding, ShardedState, StateGuard
 from .startup import startup_program
 from .verify import Reference
 
 log = logging.getLogger("transpiler")
+
+
+def _over_its_group(method):
+    """A method of TranspiledStep run over the step's process group."""
+    @functools.wraps(method)
+    def over_its_group(self, *args, **kwargs):
+        with over(self.process_group):
+            return method(self, *args, **kwargs)
+    return over_its_group
 
 
 class TranspiledStep:
@@ -65,8 +76,11 @@ class TranspiledStep:
                  verify_tolerance: float = 1e-3,
                  groups: tuple[reduce_groups.ReduceGroup, ...] = (),
                  sharded_state: bool = False, dynamic: bool | dict | None = None,
-                 micro_batches: str | None = None):
+                 micro_batches: str | None = None, process_group=None):
         self.step_fn = step_fn
+        # The group the step is data parallel over (None: every rank): all it
+        # does runs inside world.over(process_group) (_over_its_group).
+        self.process_group = process_group
         # The argument holding the list of micro-batches (micro_loop.py), and
         # whether the step was found not to roll (then traced unrolled per k).
         self.micro_batches = micro_batches
@@ -177,6 +191,7 @@ class TranspiledStep:
         runnable = programs[name or self._last_run]
         return format_collectives(runnable.program, runnable.sent_bytes)
 
+    @_over_its_group
     def check_consistency(self) -> list[str]:
         """Compare a checksum of every parameter across the ranks: one line per
         parameter that differs, naming the ranks (empty when they all agree). A
@@ -211,6 +226,7 @@ class TranspiledStep:
                                                          runnable.slots) if node in updated]
         return [t for t in tensors if t.is_floating_point()]
 
+    @_over_its_group
     def global_average(self, buffers: bool = False) -> None:
         """Set the parameters the step updates (with `buffers=True`, also its
         floating-point buffers, such as BatchNorm's statistics) to their mean
@@ -220,6 +236,7 @@ class TranspiledStep:
         if world()[0] > 1:
             consensus.global_average(self._state_tensors(buffers))
 
+    @_over_its_group
     def consensus_distance(self) -> float:
         """The mean over the ranks of the distance (Euclidean, float64, all the
         updated parameters as one vector) of each rank's parameters to their
@@ -235,6 +252,7 @@ class TranspiledStep:
         a run exactly."""
         return {"schedule": self.schedule.state_dict(), "held": self._held.state_dict()}
 
+    @_over_its_group
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """optimizer.state_dict() with mode zero's shards gathered into full
         entries: what torch's optimizer on one process holds, loadable into
@@ -244,6 +262,7 @@ class TranspiledStep:
             return optimizer.state_dict()
         return self._sharded.full_state_dict(optimizer)
 
+    @_over_its_group
     def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state_dict for torch.distributed.checkpoint: under
         mode zero each shard is a DTensor (Shard(0) of the flattened
@@ -258,6 +277,7 @@ class TranspiledStep:
             return optimizer.state_dict()
         return self._sharded.dcp_state_dict(optimizer)
 
+    @_over_its_group
     def load_sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
                                           state: dict) -> None:
         """Load a state_dict from sharded_optimizer_state_dict that
@@ -274,6 +294,7 @@ class TranspiledStep:
         self.schedule.load_state_dict(state["schedule"])
         self._held.load(state["held"])
 
+    @_over_its_group
     def __call__(self, *args, **kwargs):
         # Mode fsdp: the released parameters are plain ones while the step is
         # called, and refuse to be read again after it (sharded_params.Released).
@@ -366,7 +387,9 @@ class TranspiledStep:
         self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
-        if self._check_due and self.schedule.parameters_agree_after(name):
+        if self._check_due and self.schedule.parameters_agree_after(name) \
+                and (self._join is None or self._join.every_rank_steps):
+            # (a rank that has joined keeps its model until the join ends)
             self._check_due = False
             self._raise_if_divergent()
         return built.returned.rebuild(outputs[:built.returned.num_tensors])
@@ -425,9 +448,11 @@ class TranspiledStep:
         writeback=True what the block wrote into them becomes the shards the
         next step starts from. Every rank must enter it (it gathers)."""
         params = self._last.sharded_params if self._last else []
-        with sharded_params.unsharded(params, self._held.tensors, writeback, self._sharding()):
+        with over(self.process_group), sharded_params.unsharded(
+                params, self._held.tensors, writeback, self._sharding()):
             yield
 
+    @_over_its_group
     def sharded_model_state_dict(self, model: torch.nn.Module) -> dict:
         """Mode fsdp: model.state_dict() for torch.distributed.checkpoint, each
         parameter a DTensor (Shard(0) of the flattened parameter) whose local
@@ -438,6 +463,7 @@ class TranspiledStep:
         params = self._last.sharded_params if self._last else []
         return sharded_params.dcp_state_dict(model, params, self._held.tensors, self._sharding())
 
+    @_over_its_group
     def load_sharded_model_state_dict(self, model: torch.nn.Module, state: dict) -> None:
         """Load a state_dict from sharded_model_state_dict that
         torch.distributed.checkpoint filled: into the shards the next step
@@ -639,6 +665,7 @@ class TranspiledStep:
         return {"programs": str(programs), **{k: repr(v) for k, v in options.items()},
                 "backend": repr(self.backend), "check_every": repr(self.check_every),
                 "reduce_groups": reduce_groups.describe(self.groups),
+                "process_group": repr(None if self.process_group is None else global_ranks()),
                 "schedule": f"{type(self.schedule).__name__} "
                             f"{ {k: v for k, v in vars(self.schedule).items() if k != 'programs'} }"}
 

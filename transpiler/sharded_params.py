@@ -26,6 +26,7 @@ from .capture.guards import INTERNAL
 from .errors import TranspileError
 from .program import Held, held_name
 from .shards import Sharding, as_dtensor, from_dtensor, full_of, refuse_hybrid_dcp, shard_of, world_mesh
+from .world import group as step_group
 
 
 def free(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -152,11 +153,11 @@ def _entries(model: torch.nn.Module, params, held) -> list[tuple[str, torch.Tens
 
 
 def _rank0(buffer: torch.Tensor) -> torch.Tensor:
-    """A copy of rank 0's value of a buffer (a collective). DCP writes a plain
+    """A copy of the step's rank 0's value of a buffer (a collective). DCP writes a plain
     tensor once, from whichever rank it picks; the ranks' buffers differ after
     a step, and the next step starts from rank 0's (DDP's broadcast_buffers)."""
     copy = buffer.detach().clone()
-    dist.broadcast(copy, 0)
+    dist.broadcast(copy, group=step_group(), group_src=0)
     return copy
 
 

@@ -32,6 +32,7 @@ from .capture.optimizer_state import forget_state, make_first_state
 from .errors import TranspileError
 from .mesh import Dim, Mesh
 from .rings import plain_mesh
+from .world import group as step_group, world
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -74,7 +75,7 @@ class Sharding:
     def group(self) -> dist.ProcessGroup:
         """The process group the parts are spread over (for gathers on the host)."""
         if self.over is Dim.WORLD:
-            return dist.group.WORLD
+            return step_group()
         return dist.distributed_c10d._resolve_process_group(self.mesh.ring(self.over))
 
 
@@ -87,8 +88,8 @@ def full_of(shard: torch.Tensor, like: torch.Tensor, sharding: Sharding) -> torc
 
 
 def world_mesh(device: torch.device) -> DeviceMesh:
-    """The 1-D mesh of every rank, for the DTensors torch.distributed.checkpoint reads."""
-    return DeviceMesh.from_group(dist.group.WORLD, device.type)
+    """The 1-D mesh of the step's ranks, for the DTensors torch.distributed.checkpoint reads."""
+    return DeviceMesh.from_group(step_group(), device.type)
 
 
 def refuse_hybrid_dcp(sharding: Sharding, what: str, instead: str) -> None:
@@ -117,7 +118,7 @@ def from_dtensor(value: DTensor, like: torch.Tensor) -> torch.Tensor:
     """as_dtensor's inverse: this rank's shard of `like`, padded, from the
     DTensor's local part."""
     local = value.to_local()
-    return F.pad(local, (0, shard_numel(like.numel(), dist.get_world_size()) - local.numel()))
+    return F.pad(local, (0, shard_numel(like.numel(), world()[0]) - local.numel()))
 
 
 def _flattened(param: torch.Tensor, value) -> bool:
@@ -137,10 +138,10 @@ def _describe_flat(index: int, param: torch.Tensor, key, value: torch.Tensor) ->
     else:
         ranks = f"{lo}" if hi == lo else f"{lo} to {hi}" if hi else f"{lo} or more"
         what = f"one rank's shard of mode zero's state on {ranks} ranks"
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    ranks = world()[0]
     return (f"state {key!r} of parameter {index} (shape {tuple(param.shape)}, {n} elements) is a "
-            f"flat tensor of {c} elements: {what} (this run has {world} rank"
-            f"{'s' if world > 1 else ''})")
+            f"flat tensor of {c} elements: {what} (this run has {ranks} rank"
+            f"{'s' if ranks > 1 else ''})")
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -290,7 +291,7 @@ class ShardedState:
         program wrote (state it created, or another step in mode zero) is
         recognized by its shape. An entry that is neither is refused before
         any is cut."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if world()[0] == 1:
             return
         sharding = self.sharding
         full = []

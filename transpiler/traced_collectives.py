@@ -10,8 +10,10 @@ reduce_scatter_tensor and broadcast are torch's functional collectives, waited
 for at once and copied into their output tensors as eager's write them, and
 their nodes carry meta["comm"] (over the world, placed on the mesh's
 communicators before the passes run: Program.place_collectives). An async_op
-returns a work whose future is complete. Only the world's group is supported;
-another group is refused, naming it, and so are the other collectives (reduce,
+returns a work whose future is complete. Only the step's group is supported
+(the default group, or its process_group=; a broadcast's src is a rank of the
+default group, as eager's); another group is refused, naming it, and so are
+the other collectives (reduce,
 all_to_all, the object collectives, send and recv, barrier). A step traced on
 its values (a decision on a tensor's value) issues nothing while traced: the
 collectives' results have no real values.
@@ -29,6 +31,7 @@ from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, OP_NAMES, REDUCE_SCA
 from .errors import TranspileError
 from .program import CommInfo
 from .roles import COMM
+from .world import group as step_group, is_default
 
 _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
                dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
@@ -68,11 +71,16 @@ class _Work:
 
 
 def _group_name(group) -> str:
+    """The name of a collective's group, which must be the step's (eager's
+    group=None is the default group, which a step given process_group= does
+    not run over)."""
     group = group or dist.group.WORLD
-    if group != dist.group.WORLD:
+    if group is not step_group():
+        step = "the default group" if is_default() else f"its process_group {step_group().group_name!r}"
         raise TranspileError(
-            f"a collective over the process group {group.group_name!r} in traced code: only "
-            "the world's group is supported; reduce over the world, or outside the step")
+            f"a collective over the process group {group.group_name!r} in traced code: the "
+            f"step runs over {step}, and only a collective over that group is traced; pass "
+            "group= that group, or issue the collective outside the step")
     return group.group_name
 
 
@@ -128,7 +136,7 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     name = _group_name(group)
-    root = group_src if group_src is not None else src
+    root = group_src if group_src is not None else dist.get_group_rank(step_group(), src)
     tensor.copy_(issued(BROADCAST, tensor, root, name))
     return _done(tensor, async_op)
 

@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 from .capture import StepArgs, intercepted_schedulers
 from .control import all_gather_values
 from .errors import VerificationError
-from .rings import world
+from .world import group as step_group, world
 
 
 class Reference:
@@ -141,7 +141,7 @@ class _Run:
         if self.forward_sync[key] and buffers:
             # DDP's own guard: a buffer saved for an earlier backward stays usable.
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                _coalesced(buffers, _concatenate, lambda flat: dist.broadcast(flat, 0))
+                _coalesced(buffers, _concatenate, lambda flat: dist.broadcast(flat, group=step_group(), group_src=0))
 
     def _after_forward(self, key: int) -> None:
         """DDP's _post_forward: the next forward syncs only after one with grad, not under no_sync."""
@@ -166,7 +166,7 @@ class _Run:
                 offset += t.numel()
 
         with torch.no_grad():
-            _coalesced(grads, fill, dist.all_reduce)
+            _coalesced(grads, fill, lambda flat: dist.all_reduce(flat, group=step_group()))
 
 
 def _copies(step_args: StepArgs, memo: dict) -> list:

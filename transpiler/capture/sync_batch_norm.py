@@ -14,7 +14,7 @@ sum_dy and sum_dy_xmu) gives. The running statistics are updated with the global
 mean and unbiased variance, as torch's. Evaluation, and one process, run torch's
 own forward.
 
-The collectives carry meta["comm"] (over the world, on the world's default group
+The collectives carry meta["comm"] (over the step's world, on its group
 until the runtime places them on its communicators, Program.place_collectives), so
 every pass, the rank agreement and the scheduler see them as the passes' own.
 """
@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..collectives import ALL_GATHER, ALL_REDUCE
 from ..errors import TranspileError
 from ..traced_collectives import issued
+from ..world import group as step_group, is_default
 
 
 class _Gathered(torch.autograd.Function):
@@ -77,11 +78,13 @@ def _forward(bn: nn.SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
     if not (bn.training and dist.is_available() and dist.is_initialized()):
         return _ORIGINAL(bn, x)
     group = bn.process_group or dist.group.WORLD
-    if group is not dist.group.WORLD:
+    if group is not step_group():
+        step = "the default group" if is_default() else "the step's process_group"
         raise TranspileError(
-            "a SyncBatchNorm over a process group of its own (process_group=...) is not "
-            "supported: its statistics are gathered over the world; convert with "
-            "nn.SyncBatchNorm.convert_sync_batchnorm(model) and no process_group")
+            f"a SyncBatchNorm over the process group {group.group_name!r}, while the step runs "
+            f"over {step}: its statistics are gathered over the step's ranks; convert with "
+            "nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group) and the step's group "
+            "(or none, for a step over the default group)")
     if dist.get_world_size(group) == 1:
         return _ORIGINAL(bn, x)
     bn._check_input_dim(x)
