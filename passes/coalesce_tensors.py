@@ -4,12 +4,16 @@ instead of one by one.
 Requires: a pass that marked the values to reduce over the ranks
 (meta["reduce"], a Reduction): average_grads (the gradients, MEAN) or local_sgd
 (the parameter deltas, SUM).
-Produces: buckets of the marked values planned by `plan_buckets` (by dtype, op
-and group, in program order, which for gradients is the order the backward pass
-produces them; with ctx.find_unused in reverse order of the parameters, each
-bucket placed not before the one before it, an order every rank has), closed
-at ctx.bucket_mb, the first one per dtype at ctx.first_bucket_mb, a small
-tail merged into the bucket before; values of different reduction points,
+Produces: buckets of the marked values planned by `plan_buckets` as DDP's
+reducer lays them out, so that a ring all-reduce over any number of ranks
+adds each element in DDP's order (by dtype, op and group; gradients in the
+order the autograd engine accumulated them while the step was traced,
+meta["ready"], which is the order DDP rebuilds its buckets by after its first
+iteration; with ctx.initial_buckets DDP's first iteration: each dtype's in one
+bucket, in the parameters' order; with ctx.find_unused in reverse order of the
+parameters, each bucket placed not before the one before it, an order every
+rank has; other values in program order), closed at ctx.bucket_mb, the first
+one per dtype at ctx.first_bucket_mb; values of different reduction points,
 Reduction.point, in buckets of their own). For each bucket, placed right
 after its last value: the values flattened and concatenated into one buffer
 (optionally cast to ctx.fuse_dtype), its reduction
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 from typing import Sequence
 
 import torch
@@ -41,8 +46,8 @@ from transpiler import comm_hooks, lowering
 from transpiler.collectives import ReduceOp
 from transpiler.mesh import Dim, Over
 from transpiler.pipeline import Mark, PassContext, consumes
-from transpiler.program import CommInfo, Program, new_node
-from transpiler.roles import BUCKET, REDUCE, ROLE, Role
+from transpiler.program import CommInfo, InputKind, Program, new_node
+from transpiler.roles import BUCKET, READY, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20
@@ -60,41 +65,34 @@ class GradInfo:
 
 def plan_buckets(grads: Sequence[GradInfo], bucket_bytes: int,
                  first_bucket_bytes: int) -> list[list[str]]:
-    """Group gradients, given in the order they are produced, into buckets.
+    """Group gradients, given in the order they are produced, into buckets, as
+    DDP's reducer does (compute_bucket_assignment_by_size).
 
-    Each dtype (with each reduce op, group and reduction point) fills its own open bucket; a bucket closes once
-    it holds at least its cap (the first bucket of a dtype: first_bucket_bytes, later ones:
-    bucket_bytes), so a gradient larger than the cap gets a bucket of its own.
-    What is left at the end forms a last bucket, merged into the one before it
-    when it is smaller than first_bucket_bytes: it would be reduced only a few
-    gradients later for the cost of a whole collective. Buckets are returned in
-    the order their last gradient is produced, which is when they can be
-    reduced. A pure function of its arguments: every rank that has the same
-    program plans the same buckets.
+    Each dtype (with each reduce op, group and reduction point) fills its own
+    open bucket; a bucket closes once it holds at least its cap (the first
+    bucket of a dtype: first_bucket_bytes, later ones: bucket_bytes), so a
+    gradient larger than the cap gets a bucket of its own; what is left at the
+    end forms a last bucket. Buckets are returned in the order their last
+    gradient is produced, which is when they can be reduced. A pure function
+    of its arguments: every rank that has the same program plans the same
+    buckets.
     """
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise ValueError("bucket sizes must be positive")
-    closed: dict[tuple, list[tuple[int, list[str]]]] = {}
-    open_: dict[tuple, tuple[list[str], int]] = {}
+    closed: list[tuple[int, list[str]]] = []
+    open_: dict[tuple, tuple[list[str], int, int]] = {}   # kind -> names, bytes, buckets closed
     for i, g in enumerate(grads):
         kind = (g.dtype, g.op, g.over, g.point)
-        names, size = open_.get(kind, ([], 0))
+        names, size, done = open_.get(kind, ([], 0, 0))
         names, size = names + [g.name], size + g.nbytes
-        done = closed.setdefault(kind, [])
         if size >= (bucket_bytes if done else first_bucket_bytes):
-            done.append((i, names))
-            open_.pop(kind, None)
+            closed.append((i, names))
+            open_[kind] = ([], 0, done + 1)
         else:
-            open_[kind] = (names, size)
+            open_[kind] = (names, size, done)
     last = {g.name: i for i, g in enumerate(grads)}
-    for kind, (names, size) in open_.items():
-        done = closed[kind]
-        if done and size < first_bucket_bytes:
-            done[-1] = (last[names[-1]], done[-1][1] + names)
-        else:
-            done.append((last[names[-1]], names))
-    buckets = [b for done in closed.values() for b in done]
-    return [names for _, names in sorted(buckets, key=lambda item: item[0])]
+    closed += [(last[names[-1]], names) for names, _, _ in open_.values() if names]
+    return [names for _, names in sorted(closed, key=lambda item: item[0])]
 
 
 @consumes(Mark.TO_REDUCE)
@@ -102,15 +100,36 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     grads = program.to_reduce(by_parameters=ctx.find_unused)
+    caps = int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB)
+    if ctx.initial_buckets:   # DDP's first iteration: each dtype's in one, in parameter order
+        grads, caps = in_parameter_order(program, grads), (sys.maxsize, sys.maxsize)
+    elif not ctx.find_unused:
+        grads = in_ready_order(grads)
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
                       g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
-    plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
+    plan = plan_buckets(infos, *caps)
     position = {n: i for i, n in enumerate(program.graph.nodes)}
     end = None
     for bucket, names in enumerate(plan):
         end = _fuse(program, ctx, bucket, [grads[n] for n in names], position,
                     end if ctx.find_unused else None, is_last=bucket == len(plan) - 1)
     lowering.forget_marks(program.graph)
+
+
+def in_ready_order(grads: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """The gradients in the order the autograd engine accumulated them while
+    the step was traced (meta["ready"]: DDP's order of ready gradients, which
+    its buckets are rebuilt by after the first iteration); the others (an
+    earlier backward()'s) after them, in program order."""
+    ready = sorted((g.meta[READY], name) for name, g in grads.items() if READY in g.meta)
+    return {name: grads[name] for _, name in ready} | grads
+
+
+def in_parameter_order(program: Program, grads: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """The parameters' gradients in the order of the parameters (DDP's first
+    layout), then any others in program order."""
+    params = [s.name for s in program.inputs if s.kind is InputKind.PARAM]
+    return {name: grads[name] for name in params if name in grads} | grads
 
 
 def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position,

@@ -27,11 +27,16 @@ def ranks4() -> RankPool:
     return _pool(4)
 
 
+@pytest.fixture
+def ranks8() -> RankPool:
+    return _pool(8)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests on real ranks are slow (so are those that compile, marked in their
     files): `pytest -m "not slow"` runs the rest."""
     for item in items:
-        if {"ranks2", "ranks3", "ranks4"} & set(getattr(item, "fixturenames", ())):
+        if {"ranks2", "ranks3", "ranks4", "ranks8"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

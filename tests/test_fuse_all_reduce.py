@@ -30,12 +30,11 @@ def test_plan_closes_buckets_by_bytes_with_a_small_first_bucket():
         ["a", "b"], ["c", "d", "e"], ["f", "h"]]
 
 
-def test_plan_merges_a_tail_smaller_than_the_first_bucket():
+def test_plan_keeps_a_small_tail_apart_as_ddp():
     grads = [g("a", 40), g("b", 40), g("c", 40), g("d", 40), g("e", 40), g("f", 40)]
-    # "f" alone (40 bytes < 50) would cost a whole collective: it joins c, d, e.
+    # DDP's reducer closes "f" alone (40 bytes < 50) as a last bucket of its own
     assert plan_buckets(grads, bucket_bytes=100, first_bucket_bytes=50) == [
-        ["a", "b"], ["c", "d", "e", "f"]]
-    # Nothing to merge into: the tail is the only bucket.
+        ["a", "b"], ["c", "d", "e"], ["f"]]
     assert plan_buckets([g("a", 10), g("b", 10)], 100, 50) == [["a", "b"]]
 
 
@@ -100,10 +99,8 @@ def test_schedule_issues_each_allreduce_right_after_its_last_gradient():
         pack = [n for n in nodes if n.meta.get("bucket") == bucket and n.meta["role"] == Role.BACKWARD]
         grads = [n.args[0] for n in pack if n.target is torch.ops.aten.reshape.default]
         assert sorted(g.meta["param"] for g in grads) == sorted(node.meta["comm"].params)
-        # Each gradient is packed right after it is produced ...
-        for g in grads:
-            assert all(n in pack for n in nodes[nodes.index(g) + 1:nodes.index(g) + 3])
-        # ... and between the last one and the all-reduce there is only packing.
+        # Between the bucket's last gradient and its all-reduce there is only
+        # packing (the buffer in DDP's ready order: a bias's before its weight's).
         last_grad = max(grads, key=nodes.index)
         assert all(n in pack for n in nodes[nodes.index(last_grad) + 1:nodes.index(node)])
         wait = next(iter(node.users))
@@ -130,12 +127,12 @@ def test_explain_lists_buckets():
     table = format_collectives(program)
     assert table.splitlines()[0].split() == ["#", "op", "ring", "bucket", "dtype", "tensors",
                                              "bytes", "parameters"]
-    # Ready order: layers.1.weight (96 bytes) closes the 40-byte first bucket
-    # alone; layers.1.bias, layers.0.weight, layers.0.bias (12 + 128 + 32) stay
-    # under 200 and go out together at the end.
+    # The autograd engine's ready order, as DDP's: layers.1.bias (12 bytes)
+    # then layers.1.weight (96) close the 40-byte first bucket; layers.0.bias
+    # and layers.0.weight (32 + 128) stay under 200 and go out together at the end.
     rows = table.splitlines()
-    assert rows[1].endswith("layers.1.weight") and "  1  " in rows[1]
-    assert rows[2].endswith("layers.1.bias, layers.0.weight, layers.0.bias")
+    assert rows[1].endswith("layers.1.bias, layers.1.weight") and "  2  " in rows[1]
+    assert rows[2].endswith("layers.0.bias, layers.0.weight")
     assert table.splitlines()[-1] == "2 collectives of 268 bytes in all"
 
 

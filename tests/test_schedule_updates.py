@@ -43,10 +43,12 @@ def test_updates_are_split_by_bucket_and_follow_their_wait():
                    key=order.__getitem__)
     addcmuls = [n for n in program.graph.nodes
                 if n.target is torch.ops.aten._foreach_addcmul.Scalar]
-    # SGD's two foreach updates over 4 parameters, each split in two buckets.
+    # SGD's two foreach updates over 4 parameters, each split in two buckets
+    # of two (DDP's ready order: the last layer's bias and weight, then the first's).
     assert len(addcmuls) == 4
-    assert sorted(len(n.args[0]) for n in addcmuls) == [1, 1, 3, 3]
-    first_bucket = [n for n in addcmuls if len(n.args[0]) == 1]
+    assert sorted(len(n.args[0]) for n in addcmuls) == [2, 2, 2, 2]
+    first_bucket = [n for n in addcmuls if order[n] < order[waits[1]]]
+    assert len(first_bucket) == 2
     assert all(order[waits[0]] < order[n] < order[waits[1]] for n in first_bucket)
 
 

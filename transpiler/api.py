@@ -162,7 +162,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
                     hierarchical, reduce_groups, broadcast_buffers, find_unused_parameters,
                     process_group)
     spec.refuse(common)
-    schedule = spec.schedule()
+    schedule = spec.schedule(common)
     schedule.programs = {name: common.adjust(p) for name, p in schedule.programs.items()}
     for program_passes in schedule.programs.values():
         check_order(program_passes)

@@ -83,7 +83,8 @@ class ModeSpec:
     def label(cls) -> str:
         return f"mode={cls.name!r}"
 
-    def schedule(self) -> schedules.Schedule:
+    def schedule(self, common) -> schedules.Schedule:
+        """Which program runs at each step, under transpile()'s options `common`."""
         return schedules.EveryStep(self.passes)
 
     def settings(self) -> dict:
@@ -150,6 +151,13 @@ class FuseAllReduce(_Fused):
     def settings(self) -> dict:
         return {**super().settings(), "comm_hook": CommHook.of(self.comm_hook)}
 
+    def schedule(self, common) -> schedules.Schedule:
+        # DDP's first iteration has buckets of its own; matched where it is exact
+        # (eager) and needs to be (find_unused_parameters keeps the parameters' order)
+        if common.backend == "eager" and not common.find_unused_parameters:
+            return schedules.FirstIterationApart(self.passes)
+        return super().schedule(common)
+
     def refuse(self, common) -> None:
         if self.comm_hook is not None and (common.reduce_groups or common.hierarchical):
             raise TranspileError("comm_hook reduces every bucket over the world as the hook "
@@ -170,7 +178,7 @@ class LocalSGD(_Fused):
     begin_step: int = _option(0, _int_from(0))
     adaptive: bool = _option(False, _flag)
 
-    def schedule(self) -> schedules.Schedule:
+    def schedule(self, common) -> schedules.Schedule:
         return schedules.LocalSGD(self.passes, self.k_steps, self.begin_step, self.adaptive)
 
     def settings(self) -> dict:
@@ -239,7 +247,7 @@ class Decentralized(_Buckets):
                                   "skip_nonfinite", "fuse_dtype", "find_unused_parameters"))
     topology: str | Topology = _option("ring", lambda _, value: check_topology(value))
 
-    def schedule(self) -> schedules.Schedule:
+    def schedule(self, common) -> schedules.Schedule:
         return schedules.Decentralized(self.passes, self.topology)
 
     def refuse(self, common) -> None:

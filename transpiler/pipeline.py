@@ -35,6 +35,9 @@ class PassContext:
     groups: dict[str, Over] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0       # coalesce_tensors: bucket cap
     first_bucket_mb: float = 1.0  # coalesce_tensors: cap of the first bucket per dtype
+    # coalesce_tensors: DDP's layout of its first iteration (each dtype's
+    # gradients in one bucket, in the parameters' order), not the rebuilt one
+    initial_buckets: bool = False
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     comm_hook: CommHook | None = None      # coalesce_tensors: DDP's comm hook on each bucket
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule

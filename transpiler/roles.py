@@ -28,6 +28,9 @@ class Role(enum.IntFlag):
 # Keys used on node.meta. One place, so that passes and printers agree.
 ROLE = "role"          # Role of every call_function node
 PARAM = "param"        # qualified parameter name on the node holding its gradient
+# On the same node: its position in the order the autograd engine accumulated
+# the gradients of the step's last backward() (DDP's order of ready gradients)
+READY = "ready"
 # averaging.GradAt on the node holding a parameter's .grad where a backward()
 # before the last one ends (capture); averaging.py decides which are averaged
 GRAD_AT = "grad_at"

@@ -80,6 +80,34 @@ class EveryStep(Schedule):
         return "main"
 
 
+class FirstIterationApart(EveryStep):
+    """Mode fuse_all_reduce: "main" at every step, except that with more than
+    two ranks the first step this process runs is "first", whose buckets are
+    DDP's first-iteration layout (passes/coalesce_tensors.py): DDP rebuilds its
+    buckets once, after its first iteration, and a sum over more than two ranks
+    rounds by the layout. (Two ranks sum alike in any layout.) Which step is
+    first is this process's, not the checkpointed counter: a resumed DDP
+    starts from its first layout too."""
+
+    def __init__(self, passes: Sequence[PassLike]):
+        super().__init__(passes)
+        self.first_done = False
+
+    def bind(self, world_size: int) -> None:
+        if world_size > 2 and "first" not in self.programs:
+            self.programs = {"first": self.programs["main"], **self.programs}
+
+    def context(self, program: str, ctx: PassContext) -> PassContext:
+        return dataclasses.replace(ctx, initial_buckets=True) if program == "first" else ctx
+
+    def next_program(self) -> str:
+        return "first" if "first" in self.programs and not self.first_done else "main"
+
+    def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
+        super().advance(program, held)
+        self.first_done = True
+
+
 class LocalSGD(Schedule):
     """Steps before `begin_step` run "warmup" (gradients averaged every step).
     Then each period of k steps runs "local" k-1 times and ends with "sync",

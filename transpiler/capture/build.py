@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ..errors import TranspileError
 from ..program import InputKind, OutputKind, OutputSpec, Program, graph_module
-from ..roles import CARRY, GRAD_AT, INPUT, PARAM
+from ..roles import CARRY, GRAD_AT, INPUT, PARAM, READY
 from .inputs import Inputs
 from .slots import GradSlot, StateSlot
 
@@ -35,7 +35,7 @@ _PREFIX = {InputKind.PARAM: "p_", InputKind.BUFFER: "b_", InputKind.GRAD: "g_",
 def _bypass(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
     """Replace `node` by `value`, which computes the same thing, keeping its marks."""
     node.replace_all_uses_with(value, propagate_meta=False)
-    for key in (PARAM, GRAD_AT, CARRY):
+    for key in (PARAM, READY, GRAD_AT, CARRY):
         if key in node.meta:
             value.meta.setdefault(key, node.meta[key])
     graph.erase_node(node)

@@ -26,7 +26,7 @@ from ..averaging import mark_backward_ends
 from ..errors import TranspileError
 from ..optimizers import updates_with_lifted_hyperparameters
 from ..program import InputKind, InputSpec, OutputKind, Program
-from ..roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, ROLE, UNUSED, Role
+from ..roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
 from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
@@ -329,6 +329,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                          step_fn, modules, optimizers, traced)
         hosts.append(host)
         _copy_tensor_hooks(inputs, traced, host.recorder)
+        accumulated = _accumulation_order(inputs, traced)
 
         def grads_now():
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
@@ -406,8 +407,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                                          real_state[id(opt)].get(p, {})):
                         created.append((opt, p, key))
                         new_state.append(value)
+            ready = {name: k for k, name in enumerate(accumulated)}   # in the last backward()
             for name, node in markers.reduced.items():
                 node.meta[PARAM] = name
+                if name in ready:
+                    node.meta[READY] = ready[name]
             grads = []
             for p in inputs.params:
                 tp = traced[id(p)]
@@ -628,6 +632,22 @@ def _copy_tensor_hooks(inputs, traced: dict[int, torch.Tensor], recorder: Record
                 recorder.reach(hook, f"{name}.{attr}[{key}]")
 
 
+def _accumulation_order(inputs, traced: dict[int, torch.Tensor]) -> list[str]:
+    """The names of the parameters, appended as the autograd engine
+    accumulates each one's gradient while the step is traced: the order
+    DDP's reducer sees them ready in, and rebuilds its buckets by."""
+    order: list[str] = []
+    for i, t in traced.items():
+        if i in inputs.param_names and t.requires_grad:
+            t.register_post_accumulate_grad_hook(
+                functools.partial(_append_name, order, inputs.param_names[i]))
+    return order
+
+
+def _append_name(order: list[str], name: str, _param) -> None:
+    order.append(name)
+
+
 def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
     """What the step can read from: its modules, its arguments that are
     objects, and the step itself (its globals and closure; the self of a
@@ -811,7 +831,7 @@ def _drop_profiler_nodes(graph: fx.Graph):
 
 
 
-_CARRIED = (PARAM, SKIPS, GRAD_AT, CARRY, UNUSED, COMM)   # meta on the node of a value
+_CARRIED = (PARAM, READY, SKIPS, GRAD_AT, CARRY, UNUSED, COMM)   # meta on the node of a value
 
 
 class _RoleCarrier(fx.Interpreter):
