@@ -7,9 +7,9 @@ Requires: a pass that marked the values to reduce over the ranks
 Produces: buckets of the marked values planned by `plan_buckets` as DDP's
 reducer lays them out, so that a ring all-reduce over any number of ranks
 adds each element in DDP's order (by dtype, op and group; gradients in the
-order the autograd engine accumulated them while the step was traced,
-meta["ready"], which is the order DDP rebuilds its buckets by after its first
-iteration; with ctx.initial_buckets DDP's first iteration: each dtype's in one
+order the autograd engine accumulated them while the step was first traced,
+ctx.ready_order (else this trace's, Program.ready_order), which is the order
+DDP rebuilds its buckets by after its first iteration, once; with ctx.initial_buckets DDP's first iteration: each dtype's in one
 bucket, in the parameters' order; with ctx.find_unused in reverse order of the
 parameters, each bucket placed not before the one before it, an order every
 rank has; other values in program order), closed at ctx.bucket_mb, the first
@@ -47,7 +47,7 @@ from transpiler.collectives import ReduceOp
 from transpiler.mesh import Dim, Over
 from transpiler.pipeline import Mark, PassContext, consumes
 from transpiler.program import CommInfo, InputKind, Program, new_node
-from transpiler.roles import BUCKET, READY, REDUCE, ROLE, Role
+from transpiler.roles import BUCKET, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20
@@ -104,7 +104,7 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     if ctx.initial_buckets:   # DDP's first iteration: each dtype's in one, in parameter order
         grads, caps = in_parameter_order(program, grads), (sys.maxsize, sys.maxsize)
     elif not ctx.find_unused:
-        grads = in_ready_order(grads)
+        grads = in_ready_order(grads, ctx.ready_order or program.ready_order())
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
                       g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
     plan = plan_buckets(infos, *caps)
@@ -116,13 +116,12 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     lowering.forget_marks(program.graph)
 
 
-def in_ready_order(grads: dict[str, fx.Node]) -> dict[str, fx.Node]:
-    """The gradients in the order the autograd engine accumulated them while
-    the step was traced (meta["ready"]: DDP's order of ready gradients, which
-    its buckets are rebuilt by after the first iteration); the others (an
-    earlier backward()'s) after them, in program order."""
-    ready = sorted((g.meta[READY], name) for name, g in grads.items() if READY in g.meta)
-    return {name: grads[name] for _, name in ready} | grads
+def in_ready_order(grads: dict[str, fx.Node], order: Sequence[str]) -> dict[str, fx.Node]:
+    """The gradients of the parameters in `order` (the order the autograd
+    engine accumulated them in the step's first trace, which DDP rebuilds its
+    buckets by after its first iteration and keeps), then the others (an
+    earlier backward()'s, or values that are not gradients) in program order."""
+    return {name: grads[name] for name in order if name in grads} | grads
 
 
 def in_parameter_order(program: Program, grads: dict[str, fx.Node]) -> dict[str, fx.Node]:

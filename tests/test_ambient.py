@@ -252,6 +252,15 @@ def test_alternating_autocast_equals_ddp(mode, ranks2):
         assert M.max_rel_error(result["ours"], result["ddp"]) <= tolerance
 
 
+def test_autocast_toggled_keeps_ddps_buckets_on_3_ranks(ranks3):
+    """Under autocast the engine accumulates a weight's gradient before its
+    bias's; DDP keeps the buckets it rebuilt after its first iteration, and so
+    does the step traced again: bit for bit where the layout decides the sum."""
+    for result in ranks3.run(rank_autocast_vs_ddp, "fuse_all_reduce", None):
+        assert result["traces"] == 2
+        assert M.max_rel_error(result["ours"], result["ddp"]) == 0.0
+
+
 def test_autocast_on_one_rank_alone_trains_as_ddp(ranks2):
     # DDP lets each rank compute in its own precision, the gradients' all-reduce
     # being the same: so does the transpiled step, with no exchange.

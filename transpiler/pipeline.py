@@ -38,6 +38,9 @@ class PassContext:
     # coalesce_tensors: DDP's layout of its first iteration (each dtype's
     # gradients in one bucket, in the parameters' order), not the rebuilt one
     initial_buckets: bool = False
+    # coalesce_tensors: the order of the gradients in the rebuilt buckets (the
+    # first build's accumulation order, Program.ready_order; DDP rebuilds once)
+    ready_order: tuple[str, ...] = ()
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     comm_hook: CommHook | None = None      # coalesce_tensors: DDP's comm hook on each bucket
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule

@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT, set_group
 from .mesh import Dim, Mesh, Over
-from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, REDUCE, ROLE, Role
+from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, READY, REDUCE, ROLE, Role
 
 
 class InputKind(enum.Enum):
@@ -193,6 +193,12 @@ class Program:
         """Parameter name -> the node holding its (local) gradient, in the order
         the gradients are produced by the backward pass."""
         return {n.meta[PARAM]: n for n in self.graph.nodes if PARAM in n.meta}
+
+    def ready_order(self) -> tuple[str, ...]:
+        """The parameters whose gradients the last backward() accumulated, in
+        the order the autograd engine accumulated them (meta["ready"])."""
+        ready = sorted((n.meta[READY], n.meta[PARAM]) for n in self.graph.nodes if READY in n.meta)
+        return tuple(name for _, name in ready)
 
     def state_of(self, param: str) -> list[InputSpec]:
         """The optimizer state inputs that belong to a parameter."""

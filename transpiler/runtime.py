@@ -118,6 +118,9 @@ class TranspiledStep:
         self.startup_program: Program | None = None
         self._found: list | None = None   # paths to the step objects it reaches (found.py)
         self._join: Join | None = None   # the join() context the step is called in
+        # The parameters in the order the first trace's backward accumulated
+        # their gradients: the buckets of every later build (DDP's rebuilt ones)
+        self._ready_order: tuple[str, ...] = ()
 
     @property
     def build_seconds(self) -> float:
@@ -522,8 +525,10 @@ class TranspiledStep:
             if world_size > 1:
                 check_process_group(device)
                 mesh = dataclasses.replace(mesh, reduce_scatter_native=reduce_scatter_native(device))
+            if not self._ready_order:   # DDP rebuilds its buckets once: kept from the first
+                self._ready_order = captured.program.ready_order()
             ctx = dataclasses.replace(self.settings, mesh=mesh, groups=reduce_groups.assign(
-                self.groups, captured.param_names()))
+                self.groups, captured.param_names()), ready_order=self._ready_order)
             if self._sharded is not None:   # its gathers run on the mesh's communicators
                 self._sharded.mesh = mesh
             with self._timed("passes"):
