@@ -47,7 +47,7 @@ from transpiler.collectives import ReduceOp
 from transpiler.mesh import Dim, Over
 from transpiler.pipeline import Mark, PassContext, consumes
 from transpiler.program import CommInfo, InputKind, Program, new_node
-from transpiler.roles import BUCKET, REDUCE, ROLE, Role
+from transpiler.roles import BUCKET, PARAM, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20
@@ -121,7 +121,8 @@ def in_ready_order(grads: dict[str, fx.Node], order: Sequence[str]) -> dict[str,
     engine accumulated them in the step's first trace, which DDP rebuilds its
     buckets by after its first iteration and keeps), then the others (an
     earlier backward()'s, or values that are not gradients) in program order."""
-    return {name: grads[name] for name in order if name in grads} | grads
+    return {name: grads[name] for name in order
+            if name in grads and grads[name].meta.get(PARAM) == name} | grads
 
 
 def in_parameter_order(program: Program, grads: dict[str, fx.Node]) -> dict[str, fx.Node]:
