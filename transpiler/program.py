@@ -268,7 +268,7 @@ class Program:
 
     def place_collectives(self, mesh: Mesh) -> None:
         """Issue each collective on the communicator of its group and ring in
-        `mesh` (those the capture traced, SyncBatchNorm's, name the default group)."""
+        `mesh` (those the capture traced, SyncBatchNorm's, name the step's group)."""
         for node in self.collectives():
             comm = node.meta[COMM]
             set_group(node, mesh.ring(comm.over, comm.ring))

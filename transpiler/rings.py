@@ -3,8 +3,10 @@ on, created once per world and kept for the life of the process.
 
 Every rank must create them in the same order, which holds because every rank
 transpiles the same program with the same settings (the rank agreement checks
-them before any group is created). The groups have the default group's timeout,
+them before any group is created). The groups have the step's group's timeout,
 so a collective whose peer died raises within the timeout the user configured.
+A step given a process group of its own (transpile(process_group=...)) runs
+on that group alone, as DDP does: nothing is created for it.
 """
 
 from __future__ import annotations

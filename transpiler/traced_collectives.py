@@ -76,7 +76,8 @@ def _group_name(group) -> str:
     not run over)."""
     group = group or dist.group.WORLD
     if group is not step_group():
-        step = "the default group" if is_default() else f"its process_group {step_group().group_name!r}"
+        step = "the default group" if is_default() else \
+            f"its process_group {step_group().group_name!r}"
         raise TranspileError(
             f"a collective over the process group {group.group_name!r} in traced code: the "
             f"step runs over {step}, and only a collective over that group is traced; pass "
