@@ -9,11 +9,12 @@ reducer lays them out, so that a ring all-reduce over any number of ranks
 adds each element in DDP's order (by dtype, op and group; gradients in the
 order the autograd engine accumulated them while the step was first traced,
 ctx.ready_order (else this trace's, Program.ready_order), which is the order
-DDP rebuilds its buckets by after its first iteration, once; with ctx.initial_buckets DDP's first iteration: each dtype's in one
-bucket, in the parameters' order; with ctx.find_unused in reverse order of the
-parameters, each bucket placed not before the one before it, an order every
-rank has; other values in program order), closed at ctx.bucket_mb, the first
-one per dtype at ctx.first_bucket_mb; values of different reduction points,
+DDP rebuilds its buckets by after its first iteration, once; with
+ctx.initial_buckets DDP's first iteration: each dtype's in one bucket, in the
+parameters' order; with ctx.find_unused in reverse order of the parameters,
+each bucket placed not before the one before it, an order every rank has;
+other values in program order), closed at ctx.bucket_mb, the first one per
+dtype at ctx.first_bucket_mb; values of different reduction points,
 Reduction.point, in buckets of their own). For each bucket, placed right
 after its last value: the values flattened and concatenated into one buffer
 (optionally cast to ctx.fuse_dtype), its reduction
