@@ -17,38 +17,38 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from .world import global_ranks, group, is_default, world, world_timeout
+from .world import global_ranks, group, is_default, per_group, world, world_timeout
 
 log = logging.getLogger("transpiler")
 
-# (the step's group, its control group), per group; holding the group keeps its
-# id from being reused by a later one
-_control: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# the step's group's control group, per group (world.per_group)
+_control: dict = {}
 
 
 def control_group() -> dist.ProcessGroup:
     """The gloo group over the step's ranks for control exchanges, created on
     first use with the step's group's timeout. A collective: every rank of the
     step's group calls it."""
+    # Every rank must create its groups in the same order. The first control
+    # exchange is the settings agreement at the start of a step's first build,
+    # which every rank reaches at the same point, before that build creates
+    # its rings; so creating the group here, lazily, is the same on every rank.
+    return per_group(_control, _new_control_group)
+
+
+def _new_control_group() -> dist.ProcessGroup:
     current = group()
-    known = _control.get(current.group_name)
-    if known is None or known[0] is not current:
-        # Every rank must create its groups in the same order. The first control
-        # exchange is the settings agreement at the start of a step's first build,
-        # which every rank reaches at the same point, before that build creates
-        # its rings; so creating the group here, lazily, is the same on every rank.
-        if dist.get_backend(current) == dist.Backend.GLOO:
-            control = current
-        elif is_default():
-            control = dist.new_group(backend=dist.Backend.GLOO, timeout=world_timeout())
-        else:   # the other ranks of the job are not here to create it with us
-            control = dist.new_group(global_ranks(), backend=dist.Backend.GLOO,
-                                     timeout=world_timeout(), use_local_synchronization=True)
-        log.debug("control plane: %s (group %s) beside the step's group's %s",
-                  "the step's group itself" if control is current else "a new gloo group",
-                  control.group_name, dist.get_backend(current))
-        known = _control[current.group_name] = (current, control)
-    return known[1]
+    if dist.get_backend(current) == dist.Backend.GLOO:
+        control = current
+    elif is_default():
+        control = dist.new_group(backend=dist.Backend.GLOO, timeout=world_timeout())
+    else:   # the other ranks of the job are not here to create it with us
+        control = dist.new_group(global_ranks(), backend=dist.Backend.GLOO,
+                                 timeout=world_timeout(), use_local_synchronization=True)
+    log.debug("control plane: %s (group %s) beside the step's group's %s",
+              "the step's group itself" if control is current else "a new gloo group",
+              control.group_name, dist.get_backend(current))
+    return control
 
 
 def all_gather_values(value) -> list:

@@ -7,17 +7,15 @@ from __future__ import annotations
 import os
 import socket
 
-import torch.distributed as dist
-
 from .control import all_gather_bytes
 from .mesh import Dim
 from .rings import plain_mesh
-from .world import group, is_default, world
+from .world import is_default, per_group, world
 
-# (the step's group, the first rank of this rank's host in it) where the nodes
-# are not torchrun's (no LOCAL_WORLD_SIZE, or a group of the step's own), whose
-# hostnames were gathered
-_gathered: tuple[dist.ProcessGroup, int] | None = None
+# the first rank of this rank's host in the step's group, per group
+# (world.per_group), where the nodes are not torchrun's (no LOCAL_WORLD_SIZE,
+# or a group of the step's own): from the hostnames gathered
+_gathered: dict = {}
 
 
 def node_first_rank() -> int:
@@ -25,13 +23,14 @@ def node_first_rank() -> int:
     (LOCAL_WORLD_SIZE, as the mesh reads it), or else of the step's ranks
     that run on its host, from the hostnames gathered once per group (a
     collective then: every rank of the group calls it)."""
-    global _gathered
     world_size, rank = world()
     if world_size == 1:
         return 0
     if "LOCAL_WORLD_SIZE" in os.environ and is_default():
         return rank - plain_mesh(nodes=True).position(Dim.NODE)
-    if _gathered is None or _gathered[0] is not group():
-        hosts = all_gather_bytes(socket.gethostname().encode())
-        _gathered = (group(), hosts.index(hosts[rank]))
-    return _gathered[1]
+    return per_group(_gathered, _first_rank_of_this_host)
+
+
+def _first_rank_of_this_host() -> int:
+    hosts = all_gather_bytes(socket.gethostname().encode())
+    return hosts.index(hosts[world()[1]])

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import agreement, rings
 from .errors import TranspileError
 from .program import Program
-from .world import group, world, world_timeout
+from .world import group, per_group, world, world_timeout
 
 log = logging.getLogger("transpiler")
 
@@ -146,21 +146,16 @@ class _State:
     """Per step's group: the rendezvous entered so far, and the reason the
     job was abandoned (once it was)."""
 
-    def __init__(self, world_group=None):
-        self.world = world_group
+    def __init__(self):
         self.entered = 0
         self.abandoned: str | None = None
 
 
-_states: dict[str, _State] = {}   # by group name
+_states: dict = {}   # world.per_group
 
 
 def _state() -> _State:
-    """The step's group's state (a fresh one for a new group of an old name)."""
-    state = _states.get(group().group_name)
-    if state is None or state.world is not group():
-        state = _states[group().group_name] = _State(group())
-    return state
+    return per_group(_states, _State)
 
 
 def _current() -> str:

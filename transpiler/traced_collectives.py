@@ -31,7 +31,7 @@ from .collectives import ALL_GATHER, ALL_REDUCE, BROADCAST, OP_NAMES, REDUCE_SCA
 from .errors import TranspileError
 from .program import CommInfo
 from .roles import COMM
-from .world import group as step_group, is_default
+from .world import describe, group as step_group
 
 _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
                dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
@@ -76,8 +76,7 @@ def _group_name(group) -> str:
     not run over)."""
     group = group or dist.group.WORLD
     if group is not step_group():
-        step = "the default group" if is_default() else \
-            f"its process_group {step_group().group_name!r}"
+        step = describe()
         raise TranspileError(
             f"a collective over the process group {group.group_name!r} in traced code: the "
             f"step runs over {step}, and only a collective over that group is traced; pass "

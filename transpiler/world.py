@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
 from .errors import TranspileError
+
+T = TypeVar("T")
 
 # The group of the step running on this thread; None: the default group.
 _group: contextvars.ContextVar = contextvars.ContextVar("transpiler_world", default=None)
@@ -41,6 +44,23 @@ def over(process_group: dist.ProcessGroup | None):
         yield
     finally:
         _group.reset(token)
+
+
+def per_group(table: dict, make: Callable[[], T]) -> T:
+    """What `table` holds for the step's group, made by `make()` on first use
+    and again for a new group under an old name (after the default group was
+    initialized again). The table holds the group too, which keeps its id
+    from being reused by a later one."""
+    current = group()
+    known = table.get(current.group_name)
+    if known is None or known[0] is not current:
+        known = table[current.group_name] = (current, make())
+    return known[1]
+
+
+def describe() -> str:
+    """The step's group, in words for a message."""
+    return "the default group" if is_default() else f"its process_group {group().group_name!r}"
 
 
 def world() -> tuple[int, int]:

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..collectives import ALL_GATHER, ALL_REDUCE
 from ..errors import TranspileError
 from ..traced_collectives import issued
-from ..world import group as step_group, is_default
+from ..world import describe, group as step_group
 
 
 class _Gathered(torch.autograd.Function):
@@ -79,7 +79,7 @@ def _forward(bn: nn.SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
         return _ORIGINAL(bn, x)
     group = bn.process_group or dist.group.WORLD
     if group is not step_group():
-        step = "the default group" if is_default() else "the step's process_group"
+        step = describe()
         raise TranspileError(
             f"a SyncBatchNorm over the process group {group.group_name!r}, while the step runs "
             f"over {step}: its statistics are gathered over the step's ranks; convert with "
