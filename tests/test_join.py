@@ -66,12 +66,73 @@ def test_join_on_3_ranks_of_3_lengths(ranks3):
     _check(ranks3.run(rank_join_vs_ddp, "fuse_all_reduce", [2, 5, 3]), 1e-6)
 
 
+def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str):
+    """Modes zero and fsdp under join: every rank's parameters and the full
+    optimizer state against DDP's under Join with the whole optimizer on
+    each rank (its model, and the state of a rank that stepped last: a
+    joined rank's shard still takes the others' updates)."""
+    batches = _batches("mlp", counts)
+    model = M.make("mlp", seed=dist.get_rank())
+    opt = M.make_optimizer(optimizer, model)
+    step = transpile(M.classify_step, mode=mode)
+    with step.join():
+        losses = [step(model, opt, *b).detach() for b in batches]
+    with step.unsharded():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    full = step.full_optimizer_state_dict(opt)["state"]
+    state = {f"{i}.{k}": v for i, entry in full.items() for k, v in entry.items()}
+
+    reference = M.make("mlp", seed=0)
+    ref_opt = M.make_optimizer(optimizer, reference)
+    ddp = DDP(reference)
+    with Join([ddp]):
+        ref_losses = [M.classify_step(ddp, ref_opt, *b).detach() for b in batches]
+    ref_full = ref_opt.state_dict()["state"]
+    ref_state = {f"{i}.{k}": v for i, entry in ref_full.items() for k, v in entry.items()}
+    ref_params = dict(reference.named_parameters())
+    return (params, {n: p.detach().clone() for n, p in ref_params.items()}, state, ref_state,
+            torch.stack(losses), torch.stack(ref_losses))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_sharded_join_equals_ddp_join(mode, ranks2):
+    """On 2 ranks bit for bit: the parameters on every rank, the optimizer
+    state gathered (a rank that stepped last, under DDP), each step's loss."""
+    _check_sharded(ranks2.run(rank_sharded_join_vs_ddp, mode, [2, 4], "adamw"), [2, 4], 0.0)
+
+
+@pytest.mark.slow
+def test_sharded_join_on_3_ranks_of_3_lengths(ranks3):
+    """Within 1e-6, as mode zero itself on 3 ranks (each parameter's shards
+    are laid out otherwise than DDP's buckets, test_ddp_layout.py)."""
+    counts = [2, 5, 3]
+    _check_sharded(ranks3.run(rank_sharded_join_vs_ddp, "zero", counts, "sgd"), counts, 1e-6)
+
+
+def _check_sharded(results, counts: list[int], tolerance: float):
+    def close(a, b):
+        return torch.allclose(a, b, rtol=0, atol=tolerance)
+    last = counts.index(max(counts))
+    for params, ref_params, state, _, losses, ref_losses in results:
+        assert params.keys() == ref_params.keys()
+        for k in params:
+            assert close(params[k], ref_params[k]), (k, (params[k] - ref_params[k]).abs().max())
+        assert state.keys() == results[last][3].keys()
+        for k in state:
+            assert close(state[k], results[last][3][k]), k
+        assert close(losses, ref_losses)
+    # not vacuous: rank 0 joined first, and the others' steps moved the model
+    assert not torch.allclose(results[0][0]["layers.0.weight"],
+                              M.make("mlp", seed=0).layers[0].weight, atol=1e-3)
+
+
 @pytest.mark.slow
 def test_join_with_equal_loaders_equals_ddp(ranks2):
     _check(ranks2.run(rank_join_vs_ddp, "fuse_all_reduce", [3, 3]), 0.0)
 
 
-def rank_join_refused(case: str):
+def rank_join_refused(case: str, mode: str = "fuse_all_reduce"):
     """Every rank raises the same TranspileError, none waits."""
     rank = dist.get_rank()
     model_name = "bn" if case == "buffers" else "mlp"
@@ -81,7 +142,7 @@ def rank_join_refused(case: str):
         batches[-1] = (x[:2], y[:2])
     model = M.make(model_name, seed=0)
     opt = M.make_optimizer("sgd", model)
-    step = transpile(M.classify_step, mode="fuse_all_reduce")
+    step = transpile(M.classify_step, mode=mode)
     with pytest.raises(TranspileError) as info:
         with step.join():
             for b in batches:
@@ -90,16 +151,21 @@ def rank_join_refused(case: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,match", [("shapes", "needs a new program"),
-                                        ("buffers", "broadcast")])
-def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank(case, match, ranks2):
-    messages = ranks2.run(rank_join_refused, case)
+@pytest.mark.parametrize("case,mode,match", [
+    ("shapes", "fuse_all_reduce", "needs a new program"),
+    ("buffers", "fuse_all_reduce", "broadcast"),
+    ("buffers", "zero", "broadcast_buffers=False"),
+    ("shapes", "fsdp", "needs a new program"),
+])
+def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank(case, mode, match, ranks2):
+    messages = ranks2.run(rank_join_refused, case, mode)
     assert all(match in m for m in messages), messages
     assert messages[0] == messages[1]
 
 
 @pytest.mark.parametrize("mode,options,match", [
-    ("zero", {}, "modes grad_allreduce and fuse_all_reduce"),
+    ("local_sgd", {}, "modes grad_allreduce, fuse_all_reduce, zero and fsdp"),
+    ("zero", {"hierarchical": True}, "without hierarchical"),
     ("fuse_all_reduce", {"backend": "inductor"}, "backend='eager'"),
     ("fuse_all_reduce", {"find_unused_parameters": True}, "find_unused_parameters"),
 ])

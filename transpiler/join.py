@@ -4,7 +4,10 @@ A rank whose loader runs out leaves the loop and, in the context's exit, shadows
 the collectives of the ranks still stepping until every rank is done: for each
 of their steps it issues the same collectives of its own last program, in the
 same order on the same communicators, with zeros (a joined rank contributes no
-gradient). The gradients are divided by the initial world size, as under DDP's
+gradient). In modes zero and fsdp, where each rank alone updates its shard, a
+joined rank runs its last program with zero gradients instead, which issues
+the same collectives and updates its shard from the others' gradients, with
+their hyperparameters (joined_update.py). The gradients are divided by the initial world size, as under DDP's
 Join with divide_by_initial_world_size=True (its default): the program's own
 averaging. When every rank is done, the parameters and buffers are broadcast
 from the highest rank among those that stepped last, as DDP's join hook does
@@ -20,7 +23,8 @@ with the others, so a step that would build a new program (a new batch shape,
 another decision on a tensor value) while a rank has joined is refused on every
 rank. What a joined rank cannot shadow with zeros is refused the same way: a
 broadcast (the buffers the step writes, which DDP under Join takes from another
-rank), a gather or scatter of shards (modes zero, fsdp, all_gather).
+rank), a gather of every rank's gradients (mode all_gather), a collective of the
+forward (SyncBatchNorm's statistics) in modes zero and fsdp.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import dataclasses
 import logging
 
 import torch
-from torch.distributed.utils import _sync_module_states
+from torch.distributed.utils import _sync_module_states, _sync_params_and_buffers
 
-from . import world
+from . import sharded_params, world
 from .agreement import summarize
 from .collectives import ALL_REDUCE, WAIT
 from .control import all_gather_values
 from .errors import TranspileError
+from .executor import Runnable
+from .joined_update import GIVEN, joined_update, kept_outputs
 from .program import Program
 
 log = logging.getLogger("transpiler")
@@ -60,11 +66,14 @@ class Status:
     """What a rank says before each step in the context: it steps (`steps`)
     or has joined; `digest`: the collectives of the program it runs or
     shadows ("" where it would build one, or has none); `problem`: why it
-    cannot (a joined rank's program it cannot shadow)."""
+    cannot (a joined rank's program it cannot shadow); `given`: in modes zero
+    and fsdp, the values of the hyperparameters and numbers the program of a
+    rank that steps reads (joined_update.GIVEN), for a joined rank's update."""
 
     steps: bool
     digest: str = ""
     problem: str = ""
+    given: tuple = ()
 
 
 def shadow_of(program: Program) -> list[_Collective]:
@@ -96,6 +105,66 @@ def _run(shadow: list[_Collective]) -> None:
         WAIT(t)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Given:
+    """The slot of an input whose value a rank that steps gave."""
+
+    value: object
+
+    def read(self, leaves):
+        return self.value
+
+
+def given_values(runnable: Runnable, leaves) -> tuple:
+    """(name, value) of each input of `runnable` a joined rank takes from the
+    ranks that step (joined_update.GIVEN), read for this call."""
+    values = []
+    for spec, slot in zip(runnable.program.inputs, runnable.slots):
+        if spec.kind in GIVEN:
+            value = slot.read(leaves)
+            values.append((spec.name, value.detach().cpu().clone()
+                           if isinstance(value, torch.Tensor) else value))
+    return tuple(values)
+
+
+class _JoinedUpdate:
+    """Modes zero and fsdp: a joined rank's run of its last program with zero
+    gradients (joined_update.py), on the inputs of its last call but those the
+    ranks that step give."""
+
+    def __init__(self, step, leaves):
+        self._step, self._leaves = step, leaves
+        self._built = step._last
+        runnable = self._built.programs[step._last_run]
+        kept = kept_outputs(runnable.program)
+        self.runnable = dataclasses.replace(
+            runnable, program=joined_update(runnable.program), executable=None, ran=False,
+            targets=[t for t, keep in zip(runnable.targets, kept) if keep])
+        self.wants = tuple((name, None) for name, _ in given_values(self.runnable, leaves))
+
+    def __call__(self, given: tuple) -> None:
+        step, joined = self._step, self.runnable
+        values = iter(value for _, value in given)
+        slots = [_Given(_like(next(values), node.meta["val"])) if spec.kind in GIVEN else slot
+                 for spec, slot, node in zip(joined.program.inputs, joined.slots,
+                                             joined.program.placeholders)]
+        this = dataclasses.replace(joined, slots=slots)
+        sharded_params.restore(self._built.sharded_params)
+        try:
+            outputs = step._executor.run_uncommitted(this, self._leaves)
+            step._executor.commit(this, outputs)
+        finally:
+            sharded_params.free(self._built.sharded_params)
+        step._held.step_done(carried=bool(this.held), transient=this.transient)
+        step.bytes_sent += this.sent_bytes
+
+
+def _like(value, like):
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device)
+    return value
+
+
 class Join:
     """The context manager `TranspiledStep.join()` returns."""
 
@@ -106,9 +175,11 @@ class Join:
                 "which a program does not know when it is built: not supported; the default "
                 "(True) divides by the world size, as DDP's default")
         self._step = step
+        self._sharded = step._sharded is not None   # modes zero and fsdp
         self._stepped_after_a_join = False   # is_last_joiner, negated (DDP's Join)
         self.every_rank_steps = True   # at the step being run: no rank has joined
         self._modules: list[torch.nn.Module] = []
+        self._leaves = None   # the last call's
 
     def __enter__(self) -> "Join":
         if self._step._join is not None:
@@ -125,26 +196,33 @@ class Join:
             self._sync_final_model()
         return False
 
-    def before_step(self, built, name: str | None, modules) -> None:
+    def before_step(self, built, name: str | None, modules, leaves) -> None:
         """On a rank that steps, before the program runs (or is built):
         every rank's status; raises on every rank if they cannot go on."""
-        self._modules = list(modules)
+        self._modules, self._leaves = list(modules), leaves
         if built is None or built.decisions:
             mine = Status(steps=True)
         else:
-            mine = Status(steps=True, digest=summarize([built.programs[name].program])[0])
+            runnable = built.programs[name]
+            mine = Status(steps=True, digest=summarize([runnable.program])[0],
+                          given=given_values(runnable, leaves) if self._sharded else ())
         everyone = all_gather_values(mine)
         _check(everyone)
         self.every_rank_steps = all(s.steps for s in everyone)
 
     def _shadow_until_every_rank_is_done(self) -> None:
         step = self._step
-        shadow, mine = None, Status(steps=False)
+        run, mine = None, Status(steps=False)
         if step._last is not None:
             program = step._last.programs[step._last_run].program
             try:
-                shadow = shadow_of(program)
-                mine = Status(steps=False, digest=summarize([program])[0])
+                if self._sharded:
+                    run = _JoinedUpdate(step, self._leaves)
+                    mine = Status(steps=False, digest=summarize([program])[0], given=run.wants)
+                else:
+                    shadow = shadow_of(program)
+                    run = lambda given: _run(shadow)   # noqa: E731
+                    mine = Status(steps=False, digest=summarize([program])[0])
             except TranspileError as exc:
                 mine = Status(steps=False, problem=str(exc))
         while True:
@@ -152,12 +230,14 @@ class Join:
             if not any(s.steps for s in everyone):
                 return
             _check(everyone)
-            _run(shadow)
+            run(next(s.given for s in everyone if s.steps))
             self._stepped_after_a_join = True
 
     def _sync_final_model(self) -> None:
         """DDP's post hook: the parameters and buffers of the highest rank
-        among those that stepped last, broadcast to every rank."""
+        among those that stepped last, broadcast to every rank. (In modes
+        zero and fsdp every rank's parameters are already the same, their
+        shards updated by their owners: the buffers alone.)"""
         everyone = all_gather_values((-1 if self._stepped_after_a_join else world.world()[1],
                                       len(self._modules)))
         src = max(candidate for candidate, _ in everyone)
@@ -165,8 +245,12 @@ class Join:
         if len(set(modules)) != 1:
             raise TranspileError(f"the ranks' steps took different numbers of modules ({modules})")
         for module in self._modules:
-            _sync_module_states(module, world.group(), _BROADCAST_BYTES, src, set(),
-                                broadcast_buffers=True)
+            if self._sharded:
+                _sync_params_and_buffers(world.group(), list(module.buffers()),
+                                         _BROADCAST_BYTES, src)
+            else:
+                _sync_module_states(module, world.group(), _BROADCAST_BYTES, src, set(),
+                                    broadcast_buffers=True)
         log.info("transpiler: join: every rank done; the model broadcast from rank %d", src)
 
 
@@ -196,3 +280,9 @@ def _check(everyone: list[Status]) -> None:
         raise TranspileError(
             f"ranks {stepping} step with a program whose collectives differ from those rank "
             f"{joined[0]} shadows (it has joined): every rank's steps must run one program")
+    wanted = [name for name, _ in everyone[stepping[0]].given]
+    for r in joined:
+        if [name for name, _ in everyone[r].given] != wanted:
+            raise TranspileError(
+                f"rank {r} has joined and updates its shards with the hyperparameters of the "
+                f"ranks that step, but its program reads others than theirs")

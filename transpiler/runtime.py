@@ -329,7 +329,7 @@ class TranspiledStep:
             self._decide_pending(call_args)
         if self._join is not None:   # every rank says whether it steps, and what (join.py)
             self._join.before_step(self._cache.find(call_args), self.schedule.next_program(),
-                                   step_args.modules)
+                                   step_args.modules, step_args.leaves)
         builds = self._cache.builds
         try:
             built = self._cache.get(call_args, self._build)
@@ -423,11 +423,13 @@ class TranspiledStep:
         loader: step(...)`. A rank whose batches run out shadows the others'
         collectives until every rank is done; then every rank gets the model
         of the highest rank among those that stepped last (join.py). Every
-        rank must enter it. Modes grad_allreduce and fuse_all_reduce, backend
+        rank must enter it. Modes grad_allreduce, fuse_all_reduce, zero and fsdp
+        (where a joined rank's shards still take the others' updates), backend
         eager."""
-        if not isinstance(self.schedule, schedules.EveryStep) or self._sharded is not None:
-            raise TranspileError("step.join() shadows the collectives of one program with "
-                                 "zeros: modes grad_allreduce and fuse_all_reduce")
+        if not isinstance(self.schedule, schedules.EveryStep) or self.settings.hierarchical:
+            raise TranspileError("step.join() shadows the collectives of one program: modes "
+                                 "grad_allreduce, fuse_all_reduce, zero and fsdp, without "
+                                 "hierarchical=")
         if self.backend != "eager" or self.verify_steps or self.micro_batches is not None:
             raise TranspileError("step.join() runs with backend='eager', without verify= and "
                                  "micro_batches= (a joined rank issues the program's collectives "
