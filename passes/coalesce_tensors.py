@@ -152,7 +152,7 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     with graph.inserting_before(last.next):
         buffer = pack(graph, grads, comm_dtype, pack_role, **{BUCKET: bucket})
         if ctx.comm_hook is not None:
-            waited = comm_hooks.reduce(graph, ctx.comm_hook, buffer, grads, bucket, is_last, comm,
+            waited = comm_hooks.reduce(program, ctx.comm_hook, buffer, grads, bucket, is_last, comm,
                                        ctx.mesh.ring(comm.over), pack_role)
             comm_dtype = waited.meta["val"].dtype   # DDP copies it into the gradients: cast
         else:

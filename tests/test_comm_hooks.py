@@ -3,7 +3,9 @@
 DDP with `register_comm_hook(state, hook)`, running the same step in the same
 processes on 2 gloo ranks, bit for bit: torch's allreduce_hook,
 fp16_compress_hook and bf16_compress_hook, and hooks of a user's written with
-tensor ops and collectives, eager and under inductor."""
+tensor ops and collectives, eager and under inductor; torch's powerSGD_hook
+with its state (the model and every table of the state after every step,
+on 2 and 3 ranks; resumed from its pickled state)."""
 
 import pytest
 import torch
@@ -108,7 +110,14 @@ def test_fp16_compress_hook_under_inductor(ranks2):
 @pytest.mark.parametrize("option,match", [
     ((None,), "comm_hook must be"),
     (default_hooks.allreduce_hook, "comm_hook must be"),
-    ((powerSGD_hook.PowerSGDState(None), powerSGD_hook.powerSGD_hook), "PowerSGD"),
+    ((powerSGD_hook.PowerSGDState(None), powerSGD_hook.batched_powerSGD_hook),
+     "batched_powerSGD_hook: torch's own hook fails under DDP"),
+    ((powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False,
+                                  warm_start=False), powerSGD_hook.powerSGD_hook),
+     "start_powerSGD_iter=0"),
+    ((powerSGD_hook.PowerSGDState(None), default_hooks.allreduce_hook), "traced with torch's"),
+    ((None, powerSGD_hook.powerSGD_hook), "takes a PowerSGDState"),
+    ((object(), default_hooks.allreduce_hook), "must be a process group or None"),
 ])
 def test_bad_comm_hooks_are_refused_at_transpile(option, match):
     with pytest.raises(TranspileError, match=match):
@@ -141,3 +150,175 @@ def test_comm_hook_equals_ddp_with_it_on_3_ranks(hook_name, ranks3):
     buckets (one in the parameters' order at the first step, then the
     rebuilt ones), so it is bit for bit here too."""
     _equal(ranks3.run(rank_hook_vs_ddp, hook_name, "eager"))
+
+
+# ------------------------------------------------------------------ PowerSGD
+
+POWERSGD_STEPS = 6
+
+
+def _powersgd_state(options: dict) -> powerSGD_hook.PowerSGDState:
+    return powerSGD_hook.PowerSGDState(None, **{"start_powerSGD_iter": 2, **options})
+
+
+def _tables(state) -> dict[str, torch.Tensor]:
+    return {f"{table}[{b}]": t.clone() for table in ("error_dict", "p_memory_dict", "q_memory_dict")
+            for b, t in getattr(state, table).items()}
+
+
+def _workload(model_name: str):
+    """(a model made alike on every call, the rank's batches, the step)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if model_name == "mlp":
+        batches = [M.shard(b, rank, world) for b in M.batches(model_name, POWERSGD_STEPS, 8)]
+        return (lambda: M.make(model_name, seed=0)), batches, M.classify_step
+    from tests import test_ddp_layout as layout
+    batches = layout._batches(model_name, rank)[:POWERSGD_STEPS]
+    return (lambda: layout._make(model_name, "sgd")[0]), batches, layout.step
+
+
+def rank_powersgd_vs_ddp(options: dict, model_name: str = "mlp", backend: str = "eager"):
+    """PowerSGD traced against DDP's powerSGD_hook: each with a state of its
+    own, the same settings and seed; the model, the optimizer, the losses,
+    and the hook's state (counter, statistics, tables) after every step."""
+    make, batches, step_fn = _workload(model_name)
+    model = make()
+    opt = M.make_optimizer("adamw", model)
+    state = _powersgd_state(options)
+    step = transpile(step_fn, mode="fuse_all_reduce", backend=backend,
+                     comm_hook=(state, powerSGD_hook.powerSGD_hook))
+    losses, states = [], []
+    for b in batches:
+        losses.append(step(model, opt, *b).detach())
+        states.append((state.iter, state.compression_stats(), _tables(state)))
+
+    reference = make()
+    ref_opt = M.make_optimizer("adamw", reference)
+    ddp = DDP(reference)
+    ref_state = _powersgd_state(options)
+    ddp.register_comm_hook(ref_state, powerSGD_hook.powerSGD_hook)
+    ref_losses, ref_states = [], []
+    for b in batches:
+        ref_losses.append(step_fn(ddp, ref_opt, *b).detach())
+        ref_states.append((ref_state.iter, ref_state.compression_stats(), _tables(ref_state)))
+    return (M.state_of(model, opt), M.state_of(reference, ref_opt), torch.stack(losses),
+            torch.stack(ref_losses), states, ref_states)
+
+
+def _powersgd_equal(results):
+    _equal([r[:4] + (None,) for r in results])
+    for *_, states, ref_states in results:
+        assert [(i, c) for i, c, _ in states] == [(i, c) for i, c, _ in ref_states]
+        for (_, _, tables), (_, _, ref_tables) in zip(states, ref_states):
+            assert tables.keys() == ref_tables.keys()
+            for k in tables:
+                assert torch.equal(tables[k], ref_tables[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    {},                                                  # error feedback, warm start, rank 1
+    {"matrix_approximation_rank": 2, "warm_start": False},
+    {"matrix_approximation_rank": 4, "min_compression_rate": 1},   # QR, not Gram-Schmidt
+    {"batch_tensors_with_same_shape": True, "use_error_feedback": False},
+    {"orthogonalization_epsilon": 1e-8, "start_powerSGD_iter": 3},
+], ids=["defaults", "rank2-cold", "rank4-qr", "batched-no-feedback", "epsilon"])
+def test_powersgd_equals_ddp_with_it(options, ranks2):
+    """Bit for bit: the model, AdamW's state, each loss, and after every step
+    the hook's counter, statistics and tables (the same random projections,
+    the same P, Q and error)."""
+    results = ranks2.run(rank_powersgd_vs_ddp, options)
+    _powersgd_equal(results)
+    rate, before, after = results[0][4][-1][1]   # the steps compressed
+    assert before > after > 0 and rate > 1
+
+
+@pytest.mark.slow
+def test_powersgd_equals_ddp_on_3_ranks(ranks3):
+    _powersgd_equal(ranks3.run(rank_powersgd_vs_ddp, {"matrix_approximation_rank": 2}))
+
+
+@pytest.mark.slow
+def test_powersgd_on_gpt2(ranks2):
+    _powersgd_equal(ranks2.run(rank_powersgd_vs_ddp, {}, "gpt2"))
+
+
+@pytest.mark.slow
+def test_powersgd_is_not_plain_averaging(ranks2):
+    """Not vacuous: compressed, the model leaves plain averaging's."""
+    compressed = ranks2.run(rank_powersgd_vs_ddp, {})
+    plain = ranks2.run(rank_powersgd_vs_ddp, {"start_powerSGD_iter": POWERSGD_STEPS + 1})
+    assert max((compressed[0][0][k] - plain[0][0][k]).abs().max().item()
+               for k in compressed[0][0]) > 1e-4
+
+
+@pytest.mark.slow
+def test_powersgd_under_inductor(ranks2):
+    """Inductor rounds the model's ops otherwise than eager; the hook's
+    state follows DDP's within that rounding, its counter and statistics
+    exactly."""
+    results = ranks2.run(rank_powersgd_vs_ddp, {}, "mlp", "inductor")
+    _equal([r[:4] + (None,) for r in results], tolerance=1e-4)
+    for *_, states, ref_states in results:
+        assert [(i, c) for i, c, _ in states] == [(i, c) for i, c, _ in ref_states]
+
+
+def rank_powersgd_resumed(path: str):
+    """Stopped after 4 steps (the model, the optimizer and the pickled
+    PowerSGDState saved, as a DDP user saves them), resumed in a new step
+    for 2 more: the same as 6 steps in one go."""
+    make, batches, step_fn = _workload("mlp")
+
+    def run(model, opt, state, steps):
+        step = transpile(step_fn, mode="fuse_all_reduce",
+                         comm_hook=(state, powerSGD_hook.powerSGD_hook))
+        for b in steps:
+            step(model, opt, *b)
+
+    model = make()
+    opt = M.make_optimizer("adamw", model)
+    state = _powersgd_state({})
+    run(model, opt, state, batches)
+    whole = M.state_of(model, opt), _tables(state), state.iter
+
+    model = make()
+    opt = M.make_optimizer("adamw", model)
+    state = _powersgd_state({})
+    run(model, opt, state, batches[:4])
+    file = f"{path}/rank{dist.get_rank()}.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state}, file)
+    saved = torch.load(file, weights_only=False)
+    model = make()
+    model.load_state_dict(saved["model"])
+    opt = M.make_optimizer("adamw", model)
+    opt.load_state_dict(saved["opt"])
+    run(model, opt, saved["hook"], batches[4:])
+    return whole, (M.state_of(model, opt), _tables(saved["hook"]), saved["hook"].iter)
+
+
+@pytest.mark.slow
+def test_powersgd_resumes_from_its_pickled_state(ranks2, tmp_path):
+    for (ours, tables, it), (resumed, resumed_tables, resumed_it) in \
+            ranks2.run(rank_powersgd_resumed, str(tmp_path)):
+        assert it == resumed_it == POWERSGD_STEPS
+        assert tables.keys() == resumed_tables.keys()
+        assert all(torch.equal(tables[k], resumed_tables[k]) for k in tables)
+        assert all(torch.equal(ours[k], resumed[k]) for k in ours)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"verify": 1}, "verify="),
+])
+def test_powersgd_refuses_what_would_advance_its_state_twice(options, match):
+    state = _powersgd_state({})
+    with pytest.raises(TranspileError, match=match):
+        transpile(M.classify_step, mode="fuse_all_reduce",
+                  comm_hook=(state, powerSGD_hook.powerSGD_hook), **options)
+
+
+def test_powersgd_refuses_join():
+    state = _powersgd_state({})
+    step = transpile(M.classify_step, mode="fuse_all_reduce",
+                     comm_hook=(state, powerSGD_hook.powerSGD_hook))
+    with pytest.raises(TranspileError, match="join"):
+        step.join()

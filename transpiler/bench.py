@@ -125,6 +125,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -337,6 +338,27 @@ def _ddp(step_fn, model, optimizer):
     return functools.partial(step_fn, DDP(model), optimizer)
 
 
+def _powersgd_state(rank: int) -> PowerSGDState:
+    """torch's PowerSGD at matrix rank `rank`, compressing after 2 plain
+    steps (within the warm-up), error feedback and warm start on."""
+    return PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+
+
+def _ddp_powersgd(step_fn, model, optimizer):
+    ddp = DDP(model)
+    ddp.register_comm_hook(_powersgd_state(1), powerSGD_hook)
+    return functools.partial(step_fn, ddp, optimizer)
+
+
+def _transpiled_powersgd(rank: int) -> Builder:
+    """fuse_all_reduce with torch's powerSGD_hook at matrix rank `rank`."""
+    def build(step_fn, model, optimizer):
+        step = transpile(step_fn, mode="fuse_all_reduce",
+                         comm_hook=(_powersgd_state(rank), powerSGD_hook))
+        return functools.partial(step, model, optimizer)
+    return build
+
+
 def _ddp_compiled(step_fn, model, optimizer):
     return functools.partial(step_fn, torch.compile(DDP(model)), optimizer)
 
@@ -405,6 +427,9 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
+    "ddp+powersgd1": _ddp_powersgd,
+    "fuse_all_reduce+powersgd1": _transpiled_powersgd(1),
+    "fuse_all_reduce+powersgd4": _transpiled_powersgd(4),
     "fuse_all_reduce+cudagraphs": _transpiled("fuse_all_reduce", backend="cudagraphs"),
     "zero+cudagraphs": _transpiled("zero", backend="cudagraphs"),
     "local_sgd+cudagraphs": _transpiled("local_sgd", k_steps=LOCAL_SGD_K, backend="cudagraphs"),

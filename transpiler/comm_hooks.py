@@ -13,33 +13,40 @@ bucket's all-reduce would be: its collectives are collectives of the program
 
 The hook is traced once, so it must be a function of the bucket (buffer,
 gradients, index, is_last) and of a state that is a process group or None, as
-torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook are. A state
-with Python values that change between steps (PowerSGD's iteration counter,
-error feedback and warm start) is refused.
+torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook are; or
+torch's powerSGD_hook with its PowerSGDState, whose state changes between
+steps: traced per phase, its tensors inputs and outputs of the program
+(powersgd.py). Any other state is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import powersgd
 from .collectives import OP_NAMES, WAIT, set_group
 from .errors import TranspileError
-from .program import CommInfo, new_node
+from .program import (CommInfo, HookEntry, InputKind, InputSpec, OutputKind, OutputSpec, Program,
+                      new_node)
 from .roles import BUCKET, COMM, Role
 from .traced_collectives import traced_collectives
 
 @dataclasses.dataclass(frozen=True)
 class CommHook:
-    """A hook and its state, as register_comm_hook takes them."""
+    """A hook and its state, as register_comm_hook takes them; `compress`:
+    for PowerSGD, the phase traced (powersgd.py)."""
 
     state: Any
     hook: Callable
+    compress: bool = False
 
     @classmethod
     def of(cls, value) -> "CommHook | None":
@@ -51,17 +58,42 @@ class CommHook:
                 f"comm_hook must be (state, hook) as DDP's register_comm_hook(state, hook) "
                 f"takes them, got {value!r}")
         state, hook = value
-        if state is not None and not isinstance(state, dist.ProcessGroup):
+        if isinstance(state, PowerSGDState) or powersgd.is_powersgd(hook):
+            if not isinstance(state, PowerSGDState):
+                raise TranspileError("powerSGD_hook takes a PowerSGDState as its state")
+            powersgd.refuse(state, hook)
+        elif state is not None and not isinstance(state, dist.ProcessGroup):
             raise TranspileError(
                 f"comm_hook's state is a {type(state).__name__}: the hook is traced once into "
                 "the program, so its state must be a process group or None (a state whose "
-                "values change between steps, as PowerSGD's, would be frozen)")
+                "values change between steps would be frozen; torch's PowerSGDState is "
+                "traced as such)")
         return cls(state, hook)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the hook's state changes between steps (PowerSGD's)."""
+        return isinstance(self.state, PowerSGDState)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the hook reduces over (None: the default group)."""
+        return self.state.process_group if self.stateful else self.state
+
+    def compresses(self) -> bool:
+        """Whether the next step runs the hook's compressed phase."""
+        return self.stateful and powersgd.compressing(self.state)
+
+    def after_step(self, program: Program) -> None:
+        """After a step that ran `program`: the host's part of the hook."""
+        if self.stateful:
+            powersgd.after_step(self.state, [spec.hook for spec in program.inputs
+                                             if spec.kind is InputKind.HOOK])
 
     def refuse_other_group(self, process_group: dist.ProcessGroup | None) -> None:
         """The hook's group must be the step's: DDP's built-in hooks reduce
         over their state, the default group when it is None."""
-        if (self.state or dist.group.WORLD) is not (process_group or dist.group.WORLD):
+        if (self.group or dist.group.WORLD) is not (process_group or dist.group.WORLD):
             raise TranspileError(
                 "comm_hook's state must be the step's process group: DDP's hooks reduce over "
                 "their state (None: the default group); pass comm_hook=(process_group, hook) "
@@ -69,9 +101,10 @@ class CommHook:
 
     def __repr__(self) -> str:   # the same on every rank (the settings they agree on)
         name = f"{getattr(self.hook, '__module__', '')}.{getattr(self.hook, '__qualname__', '')}"
-        group = None if self.state is None else (
-            "world" if self.state is dist.group.WORLD else self.state.group_name)
-        return f"CommHook({name}, {group})"
+        group = None if self.group is None else (
+            "world" if self.group is dist.group.WORLD else self.group.group_name)
+        settings = f", {powersgd.describe(self.state)}" if self.stateful else ""
+        return f"CommHook({name}, {group}{settings})"
 
 
 class _Bucket:
@@ -101,10 +134,22 @@ class _Bucket:
                              "(bucket.gradients()), not its parameters")
 
 
-def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool) -> fx.GraphModule:
-    def run(buffer):
-        with traced_collectives():
-            result = hook.hook(hook.state, _Bucket(buffer, shapes, index, last))
+def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool,
+            entries: list[tuple[HookEntry, torch.Size, torch.dtype]] = (),
+            state: Any = None) -> fx.GraphModule:
+    """The hook on bucket `index` traced: inputs the buffer, then the state's
+    tensors `entries`; outputs the reduced buffer, then their new values. A
+    stateful hook runs on a shadow of its state holding the entries (or on
+    `state`)."""
+    def run(buffer, *kept):
+        on = hook.state
+        if hook.stateful:
+            tables: dict[str, dict] = {}
+            for (entry, *_), tensor in zip(entries, kept):
+                tables.setdefault(entry.table, {})[index] = tensor
+            on = state if state is not None else powersgd.shadow(hook.state, hook.compress, tables)
+        with traced_collectives(), powersgd.traceable() if hook.stateful else nullcontext():
+            result = hook.hook(on, _Bucket(buffer, shapes, index, last))
         if not hasattr(result, "wait"):
             raise TranspileError(f"comm hook {hook!r} returned a {type(result).__name__}, not "
                                  "a future of the bucket's reduced tensor")
@@ -113,11 +158,12 @@ def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool) -
         if not isinstance(value, torch.Tensor) or value.numel() != val.numel():
             raise TranspileError(f"comm hook {hook!r}: its future must hold a tensor of the "
                                  f"bucket's {val.numel()} elements")
-        return value
+        return (value, *(getattr(on, entry.table)[index] for entry, *_ in entries))
 
-    example = torch.empty(val.shape, dtype=val.dtype, device=val.device)
-    gm = make_fx(torch.func.functionalize(run, remove="mutations_and_views"),
-                 tracing_mode="fake")(example)
+    examples = [torch.empty(val.shape, dtype=val.dtype, device=val.device)] + [
+        torch.empty(shape, dtype=dtype, device=val.device) for _, shape, dtype in entries]
+    gm = make_fx(torch.func.functionalize(run, remove="mutations"),
+                 tracing_mode="fake")(*examples)
     gm.graph.eliminate_dead_code()   # what functionalization left unread
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         raise TranspileError(f"comm hook {hook!r} reads a tensor of its own (a closure's, a "
@@ -125,24 +171,39 @@ def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool) -
     return gm
 
 
-def reduce(graph: fx.Graph, hook: CommHook, buffer: fx.Node, grads: list[fx.Node],
+def reduce(program: Program, hook: CommHook, buffer: fx.Node, grads: list[fx.Node],
            bucket: int, last: bool, comm: CommInfo, ring: str, role: Role) -> fx.Node:
     """At the insertion point: the bucket's `buffer` (this rank's gradients,
     packed) reduced by the hook; returns the node of the reduced buffer. Its
     collectives get `comm` (op and size their own) on `ring`; nodes before the
-    first one have the packing's `role`, the rest COMM; all carry the bucket."""
-    gm = _traced(hook, buffer.meta["val"], [g.meta["val"].shape for g in grads], bucket, last)
+    first one have the packing's `role`, the rest COMM; all carry the bucket.
+    A stateful hook's tensors become inputs (InputKind.HOOK) and their new
+    values outputs of `program`."""
+    graph, val = program.graph, buffer.meta["val"]
+    shapes = [g.meta["val"].shape for g in grads]
+    entries = []
+    if hook.stateful and hook.compress:
+        entries = powersgd.observe(hook.state, bucket, lambda first: _traced(
+            hook, val, shapes, bucket, last, state=first))
+    gm = _traced(hook, val, shapes, bucket, last, entries)
+    placeholders = [buffer]
+    for entry, shape, dtype in entries:
+        with val.fake_mode:
+            like = torch.empty(shape, dtype=dtype, device=val.device)
+        placeholders.append(program.add_input(
+            InputSpec(InputKind.HOOK, f"{entry.table}[{bucket}]", hook=entry), like,
+            f"hook_{entry.table}_{bucket}"))
     env: dict[fx.Node, Any] = {}
     issued = False
-    result = None
+    results: list[fx.Node] = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            env[n] = buffer
+            env[n] = placeholders[len(env)]
         elif n.op == "output":
-            result = env[n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]]
+            results = [env[v] for v in n.args[0]]
         elif n.op == "call_function":
             if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
-                continue   # the hook's write into the buffer, which nothing reads after
+                continue   # the hook's write into an input, which nothing reads after
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
             meta = {BUCKET: bucket}
             if n.target in OP_NAMES:
@@ -152,8 +213,10 @@ def reduce(graph: fx.Graph, hook: CommHook, buffer: fx.Node, grads: list[fx.Node
             elif n.target is WAIT:
                 meta[COMM] = env[n.args[0]].meta[COMM]
             node = new_node(graph, n.target, args, Role.COMM if issued else role, kwargs,
-                            fake_mode=buffer.meta["val"].fake_mode, **meta)
+                            fake_mode=val.fake_mode, **meta)
             if n.target in OP_NAMES:
                 set_group(node, ring)
             env[n] = node
-    return result
+    for (entry, *_), value in zip(entries, results[1:]):
+        program.add_output(OutputSpec(OutputKind.HOOK, f"{entry.table}[{bucket}]"), value)
+    return results[0]

@@ -155,8 +155,12 @@ class FuseAllReduce(_Fused):
         # DDP's first iteration has buckets of its own; matched where it is exact
         # (eager) and needs to be (find_unused_parameters keeps the parameters' order)
         if common.backend == "eager" and not common.find_unused_parameters:
-            return schedules.FirstIterationApart(self.passes)
-        return super().schedule(common)
+            base = schedules.FirstIterationApart(self.passes)
+        else:
+            base = super().schedule(common)
+        hook = CommHook.of(self.comm_hook)
+        return schedules.CommHookPhases(base, hook) if hook is not None and hook.stateful \
+            else base
 
     def refuse(self, common) -> None:
         if self.comm_hook is not None and (common.reduce_groups or common.hierarchical):
@@ -164,7 +168,12 @@ class FuseAllReduce(_Fused):
                                  "writes it (DDP's hooks average over their process group): "
                                  "not with reduce_groups or hierarchical")
         if self.comm_hook is not None:
-            CommHook.of(self.comm_hook).refuse_other_group(common.process_group)
+            hook = CommHook.of(self.comm_hook)
+            hook.refuse_other_group(common.process_group)
+            if hook.stateful and common.verify:
+                raise TranspileError("verify= runs the eager step under DDP with the same comm "
+                                     "hook, which would advance PowerSGD's state a second time: "
+                                     "not with a PowerSGDState")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,7 @@ class InputKind(enum.Enum):
     DRAW = "draw"        # a value the step draws on the host (random, numpy.random, a clock)
     HELD = "held"       # a tensor the transpiled step itself keeps between calls
     LOOP = "loop"       # a value passed between the programs of a micro-batch loop (micro_loop.py)
+    HOOK = "hook"       # a tensor of a comm hook's state, where DDP's hook keeps it (powersgd.py)
 
 
 class OutputKind(enum.Enum):
@@ -53,6 +54,7 @@ class OutputKind(enum.Enum):
     GRAD = "grad"       # the .grad the step leaves on a parameter
     HELD = "held"       # a value the transpiled step keeps, for its schedule or its next calls
     ASSIGNED = "assigned"  # a tensor the step assigns to a host attribute (self.aux = loss)
+    HOOK = "hook"       # the new value of a comm hook's state tensor (InputKind.HOOK)
 
 
 class Held(enum.Enum):
@@ -86,6 +88,20 @@ class Hyper:
 
 
 @dataclasses.dataclass(frozen=True)
+class HookEntry:
+    """A tensor of a comm hook's state: `table[bucket]` of the state object
+    (PowerSGDState.error_dict, p_memory_dict, q_memory_dict). For the Q
+    memory, `projections`: the shapes of the random matrices it is first
+    drawn as; `counted`: the elements before and after compression the
+    bucket adds to the state's statistics per step."""
+
+    table: str
+    bucket: int
+    projections: tuple = ()
+    counted: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class InputSpec:
     """What a placeholder holds. `name` is unique in a program (the listing
     prints it); passes select inputs by the typed fields: `param` names the
@@ -98,12 +114,14 @@ class InputSpec:
     param: str | None = None
     hyper: Hyper | None = None
     held: Held | None = None
+    hook: HookEntry | None = None
 
     def __post_init__(self):
         if (self.hyper is not None) != (self.kind is InputKind.HYPER) or \
-                (self.held is not None) != (self.kind is InputKind.HELD):
-            raise ValueError(f"internal: an input of kind {self.kind} with hyper={self.hyper} "
-                             f"and held={self.held}")
+                (self.held is not None) != (self.kind is InputKind.HELD) or \
+                (self.hook is not None) != (self.kind is InputKind.HOOK):
+            raise ValueError(f"internal: an input of kind {self.kind} with hyper={self.hyper}, "
+                             f"held={self.held} and hook={self.hook}")
 
     @staticmethod
     def of_held(what: Held, param: str | None = None) -> "InputSpec":
@@ -230,11 +248,12 @@ class Program:
         params = [s.name for s in reversed(self.inputs) if s.kind is InputKind.PARAM]
         return {name: marked[name] for name in params if name in marked} | marked
 
-    def add_input(self, spec: InputSpec, like: fx.Node, name: str) -> fx.Node:
-        """A new placeholder after the others, holding a tensor shaped like `like`."""
+    def add_input(self, spec: InputSpec, like: fx.Node | torch.Tensor, name: str) -> fx.Node:
+        """A new placeholder after the others, holding a tensor shaped like
+        `like` (a node's value, or a fake tensor)."""
         with self.graph.inserting_after(self.placeholders[-1]):
             node = self.graph.placeholder(name)
-        val = like.meta["val"]
+        val = like if isinstance(like, torch.Tensor) else like.meta["val"]
         with val.fake_mode:
             node.meta["val"] = same_layout(val)
         node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])

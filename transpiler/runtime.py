@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import (agreement, consensus, consistency, micro_loop, rebuild, reduce_groups,
+from . import (agreement, consensus, consistency, micro_loop, powersgd, rebuild, reduce_groups,
                sharded_params, verify)
 from . import schedule as schedules
 from .backends import check_process_group, device_of, resolve
@@ -387,6 +387,8 @@ class TranspiledStep:
         self._last, self._last_run = built, name
         self.bytes_sent += runnable.sent_bytes
         self.schedule.advance(name, self._held.tensors)
+        if self.settings.comm_hook is not None:   # its state's host part (PowerSGD's counter)
+            self.settings.comm_hook.after_step(runnable.program)
         self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
         if self.check_every and self.schedule.step % self.check_every == 0:
             self._check_due = True
@@ -426,6 +428,9 @@ class TranspiledStep:
         rank must enter it. Modes grad_allreduce, fuse_all_reduce, zero and fsdp
         (where a joined rank's shards still take the others' updates), backend
         eager."""
+        if self.settings.comm_hook is not None and self.settings.comm_hook.stateful:
+            raise TranspileError("step.join() with PowerSGD: not supported (DDP's joined rank "
+                                 "runs the hook on zeros, which advances its state)")
         if not isinstance(self.schedule, schedules.EveryStep) or self.settings.hierarchical:
             raise TranspileError("step.join() shadows the collectives of one program: modes "
                                  "grad_allreduce, fuse_all_reduce, zero and fsdp, without "
@@ -673,8 +678,7 @@ class TranspiledStep:
                 "backend": repr(self.backend), "check_every": repr(self.check_every),
                 "reduce_groups": reduce_groups.describe(self.groups),
                 "process_group": repr(None if self.process_group is None else global_ranks()),
-                "schedule": f"{type(self.schedule).__name__} "
-                            f"{ {k: v for k, v in vars(self.schedule).items() if k != 'programs'} }"}
+                "schedule": repr(self.schedule)}
 
     def _trace(self, step_args, why: str) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
@@ -702,10 +706,13 @@ class TranspiledStep:
         hypers = {spec.hyper: slot for spec, slot in zip(captured.program.inputs, captured.slots)
                   if spec.kind is InputKind.HYPER}
         slots = [HeldSlot(self._held.tensors, spec.name) if spec.kind is InputKind.HELD
+                 else powersgd.StateSlot.of(self.settings.comm_hook.state, spec.hook,
+                                            node.meta["val"])
+                 if spec.kind is InputKind.HOOK
                  else dataclasses.replace(hypers[dataclasses.replace(spec.hyper, ahead=0)],
                                           ahead=spec.hyper.ahead)
                  if spec.kind is InputKind.HYPER and spec.hyper.ahead
-                 else by_name[spec.name] for spec in program.inputs]
+                 else by_name[spec.name] for spec, node in zip(program.inputs, program.placeholders)]
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
         targets = [None if spec.kind is OutputKind.USER
                    else captured_targets[(spec.kind, spec.target)] if spec.kind in own

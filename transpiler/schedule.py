@@ -68,6 +68,9 @@ class Schedule:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.skipped = int(state["step"]), int(state.get("skipped", 0))
 
+    def __repr__(self) -> str:   # the same on every rank (the settings they agree on)
+        return f"{type(self).__name__} { {k: v for k, v in vars(self).items() if k != 'programs'} }"
+
 
 class EveryStep(Schedule):
     """One program, "main", at every step."""
@@ -106,6 +109,41 @@ class FirstIterationApart(EveryStep):
     def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
         super().advance(program, held)
         self.first_done = True
+
+
+class CommHookPhases(Schedule):
+    """A comm hook whose state says what it does at a step (PowerSGD: plain
+    all-reduces for its first start_powerSGD_iter iterations, then
+    compression; powersgd.py): `base`'s programs while the hook reduces
+    plainly, then "compress" (base's passes, the hook traced in its
+    compressed phase) once its state says so."""
+
+    def __init__(self, base: EveryStep, hook):
+        super().__init__()
+        self.base, self.hook = base, hook
+
+    @property
+    def programs(self) -> dict[str, tuple[PassLike, ...]]:
+        return {**self.base.programs, "compress": self.base.programs["main"]}
+
+    @programs.setter
+    def programs(self, programs: dict[str, tuple[PassLike, ...]]) -> None:
+        self.base.programs = {name: p for name, p in programs.items() if name != "compress"}
+
+    def bind(self, world_size: int) -> None:
+        self.base.bind(world_size)
+
+    def context(self, program: str, ctx: PassContext) -> PassContext:
+        if program == "compress":
+            return dataclasses.replace(ctx, comm_hook=dataclasses.replace(self.hook, compress=True))
+        return self.base.context(program, ctx)
+
+    def next_program(self) -> str:
+        return "compress" if self.hook.compresses() else self.base.next_program()
+
+    def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
+        super().advance(program, held)
+        self.base.advance(program, held)
 
 
 class LocalSGD(Schedule):
