@@ -169,9 +169,15 @@ def _tables(state) -> dict[str, torch.Tensor]:
 def _workload(model_name: str):
     """(a model made alike on every call, the rank's batches, the step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if model_name == "mlp":
-        batches = [M.shard(b, rank, world) for b in M.batches(model_name, POWERSGD_STEPS, 8)]
-        return (lambda: M.make(model_name, seed=0)), batches, M.classify_step
+    if model_name in ("mlp", "mlp_without_bias"):   # the latter: nothing left uncompressed
+        batches = [M.shard(b, rank, world) for b in M.batches("mlp", POWERSGD_STEPS, 8)]
+
+        def make():
+            torch.manual_seed(0)
+            return M.make("mlp") if model_name == "mlp" else torch.nn.Sequential(
+                torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(),
+                torch.nn.Linear(32, 4, bias=False))
+        return make, batches, M.classify_step
     from tests import test_ddp_layout as layout
     batches = layout._batches(model_name, rank)[:POWERSGD_STEPS]
     return (lambda: layout._make(model_name, "sgd")[0]), batches, layout.step
@@ -239,8 +245,9 @@ def test_powersgd_equals_ddp_on_3_ranks(ranks3):
 
 
 @pytest.mark.slow
-def test_powersgd_on_gpt2(ranks2):
-    _powersgd_equal(ranks2.run(rank_powersgd_vs_ddp, {}, "gpt2"))
+@pytest.mark.parametrize("model_name", ["gpt2", "mlp_without_bias"])
+def test_powersgd_on_other_models(model_name, ranks2):
+    _powersgd_equal(ranks2.run(rank_powersgd_vs_ddp, {}, model_name))
 
 
 @pytest.mark.slow

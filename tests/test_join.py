@@ -103,11 +103,13 @@ def test_sharded_join_equals_ddp_join(mode, ranks2):
 
 
 @pytest.mark.slow
-def test_sharded_join_on_3_ranks_of_3_lengths(ranks3):
-    """Within 1e-6, as mode zero itself on 3 ranks (each parameter's shards
-    are laid out otherwise than DDP's buckets, test_ddp_layout.py)."""
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_sharded_join_on_3_ranks_of_3_lengths(mode, ranks3):
+    """Within 1e-6, as modes zero and fsdp themselves on 3 ranks (each
+    parameter's shards are laid out otherwise than DDP's buckets,
+    test_ddp_layout.py)."""
     counts = [2, 5, 3]
-    _check_sharded(ranks3.run(rank_sharded_join_vs_ddp, "zero", counts, "sgd"), counts, 1e-6)
+    _check_sharded(ranks3.run(rank_sharded_join_vs_ddp, mode, counts, "sgd"), counts, 1e-6)
 
 
 def _check_sharded(results, counts: list[int], tolerance: float):

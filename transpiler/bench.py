@@ -344,12 +344,6 @@ def _powersgd_state(rank: int) -> PowerSGDState:
     return PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
 
 
-def _ddp_powersgd(step_fn, model, optimizer):
-    ddp = DDP(model)
-    ddp.register_comm_hook(_powersgd_state(1), powerSGD_hook)
-    return functools.partial(step_fn, ddp, optimizer)
-
-
 def _transpiled_powersgd(rank: int) -> Builder:
     """fuse_all_reduce with torch's powerSGD_hook at matrix rank `rank`."""
     def build(step_fn, model, optimizer):
@@ -427,7 +421,6 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
-    "ddp+powersgd1": _ddp_powersgd,
     "fuse_all_reduce+powersgd1": _transpiled_powersgd(1),
     "fuse_all_reduce+powersgd4": _transpiled_powersgd(4),
     "fuse_all_reduce+cudagraphs": _transpiled("fuse_all_reduce", backend="cudagraphs"),

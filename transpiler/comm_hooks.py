@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import powersgd
@@ -120,8 +121,14 @@ class _Bucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        parts = self._buffer.split([s.numel() for s in self._shapes])
-        return [p.view(s) for p, s in zip(parts, self._shapes)]
+        # A slice per gradient, not one split: functionalization regenerates a
+        # view of a written buffer by replaying it, and a split's replay makes
+        # every part again (quadratic in the bucket's gradients)
+        views, offset = [], 0
+        for shape in self._shapes:
+            views.append(self._buffer[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return views
 
     def index(self) -> int:
         return self._index
@@ -134,30 +141,45 @@ class _Bucket:
                              "(bucket.gradients()), not its parameters")
 
 
+def _call(hook: CommHook, state: Any, buffer: torch.Tensor, shapes, index: int,
+          last: bool) -> torch.Tensor:
+    """The hook run on bucket `index` whose buffer is `buffer`, with `state`:
+    the tensor its future holds."""
+    with traced_collectives(), powersgd.traceable() if hook.stateful else nullcontext():
+        result = hook.hook(state, _Bucket(buffer, shapes, index, last))
+    if not hasattr(result, "wait"):
+        raise TranspileError(f"comm hook {hook!r} returned a {type(result).__name__}, not "
+                             "a future of the bucket's reduced tensor")
+    value = result.wait()
+    value = value[0] if isinstance(value, (list, tuple)) else value
+    if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
+        raise TranspileError(f"comm hook {hook!r}: its future must hold a tensor of the "
+                             f"bucket's {buffer.numel()} elements")
+    return value
+
+
+def _on_fake(hook: CommHook, state: Any, val: torch.Tensor, shapes, index: int,
+             last: bool) -> None:
+    """The hook run once on fake tensors, no graph made: for what it leaves in
+    `state` (powersgd.observe)."""
+    with FakeTensorMode():
+        _call(hook, state, torch.empty(val.shape, dtype=val.dtype, device=val.device), shapes,
+              index, last)
+
+
 def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool,
-            entries: list[tuple[HookEntry, torch.Size, torch.dtype]] = (),
-            state: Any = None) -> fx.GraphModule:
+            entries: list[tuple[HookEntry, torch.Size, torch.dtype]] = ()) -> fx.GraphModule:
     """The hook on bucket `index` traced: inputs the buffer, then the state's
     tensors `entries`; outputs the reduced buffer, then their new values. A
-    stateful hook runs on a shadow of its state holding the entries (or on
-    `state`)."""
+    stateful hook runs on a shadow of its state holding the entries."""
     def run(buffer, *kept):
         on = hook.state
         if hook.stateful:
             tables: dict[str, dict] = {}
             for (entry, *_), tensor in zip(entries, kept):
                 tables.setdefault(entry.table, {})[index] = tensor
-            on = state if state is not None else powersgd.shadow(hook.state, hook.compress, tables)
-        with traced_collectives(), powersgd.traceable() if hook.stateful else nullcontext():
-            result = hook.hook(on, _Bucket(buffer, shapes, index, last))
-        if not hasattr(result, "wait"):
-            raise TranspileError(f"comm hook {hook!r} returned a {type(result).__name__}, not "
-                                 "a future of the bucket's reduced tensor")
-        value = result.wait()
-        value = value[0] if isinstance(value, (list, tuple)) else value
-        if not isinstance(value, torch.Tensor) or value.numel() != val.numel():
-            raise TranspileError(f"comm hook {hook!r}: its future must hold a tensor of the "
-                                 f"bucket's {val.numel()} elements")
+            on = powersgd.shadow(hook.state, hook.compress, tables)
+        value = _call(hook, on, buffer, shapes, index, last)
         return (value, *(getattr(on, entry.table)[index] for entry, *_ in entries))
 
     examples = [torch.empty(val.shape, dtype=val.dtype, device=val.device)] + [
@@ -165,10 +187,10 @@ def _traced(hook: CommHook, val: torch.Tensor, shapes, index: int, last: bool,
     gm = make_fx(torch.func.functionalize(run, remove="mutations"),
                  tracing_mode="fake")(*examples)
     gm.graph.eliminate_dead_code()   # what functionalization left unread
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
+    if any(n.op == "get_attr" and getattr(gm, n.target).numel() for n in gm.graph.nodes):
         raise TranspileError(f"comm hook {hook!r} reads a tensor of its own (a closure's, a "
                              "global's): the program would freeze it; compute it from the bucket")
-    return gm
+    return gm   # (an empty one holds no value: PowerSGD's torch.tensor([]), nothing to send)
 
 
 def reduce(program: Program, hook: CommHook, buffer: fx.Node, grads: list[fx.Node],
@@ -183,8 +205,8 @@ def reduce(program: Program, hook: CommHook, buffer: fx.Node, grads: list[fx.Nod
     shapes = [g.meta["val"].shape for g in grads]
     entries = []
     if hook.stateful and hook.compress:
-        entries = powersgd.observe(hook.state, bucket, lambda first: _traced(
-            hook, val, shapes, bucket, last, state=first))
+        entries = powersgd.observe(hook.state, bucket, lambda first: _on_fake(
+            hook, first, val, shapes, bucket, last))
     gm = _traced(hook, val, shapes, bucket, last, entries)
     placeholders = [buffer]
     for entry, shape, dtype in entries:
@@ -201,6 +223,11 @@ def reduce(program: Program, hook: CommHook, buffer: fx.Node, grads: list[fx.Nod
             env[n] = placeholders[len(env)]
         elif n.op == "output":
             results = [env[v] for v in n.args[0]]
+        elif n.op == "get_attr":   # an empty tensor (_traced)
+            empty = getattr(gm, n.target)
+            env[n] = new_node(graph, torch.ops.aten.empty.memory_format, (list(empty.shape),),
+                              role, {"dtype": empty.dtype, "device": val.device},
+                              fake_mode=val.fake_mode, **{BUCKET: bucket})
         elif n.op == "call_function":
             if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
                 continue   # the hook's write into an input, which nothing reads after
