@@ -25,18 +25,18 @@ def _batches(model_name: str, counts: list[int]):
 
 
 def rank_join_vs_ddp(mode: str, counts: list[int], model_name: str = "mlp",
-                     optimizer: str = "sgd"):
+                     optimizer: str = "sgd", divide: bool = True):
     batches = _batches(model_name, counts)
     model = M.make(model_name, seed=dist.get_rank())
     opt = M.make_optimizer(optimizer, model)
     step = transpile(M.classify_step, mode=mode)
-    with step.join():
+    with step.join(divide_by_initial_world_size=divide):
         losses = [step(model, opt, *b).detach() for b in batches]
 
     reference = M.make(model_name, seed=0)
     ref_opt = M.make_optimizer(optimizer, reference)
     ddp = DDP(reference)
-    with Join([ddp]):
+    with Join([ddp], divide_by_initial_world_size=divide):
         ref_losses = [M.classify_step(ddp, ref_opt, *b).detach() for b in batches]
     return (M.state_of(model, opt), M.state_of(reference, ref_opt), torch.stack(losses),
             torch.stack(ref_losses))
@@ -57,16 +57,29 @@ def _check(results, tolerance: float):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
-def test_join_equals_ddp_join_on_2_ranks(mode, ranks2):
-    _check(ranks2.run(rank_join_vs_ddp, mode, [4, 2], "mlp", "adamw"), 0.0)
+@pytest.mark.parametrize("divide", [True, False], ids=["initial", "stepping"])
+def test_join_equals_ddp_join_on_2_ranks(mode, divide, ranks2):
+    """divide_by_initial_world_size both ways: after rank 1 joins, rank 0's
+    gradients divided by 2 or by 1, as DDP's."""
+    _check(ranks2.run(rank_join_vs_ddp, mode, [4, 2], "mlp", "adamw", divide), 0.0)
 
 
 @pytest.mark.slow
-def test_join_on_3_ranks_of_3_lengths(ranks3):
-    _check(ranks3.run(rank_join_vs_ddp, "fuse_all_reduce", [2, 5, 3]), 1e-6)
+@pytest.mark.parametrize("divide", [True, False], ids=["initial", "stepping"])
+def test_join_on_3_ranks_of_3_lengths(divide, ranks3):
+    _check(ranks3.run(rank_join_vs_ddp, "fuse_all_reduce", [2, 5, 3], "mlp", "sgd", divide),
+           1e-6)
 
 
-def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str):
+@pytest.mark.slow
+def test_dividing_by_the_ranks_stepping_is_not_vacuous(ranks2):
+    initial = ranks2.run(rank_join_vs_ddp, "fuse_all_reduce", [4, 2], "mlp", "sgd", True)
+    stepping = ranks2.run(rank_join_vs_ddp, "fuse_all_reduce", [4, 2], "mlp", "sgd", False)
+    assert not torch.equal(initial[0][0]["model.layers.0.weight"],
+                           stepping[0][0]["model.layers.0.weight"])
+
+
+def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str, divide: bool = True):
     """Modes zero and fsdp under join: every rank's parameters and the full
     optimizer state against DDP's under Join with the whole optimizer on
     each rank (its model, and the state of a rank that stepped last: a
@@ -75,7 +88,7 @@ def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str):
     model = M.make("mlp", seed=dist.get_rank())
     opt = M.make_optimizer(optimizer, model)
     step = transpile(M.classify_step, mode=mode)
-    with step.join():
+    with step.join(divide_by_initial_world_size=divide):
         losses = [step(model, opt, *b).detach() for b in batches]
     with step.unsharded():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -85,7 +98,7 @@ def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str):
     reference = M.make("mlp", seed=0)
     ref_opt = M.make_optimizer(optimizer, reference)
     ddp = DDP(reference)
-    with Join([ddp]):
+    with Join([ddp], divide_by_initial_world_size=divide):
         ref_losses = [M.classify_step(ddp, ref_opt, *b).detach() for b in batches]
     ref_full = ref_opt.state_dict()["state"]
     ref_state = {f"{i}.{k}": v for i, entry in ref_full.items() for k, v in entry.items()}
@@ -95,11 +108,12 @@ def rank_sharded_join_vs_ddp(mode: str, counts: list[int], optimizer: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["zero", "fsdp"])
-def test_sharded_join_equals_ddp_join(mode, ranks2):
+@pytest.mark.parametrize("mode,divide", [("zero", True), ("fsdp", True), ("zero", False)])
+def test_sharded_join_equals_ddp_join(mode, divide, ranks2):
     """On 2 ranks bit for bit: the parameters on every rank, the optimizer
     state gathered (a rank that stepped last, under DDP), each step's loss."""
-    _check_sharded(ranks2.run(rank_sharded_join_vs_ddp, mode, [2, 4], "adamw"), [2, 4], 0.0)
+    _check_sharded(ranks2.run(rank_sharded_join_vs_ddp, mode, [2, 4], "adamw", divide), [2, 4],
+                   0.0)
 
 
 @pytest.mark.slow
@@ -175,9 +189,3 @@ def test_join_refuses_what_it_cannot_shadow_at_once(mode, options, match):
     step = transpile(M.classify_step, mode=mode, **options)
     with pytest.raises(TranspileError, match=match):
         step.join()
-
-
-def test_join_divides_by_the_initial_world_size_only():
-    step = transpile(M.classify_step, mode="fuse_all_reduce")
-    with pytest.raises(TranspileError, match="divide_by_initial_world_size"):
-        step.join(divide_by_initial_world_size=False)

@@ -7,9 +7,11 @@ same order on the same communicators, with zeros (a joined rank contributes no
 gradient). In modes zero and fsdp, where each rank alone updates its shard, a
 joined rank runs its last program with zero gradients instead, which issues
 the same collectives and updates its shard from the others' gradients, with
-their hyperparameters (joined_update.py). The gradients are divided by the initial world size, as under DDP's
-Join with divide_by_initial_world_size=True (its default): the program's own
-averaging. When every rank is done, the parameters and buffers are broadcast
+their hyperparameters (joined_update.py). The gradients are divided by the
+initial world size, as under DDP's Join with divide_by_initial_world_size=True
+(its default): the program's own averaging; with False, by the ranks still
+stepping, as DDP's divide factor of the iteration: while a rank has joined the
+others run a copy of their program whose means divide so (`divided_by`). When every rank is done, the parameters and buffers are broadcast
 from the highest rank among those that stepped last, as DDP's join hook does
 (torch's own _sync_module_states): every rank ends with the same model, and a
 joined rank's optimizer state stays where its last step left it, as under DDP.
@@ -42,7 +44,9 @@ from .control import all_gather_values
 from .errors import TranspileError
 from .executor import Runnable
 from .joined_update import GIVEN, joined_update, kept_outputs
+from .mesh import Dim
 from .program import Program
+from .roles import AVERAGED
 
 log = logging.getLogger("transpiler")
 
@@ -127,6 +131,16 @@ def given_values(runnable: Runnable, leaves) -> tuple:
     return tuple(values)
 
 
+def divided_by(program: Program, ranks: int) -> Program:
+    """A copy of `program` whose means over the world divide by `ranks`."""
+    divided = program.copy(program.name)
+    for node in divided.graph.nodes:
+        if node.meta.get(AVERAGED) is Dim.WORLD:
+            node.args = (node.args[0], 1 / ranks)
+    divided.gm.recompile()
+    return divided
+
+
 class _JoinedUpdate:
     """Modes zero and fsdp: a joined rank's run of its last program with zero
     gradients (joined_update.py), on the inputs of its last call but those the
@@ -169,15 +183,13 @@ class Join:
     """The context manager `TranspiledStep.join()` returns."""
 
     def __init__(self, step, divide_by_initial_world_size: bool = True):
-        if divide_by_initial_world_size is not True:
-            raise TranspileError(
-                "join(divide_by_initial_world_size=False) divides by the ranks still stepping, "
-                "which a program does not know when it is built: not supported; the default "
-                "(True) divides by the world size, as DDP's default")
         self._step = step
+        self._divide_by_initial = divide_by_initial_world_size
         self._sharded = step._sharded is not None   # modes zero and fsdp
         self._stepped_after_a_join = False   # is_last_joiner, negated (DDP's Join)
         self.every_rank_steps = True   # at the step being run: no rank has joined
+        self._stepping = 0   # how many ranks step at the step being run
+        self._divided: dict[tuple[int, int], Runnable] = {}
         self._modules: list[torch.nn.Module] = []
         self._leaves = None   # the last call's
 
@@ -209,6 +221,22 @@ class Join:
         everyone = all_gather_values(mine)
         _check(everyone)
         self.every_rank_steps = all(s.steps for s in everyone)
+        self._stepping = sum(s.steps for s in everyone)
+
+    def runnable(self, runnable: Runnable) -> Runnable:
+        """What a rank that steps runs for `runnable`: with
+        divide_by_initial_world_size=False while a rank has joined, the
+        program whose means divide by the ranks still stepping (DDP's divide
+        factor of the iteration), built here once per count (a local copy:
+        its collectives are the same)."""
+        if self._divide_by_initial or self.every_rank_steps:
+            return runnable
+        key = (id(runnable), self._stepping)
+        if key not in self._divided:
+            self._divided[key] = dataclasses.replace(
+                runnable, program=divided_by(runnable.program, self._stepping),
+                executable=None, ran=False)
+        return self._divided[key]
 
     def _shadow_until_every_rank_is_done(self) -> None:
         step = self._step

@@ -32,7 +32,7 @@ from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, Placement
 from .mesh import Dim, Over
 from .pipeline import PassContext
 from .program import CommInfo, new_node
-from .roles import COMM, REDUCE, REDUCED, Role
+from .roles import AVERAGED, COMM, REDUCE, REDUCED, Role
 
 aten = torch.ops.aten
 
@@ -67,7 +67,8 @@ def issue(graph: fx.Graph, value: fx.Node, reduction: Reduction, ctx: PassContex
     mesh, val = ctx.mesh, value.meta["val"]
     sent = value
     if reduction.op is ReduceOp.MEAN:
-        sent = node(aten.mul.Tensor, (sent, 1 / mesh.size(reduction.over)), role)
+        sent = node(aten.mul.Tensor, (sent, 1 / mesh.size(reduction.over)), role,
+                    **{AVERAGED: reduction.over})
     shape, numel = list(val.shape), val.numel()
     if reduction.placement is Placement.SHARD:
         over = _scattered_over(reduction, ctx)

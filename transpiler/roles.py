@@ -39,6 +39,9 @@ BUCKET = "bucket"      # bucket index on the nodes that pack and unpack a fused 
 INPUT = "input"        # InputSpec on placeholders
 REDUCE = "reduce"      # Reduction (collectives.py): a value a reduction pass must reduce over the ranks
 REDUCED = "reduced"    # Reduction: on the node holding a value's reduced result (lowering.complete)
+# lowering.issue: on the node that divides a value by the ranks that sum it (a
+# mean), the Over those ranks are (join.py divides by the ranks still stepping)
+AVERAGED = "averaged"
 # shard_optimizer: the parameter name on the node holding this rank's shard of
 # it, and on the node holding its full value gathered from the updated shards
 PARAM_SHARD = "param_shard"

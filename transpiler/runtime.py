@@ -343,6 +343,8 @@ class TranspiledStep:
         tried: list[Built] = []   # those whose decisions on tensor values this call's differ from
         while True:
             runnable = built.programs[name]
+            if self._join is not None:   # with a rank joined, maybe divided otherwise
+                runnable = self._join.runnable(runnable)
             leaves = MicroLeaves(cut, step_args.leaves) if runnable.loop else step_args.leaves
             self._run_prelude(built, runnable)
             sharded_params.free(built.sharded_params)   # after the startup cut their shards
