@@ -11,22 +11,23 @@ their hyperparameters (joined_update.py). The gradients are divided by the
 initial world size, as under DDP's Join with divide_by_initial_world_size=True
 (its default): the program's own averaging; with False, by the ranks still
 stepping, as DDP's divide factor of the iteration: while a rank has joined the
-others run a copy of their program whose means divide so (`divided_by`). When every rank is done, the parameters and buffers are broadcast
-from the highest rank among those that stepped last, as DDP's join hook does
-(torch's own _sync_module_states): every rank ends with the same model, and a
-joined rank's optimizer state stays where its last step left it, as under DDP.
+others run a copy of their program whose means divide so (`divided_by`). When
+every rank is done, the parameters and buffers are broadcast from the highest
+rank among those that stepped last, as DDP's join hook does (torch's own
+_sync_module_states): every rank ends with the same model, and a joined rank's
+optimizer state stays where its last step left it, as under DDP.
 
-Before each step in the context every rank says on the control plane whether
-it steps (and the digest of the collectives of the program it is about to run)
-or has joined (and the digest of the program it shadows); the ranks go on only
-if those agree, else every rank raises the same error: a rank never waits on a
-collective that no other rank issues. A joined rank cannot trace or compile
-with the others, so a step that would build a new program (a new batch shape,
-another decision on a tensor value) while a rank has joined is refused on every
-rank. What a joined rank cannot shadow with zeros is refused the same way: a
-broadcast (the buffers the step writes, which DDP under Join takes from another
-rank), a gather of every rank's gradients (mode all_gather), a collective of the
-forward (SyncBatchNorm's statistics) in modes zero and fsdp.
+Before each step in the context every rank says on the control plane whether it
+steps (and the digest of the collectives of the program it is about to run) or
+has joined (and the digest of the program it shadows); the ranks go on only if
+those agree, else every rank raises the same error: a rank never waits on a
+collective that no other rank issues. A joined rank cannot trace or compile with
+the others, so a step that would build a new program (a new batch shape, another
+decision on a tensor value) while a rank has joined is refused on every rank.
+What a joined rank cannot shadow with zeros is refused the same way: a broadcast
+(the buffers the step writes, which DDP under Join takes from another rank), a
+gather of every rank's gradients (mode all_gather), a collective of the forward
+(SyncBatchNorm's statistics) in modes zero and fsdp.
 """
 
 from __future__ import annotations

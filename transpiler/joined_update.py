@@ -67,7 +67,8 @@ def joined_update(program: Program) -> Program:
     kept = kept_outputs(program)
     out.args = (tuple(v for v, keep in zip(out.args[0], kept) if keep),)
     joined.outputs = [spec for spec, keep in zip(program.outputs, kept) if keep]
-    graph.eliminate_dead_code(is_impure_node=lambda n: COMM in n.meta or n.is_impure(impure_random=False))
+    graph.eliminate_dead_code(
+        is_impure_node=lambda n: COMM in n.meta or n.is_impure(impure_random=False))
     joined.gm.recompile()
     _check(program, joined)
     return joined

@@ -714,7 +714,8 @@ class TranspiledStep:
                  else dataclasses.replace(hypers[dataclasses.replace(spec.hyper, ahead=0)],
                                           ahead=spec.hyper.ahead)
                  if spec.kind is InputKind.HYPER and spec.hyper.ahead
-                 else by_name[spec.name] for spec, node in zip(program.inputs, program.placeholders)]
+                 else by_name[spec.name]
+                 for spec, node in zip(program.inputs, program.placeholders)]
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
         targets = [None if spec.kind is OutputKind.USER
                    else captured_targets[(spec.kind, spec.target)] if spec.kind in own
