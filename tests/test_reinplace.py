@@ -15,7 +15,8 @@ from transpiler import run_passes, transpile
 from transpiler.modes import MODES
 from transpiler.program import InputKind, OutputKind
 from transpiler.reinplace import _VIEWS, _produce_into_slices, reinplace
-from transpiler.roles import Role
+from transpiler.capture import flatten_args, trace_step
+from transpiler.roles import DECISION, Role
 
 
 PROGRAMS = [(mode, name, passes) for mode, programs in sorted(MODES.items())
@@ -199,3 +200,22 @@ def _strided_step(model, opt, x, y):
 
 def test_a_strided_slice_of_a_fresh_buffer_is_written_in_place_with_its_step():
     M.against_eager(_strided_step, build=_StridedWrite)
+
+
+def test_a_decision_is_checked_before_the_first_collective():
+    """A decision on a tensor value that reads neither the backward pass nor a
+    collective stays where the trace put it: sunk after them with the rest of
+    such nodes, a rank whose decision changed would issue the collectives of
+    the program it leaves, and its peers' of the next one would not match."""
+    from tests.test_decisions import Branchy, step
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    captured = trace_step(step, flatten_args(step, (model, opt, x), {}))
+    program = captured.program
+    run_passes(program, MODES["fuse_all_reduce"], CTX)
+    nodes = list(reinplace(program)[0].graph.nodes)
+    checks = [i for i, n in enumerate(nodes) if DECISION in n.meta]
+    issued = [i for i, n in enumerate(nodes) if n.meta.get("role", Role.FORWARD) & Role.COMM]
+    assert checks and issued and max(checks) < min(issued)

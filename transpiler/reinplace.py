@@ -41,7 +41,7 @@ from .collectives import ALL_REDUCE
 from .failure_points import is_foreach, may_fail
 from .functionalize import mutated_index
 from .program import OutputKind, Program, draws_random, graph_module
-from .roles import ROLE, Role
+from .roles import DECISION, ROLE, Role
 
 aten = torch.ops.aten
 
@@ -98,7 +98,9 @@ def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
     """Move the nodes that feed neither the backward pass nor a collective after
     the last node that does, keeping their order; return that node (None if
     there is none). A random op stays (and what it reads): moved, it would draw
-    after the backward pass's random ops, other numbers than eager's."""
+    after the backward pass's random ops, other numbers than eager's. So does a
+    decision's check: moved, a rank whose decision changed would issue the
+    collectives of the program it leaves (capture/decisions.py)."""
     nodes = list(graph.nodes)
     ends = [i for i, n in enumerate(nodes) if n.op == "call_function"
             and n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM)]
@@ -107,7 +109,7 @@ def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
     feeds: set[fx.Node] = set()
     for n in reversed(nodes[:ends[-1] + 1]):
         if (n.meta.get(ROLE, Role.FORWARD) & (Role.BACKWARD | Role.COMM) or draws_random(n)
-                or any(u in feeds for u in n.users)):
+                or DECISION in n.meta or any(u in feeds for u in n.users)):
             feeds.add(n)
     end = anchor = nodes[ends[-1]]
     for n in nodes[:ends[-1]]:

@@ -404,15 +404,13 @@ class TranspiledStep:
     def _run(self, runnable: Runnable, built: Built, step_args, leaves, states):
         if self.schedule.step < self.verify_steps:
             return self._run_verified(runnable, built, step_args, leaves, states)
-        if built is self._pending or (runnable.executable is None and runnable.backend == "eager"
-                                      and runnable.loop is None):
-            # An eager program runs as traced and writes nothing in place: its
-            # outputs are checked against their targets first (an op whose meta
-            # function got a shape wrong, a quantization observer's resize_,
-            # raises with nothing written), then committed. (Its reinplaced
-            # executable from the second run on, 2x faster on the bench's wide
-            # model, breaks test_decisions' 2-rank run and hangs
-            # test_unused_params' expert runs: not used until that is understood.)
+        if built is self._pending or (not runnable.ran and runnable.executable is None
+                                      and runnable.backend == "eager" and runnable.loop is None):
+            # An eager program's first run runs it as traced and writes nothing
+            # in place: its outputs are checked against their targets first (an
+            # op whose meta function got a shape wrong, a quantization
+            # observer's resize_, raises with nothing written), then committed.
+            # From the second run on, its reinplaced executable.
             with built.rng.drawing(step_args.leaves):
                 outputs = self._executor.run_uncommitted(runnable, leaves)
             self._executor.commit(runnable, outputs)

@@ -8,8 +8,10 @@ real-tensor propagation): every op also runs on copies of this call's inputs,
 so each decision takes the branch this call takes in eager (the RNG is put
 back after, so the program draws what eager draws). Each decision becomes a
 check in the program (transpiler::decided where its value is computed, before
-anything is written): a later call whose values decide otherwise fails the
-check with nothing written, and the step is traced again for it
+anything is written; the check reads the value itself, so that a compiler,
+which knows what the trace assumed of it, cannot fold the check into a
+constant): a later call whose values decide otherwise fails the check with
+nothing written, and the step is traced again for it
 (runtime.py); the programs of each set of decisions are kept under the same
 signature (program_cache.py). The cost is one host read per decision, as
 eager pays; a rank whose decision changes traces alone, which its collectives
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import operator
 import re
 from unittest import mock
 
@@ -28,9 +32,13 @@ import torch
 import torch._functorch.config
 import torch.fx as fx
 from torch._subclasses import fake_utils
-from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode, ShapeEnv,
-                                                   _has_uninterpretable_sympy_function)
+from torch.fx.experimental.symbolic_shapes import (CallMethodKey, GuardOnDataDependentSymNode,
+                                                   ShapeEnv, _has_uninterpretable_sympy_function)
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+from torch.utils._pytree import SequenceKey
+from torch.utils._sympy import functions as sympy_functions
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 from ..collectives import WAIT
 from ..errors import TranspileError
@@ -102,24 +110,89 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     # from the shape environment, with no message but the expression.
     shape_env.deferred_runtime_asserts.clear()
     decisions = []
+    sources = _number_sources(gm)
     for node in gm.graph.find_nodes(op="call_function",
                                     target=torch.ops.aten._assert_scalar.default):
         found = re.match(r"Runtime assertion failed for expression (.*) on node '", node.args[1])
         ra = by_expr.get(found.group(1)) if found else None
         where = user_line(step_fn, frames=ra.stack.summary()) if ra is not None else ""
         decision = Decision(found.group(1) if found else str(node.args[0]), where)
+        # as the message states it: the expression of the assert's node may
+        # already be simplified by what it asserts (a range's bound: True)
+        symbols = sorted(map(str, _parsed(decision.expr, ())[0].free_symbols))
+        read = [_source(sources, symbol, decision, step_fn) for symbol in symbols]
         with gm.graph.inserting_before(node):
-            holds = gm.graph.call_function(torch.sym_ite, (node.args[0], 1, 0))
-            check = gm.graph.call_function(torch.ops.transpiler.decided.default,
-                                           (holds, len(decisions)))
-        holds.meta.update(node.meta)
-        holds.meta["val"] = torch.sym_ite(node.args[0].meta["val"], 1, 0)
+            check = gm.graph.call_function(
+                torch.ops.transpiler.decided.default,
+                ([tensor for tensor, _ in read], [how for _, how in read], decision.expr,
+                 " ".join(symbols), len(decisions)))
         check.meta.update(node.meta)
         check.meta[DECISION] = decision
+        cone = node.args[0]
         gm.graph.erase_node(node)
+        _erase_unused(cone)
         decisions.append(decision)
     gm.recompile()
     return decisions
+
+
+# How a check reads a number from a tensor: its value (.item()), or a size.
+_ITEM = -1
+
+
+def _number_sources(gm: fx.GraphModule) -> dict:
+    """For each symbol a program's numbers are made of (by name), where its value lives:
+    (a tensor node, _ITEM or a dimension). An unbacked symbol is bound where an
+    op computed it (.item(), a nonzero's row count); a backed one is a size of
+    an input."""
+    sources = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                    sources.setdefault(str(size.node.expr), (node, dim))
+        for symbol, path in (node.meta.get("unbacked_bindings") or {}).items():
+            if node.target is torch.ops.aten._local_scalar_dense.default:
+                sources[str(symbol)] = (node.args[0], _ITEM)
+            elif len(path) in (2, 3) and isinstance(path[-2], CallMethodKey) \
+                    and path[-2].name == "size" and isinstance(path[-1], SequenceKey) \
+                    and all(isinstance(key, SequenceKey) for key in path[:-2]):
+                tensor = _item(node, path[0].idx) if len(path) == 3 else node
+                sources[str(symbol)] = (tensor, path[-1].idx)
+    return sources
+
+
+def _item(node: fx.Node, index: int) -> fx.Node:
+    """A node of element `index` of a node's tuple (unique's counts), right
+    after it: before any check that reads it."""
+    with node.graph.inserting_after(node):
+        item = node.graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+
+def _source(sources: dict, symbol, decision: Decision, step_fn) -> tuple:
+    if symbol not in sources:
+        raise TranspileError(
+            f"{step_name(step_fn)} decides on a tensor value as {decision.describe()}, on a "
+            f"number ({symbol}) the program cannot read back from a tensor: compute the "
+            "decision with tensor ops (torch.where, masking), or move it outside the step")
+    return sources[symbol]
+
+
+def _erase_unused(node) -> None:
+    """The nodes that computed a replaced check's expression, now read by
+    nothing (the host reads among them too: a .item() the check does itself)."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, fx.Node) and not n.users and n.op == "call_function" \
+                and not draws_random(n) and (not isinstance(n.target, torch._ops.OpOverload)
+                                             or n.target is torch.ops.aten._local_scalar_dense.default
+                                             or n.target is torch.ops.aten.sym_size.int):
+            todo += n.all_input_nodes
+            n.graph.erase_node(n)
 
 
 def _pin_uninterpretable(shape_env: ShapeEnv, step_fn) -> None:
@@ -154,16 +227,36 @@ class _Checked(Exception):
 
 
 @torch.library.custom_op("transpiler::decided", mutates_args=())
-def _decided(holds: int, index: int) -> None:
-    """A decision's check: `holds` 1 where the run decides as the trace did.
-    A custom op, so that a compiled program raises what an eager one does."""
-    if not holds:
+def _decided(values: list[torch.Tensor], reads: list[int], expr: str, symbols: str,
+             index: int) -> None:
+    """A decision's check: whether `expr` holds for the numbers read from
+    `values` (.item(), or a size; named by `symbols`, space-separated) as it
+    did when the program was traced. A
+    custom op that reads its numbers itself, so that a compiler, which knows
+    what the trace assumed of them, cannot fold the check into a constant; and
+    a compiled program raises what an eager one does."""
+    numbers = [v.item() if how == _ITEM else v.size(how) for v, how in zip(values, reads)]
+    if not _holds(expr, tuple(symbols.split()), tuple(numbers)):
         raise _Checked(index)
 
 
 @_decided.register_fake
-def _(holds, index):
+def _(values, reads, expr, symbols, index):
     return None
+
+
+def _holds(expr: str, symbols: tuple[str, ...], numbers: tuple) -> bool:
+    parsed, names = _parsed(expr, symbols)
+    env = {names[name]: int(n) if isinstance(n, bool) else n for name, n in zip(symbols, numbers)}
+    return bool(sympy_interp(PythonReferenceAnalysis, env, parsed))
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(expr: str, symbols: tuple[str, ...]):
+    """`expr` as sympy (torch's functions in it), and its symbols by name."""
+    names = {name: sympy.Symbol(name) for name in symbols}
+    functions = {name: getattr(sympy_functions, name) for name in sympy_functions.__all__}
+    return sympy.sympify(expr, locals={**functions, **names}), names
 
 
 torch.fx.node.has_side_effect(torch.ops.transpiler.decided.default)
