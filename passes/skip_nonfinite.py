@@ -50,5 +50,5 @@ def skip_nonfinite(program: Program, ctx: PassContext) -> None:
             anywhere = lowering.all_reduce_now(graph, flag, "max", ctx)
             skipped = node(aten.gt.Scalar, (anywhere, 0))
             ok = node(aten.logical_not.default, (skipped,))
-    keep_old_unless(program, [ok] * len(program.outputs))
+    keep_old_unless(program, [ok] * len(program.outputs), skippable=True)
     program.add_output(OutputSpec.of_held(Held.SKIPPED), skipped)

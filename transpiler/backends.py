@@ -35,6 +35,7 @@ from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from .errors import TranspileError
 from .failure_points import written_safely
 from .program import InputKind, OutputKind, Program, graph_module, same_layout
+from . import skipped_update
 from .reinplace import reinplace
 from .world import backend_for
 from .roles import INPUT
@@ -102,6 +103,9 @@ def check_process_group(device: torch.device) -> None:
 
 def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
+        skipping = skipped_update.executable(program, reinplace)
+        if skipping is not None:   # the update run or skipped on a host read, as eager's
+            return Executable(*skipping)
         gm, written = reinplace(program)
         return Executable(lambda inputs: gm(*inputs), written)
     if backend == "inductor":

@@ -11,7 +11,9 @@ ranks do not fight over the cores) and, for every model, runs every
 configuration of CONFIGS on the same user step (zero_grad, forward,
 cross-entropy, backward, optimizer.step), the same seeded initial weights, the
 same batches (each rank its shard of a seeded global batch) and the same
-optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01):
+optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01).
+resnet18 runs the step of torchvision's classification reference instead
+(train_step_amp: bf16 autocast, GradScaler, clipping, label smoothing):
 
     local                   the eager step, no communication at all
     allreduce_only          one all_reduce of a flat fp32 buffer as large as all
@@ -219,6 +221,53 @@ class GPT(nn.Module):
         return self.out(self.norm(h))
 
 
+class BasicBlock(nn.Module):
+    """ResNet's two 3x3 convolutions with BatchNorm and a residual (a 1x1
+    convolution where the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's resnet18 from torch's layers: a 7x7 stem, four stages of
+    two BasicBlocks (64 to 512 channels), average pooling, a linear head."""
+
+    def __init__(self, classes: int = 100):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.ModuleList(blocks)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _images(size: int, n_classes: int):
+    def make(g: torch.Generator, batch: int):
+        return (torch.randn(batch, 3, size, size, generator=g),
+                torch.randint(0, n_classes, (batch,), generator=g))
+    return make
+
+
 def _features(n_features: int, n_classes: int):
     def make(g: torch.Generator, batch: int):
         return (torch.randn(batch, n_features, generator=g),
@@ -238,6 +287,8 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     make_batch: Callable[[torch.Generator, int], tuple]   # a global batch of `batch` samples
     batch_per_rank: int
+    # trained by train_step_amp (a GradScaler passed after the optimizer), not STEPS
+    amp: bool = False
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -260,9 +311,12 @@ MODELS: dict[str, ModelSpec] = {
     # 6 layers, d_model 256, 128-token sequences: small kernels, launch-bound on a GPU.
     "gpt_6l": ModelSpec(lambda: GPT(vocab=8192, d_model=256, nhead=4, layers=6, context=128),
                         _tokens(8192, 128), 16),
+    # torchvision's classification reference at 48 px: resnet18 (11.2M parameters
+    # in 62 tensors, BatchNorm), bf16 autocast, GradScaler, clipping, label smoothing.
+    "resnet18": ModelSpec(ResNet18, _images(48, 100), 8, amp=True),
 }
 # Run when --models is not given: gpt2_12l is for setup time, and slow to set up.
-DEFAULT_MODELS = ("wide", "deep", "transformer")
+DEFAULT_MODELS = ("wide", "deep", "transformer", "resnet18")
 
 
 def train_step(model, optimizer, inputs, targets):
@@ -288,6 +342,21 @@ def train_step_bf16(model, optimizer, inputs, targets):
 
 
 STEPS = {"cpu": train_step, "cuda": train_step_bf16}
+
+
+def train_step_amp(model, optimizer, scaler, inputs, targets):
+    """The step of torchvision's classification reference with --amp and
+    --clip-grad-norm: bf16 autocast, the loss scaled, unscaled before the
+    gradients are clipped, an overflowing step skipped by the scaler."""
+    optimizer.zero_grad()
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(inputs), targets, label_smoothing=0.1)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
 
 
 def accumulating(k: int, device: str) -> Callable:
@@ -331,7 +400,7 @@ def _local(step_fn, model, optimizer):
 def _allreduce_only(step_fn, model, optimizer):
     buffer = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad),
                          device=next(model.parameters()).device)
-    return lambda inputs, targets: dist.all_reduce(buffer)
+    return lambda *batch: dist.all_reduce(buffer)
 
 
 def _ddp(step_fn, model, optimizer):
@@ -488,9 +557,13 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
                for batch in rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)]
     base_rss = _rss_mb()
 
+    if spec.amp:   # the scaler, between the optimizer and the batch
+        scaler = torch.amp.GradScaler(job.device)
+        batches = [(scaler, *batch) for batch in batches]
+
     def build_and_first_call():
-        step_fn = STEPS[job.device] if job.micro_batches == 1 else accumulating(
-            job.micro_batches, job.device)
+        step_fn = train_step_amp if spec.amp else STEPS[job.device] \
+            if job.micro_batches == 1 else accumulating(job.micro_batches, job.device)
         step = CONFIGS[job.config](step_fn, model, optimizer)
         step(*batches[0])
         _synchronize(job.device)
@@ -1030,6 +1103,10 @@ def main(argv=None) -> int:
                 or args.micro_batches < 1:
             raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0, "
                              "--repeat >= 1 and --micro-batches >= 1")
+        amp = [m for m in models if MODELS[m].amp]
+        if amp and args.micro_batches != 1:
+            raise BenchError(f"--micro-batches with {', '.join(amp)}: its step (autocast, "
+                             "GradScaler) takes one batch; leave it out of --models")
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
         check_writable(args.json, args.plot, args.report)

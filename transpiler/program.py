@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT, set_group
 from .mesh import Dim, Mesh, Over
-from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, READY, REDUCE, ROLE, Role
+from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, READY, REDUCE, ROLE, SKIPPABLE, Role
 
 
 class InputKind(enum.Enum):
@@ -342,13 +342,15 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
     return node
 
 
-def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
+def keep_old_unless(program: Program, conditions: list[fx.Node | None],
+                    skippable: bool = False) -> None:
     """Output k becomes where(conditions[k], new, old) where conditions[k] is a
     0-d bool node (None: unchanged). old is the output's input for an update
     (a parameter shard mode fsdp holds included: it is the parameter's value),
     and zeros for optimizer state the step creates (where SGD's momentum and
     Adam's moments and step count start). New nodes: role OPTIMIZE, placed
-    before the output."""
+    before the output. `skippable`: one condition whose update a backend that
+    reads the host may skip instead (the selects marked SKIPPABLE)."""
     graph, out = program.graph, program.output_node
     inputs = {spec.name: node for spec, node in zip(program.inputs, program.placeholders)}
     values = list(out.args[0])
@@ -360,7 +362,8 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None]) -> None:
                 continue
             old = inputs[spec.target] if updates else new_node(
                 graph, aten.zeros_like.default, (values[k],), Role.OPTIMIZE)
-            values[k] = new_node(graph, aten.where.self, (ok, values[k], old), Role.OPTIMIZE)
+            values[k] = new_node(graph, aten.where.self, (ok, values[k], old), Role.OPTIMIZE,
+                                 **({SKIPPABLE: True} if skippable else {}))
     out.args = (tuple(values),)
 
 

@@ -55,3 +55,7 @@ CARRY = "carry"
 UNUSED = "unused"
 # capture/decisions.py: the Decision a check node (aten._assert_scalar) holds the program to
 DECISION = "decision"
+# program.keep_old_unless(skippable=True): on a where(ok, new, old) that keeps an
+# update's old value unless ok, where the update may be skipped by a host read
+# instead (skipped_update.py)
+SKIPPABLE = "skippable"

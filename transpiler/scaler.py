@@ -149,4 +149,4 @@ def guard_skipped_steps(program: Program, optimizer_of: list[int | None]) -> Non
                 clear = new_node(program.graph, torch.ops.aten.eq.Scalar, (flag, 0), Role.OPTIMIZE)
                 ok[i] = clear if i not in ok else new_node(
                     program.graph, torch.ops.aten.logical_and.default, (ok[i], clear), Role.OPTIMIZE)
-    keep_old_unless(program, [ok.get(i) for i in optimizer_of])
+    keep_old_unless(program, [ok.get(i) for i in optimizer_of], skippable=True)
