@@ -26,7 +26,7 @@ test: install
 # the report is generated from this run, never edited by hand. The plot needs
 # the optional extra (pip install -e .[bench]); without it the report says so.
 bench: install
-	$(PY) -m transpiler.bench --repeat 2 --report docs/performance.md --json docs/performance.json --plot docs/performance.png
+	$(PY) -m transpiler.bench --repeat 3 --report docs/performance.md --json docs/performance.json --plot docs/performance.png
 
 # Every architecture of tests/zoo.py on 2 ranks against DDP; writes the pass table.
 zoo: install
