@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program, draws_random, \

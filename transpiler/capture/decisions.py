@@ -138,6 +138,8 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
 
 # How a check reads a number from a tensor: its value (.item()), or a size.
 _ITEM = -1
+# The ops that read a number of a tensor on the host.
+_NUMBER_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int)
 
 
 def _number_sources(gm: fx.GraphModule) -> dict:
@@ -189,8 +191,7 @@ def _erase_unused(node) -> None:
         n = todo.pop()
         if isinstance(n, fx.Node) and not n.users and n.op == "call_function" \
                 and not draws_random(n) and (not isinstance(n.target, torch._ops.OpOverload)
-                                             or n.target is torch.ops.aten._local_scalar_dense.default
-                                             or n.target is torch.ops.aten.sym_size.int):
+                                             or n.target in _NUMBER_READS):
             todo += n.all_input_nodes
             n.graph.erase_node(n)
 
@@ -231,10 +232,10 @@ def _decided(values: list[torch.Tensor], reads: list[int], expr: str, symbols: s
              index: int) -> None:
     """A decision's check: whether `expr` holds for the numbers read from
     `values` (.item(), or a size; named by `symbols`, space-separated) as it
-    did when the program was traced. A
-    custom op that reads its numbers itself, so that a compiler, which knows
-    what the trace assumed of them, cannot fold the check into a constant; and
-    a compiled program raises what an eager one does."""
+    did when the program was traced. A custom op that reads its numbers
+    itself, so that a compiler, which knows what the trace assumed of them,
+    cannot fold the check into a constant; and a compiled program raises what
+    an eager one does."""
     numbers = [v.item() if how == _ITEM else v.size(how) for v, how in zip(values, reads)]
     if not _holds(expr, tuple(symbols.split()), tuple(numbers)):
         raise _Checked(index)
