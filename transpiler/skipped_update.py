@@ -92,14 +92,15 @@ def split(program: Program, cut: SkipPlan) -> tuple[Program, Program, list[int],
                         + [env[n] for n in carried]))
     specs = [program.outputs[k] for k in kept] + [OutputSpec(OutputKind.USER)] * (1 + len(carried))
 
-    read = [i for i, p in enumerate(program.placeholders)
+    placeholders = program.placeholders
+    read = [i for i, p in enumerate(placeholders)
             if any(u in update for u in p.users) or p in new
             or p in {s.args[2] for s in cut.guarded.values()}]
     suffix = fx.Graph()
     env = {}
     inputs = []
     for i in read:
-        p = program.placeholders[i]
+        p = placeholders[i]
         env[p] = suffix.node_copy(p)
         inputs.append(program.inputs[i])
     for j, n in enumerate(carried):
@@ -130,7 +131,8 @@ def executable(program: Program, reinplace):
     after, after_written = reinplace(update)
     n = len(program.outputs)
     kept = [k for k in range(n) if k not in cut.guarded]
-    old = [program.placeholders.index(cut.guarded[k].args[2]) for k in guarded]
+    index = {p: i for i, p in enumerate(program.placeholders)}
+    old = [index[cut.guarded[k].args[2]] for k in guarded]
     written = [False] * n
     for k, w in zip(kept, before_written):
         written[k] = w
