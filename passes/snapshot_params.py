@@ -6,9 +6,9 @@ Produces: for each parameter with an `update` output, in input order, a held
 input of kind HELD holding Held.SNAPSHOT of <param> that this pass
 leaves unread and unchanged. The startup program initializes it as a copy of
 the parameter (after broadcasting the parameters) before the first program that
-has it runs; the passes after this one (local_sgd) read and update it. With one
-rank it does not apply.
-Order: first; local_sgd requires it.
+has it runs; the passes after this one (local_sgd, pseudo_gradients) read and
+update it. With one rank it does not apply, unless ctx.keep_snapshots (DiLoCo).
+Order: first; local_sgd and pseudo_gradients require it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def snapshots(program: Program) -> dict[str, fx.Node]:
 
 
 def snapshot_params(program: Program, ctx: PassContext) -> None:
-    if ctx.world_size == 1:
+    if ctx.world_size == 1 and not ctx.keep_snapshots:
         return
     for param in program.updated_inputs(InputKind.PARAM):
         name = param.meta[INPUT].name

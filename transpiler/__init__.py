@@ -9,7 +9,7 @@
 from .api import transpile
 from .errors import DivergenceError, PassError, TranspileError, VerificationError
 from .mesh import Dim
-from .mode_specs import (AllGather, Decentralized, FuseAllReduce, GradAllReduce, LocalSGD,
+from .mode_specs import (AllGather, Decentralized, DiLoCo, FuseAllReduce, GradAllReduce, LocalSGD,
                          Fsdp, ModeSpec, Pipeline, Zero)
 from .modes import MODES
 from .pipeline import PassContext, run_passes
@@ -18,5 +18,5 @@ from .roles import Role
 
 __all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "VerificationError",
            "MODES", "PassContext", "run_passes", "Program", "Role", "Dim", "ModeSpec",
-           "GradAllReduce", "FuseAllReduce", "LocalSGD", "Zero", "Fsdp", "AllGather", "Decentralized",
+           "GradAllReduce", "FuseAllReduce", "LocalSGD", "DiLoCo", "Zero", "Fsdp", "AllGather", "Decentralized",
            "Pipeline"]

@@ -204,6 +204,70 @@ class LocalSGD(_Fused):
                                  "use it with grad_allreduce or fuse_all_reduce")
 
 
+def _outer_optimizers(name: str, value) -> None:
+    if not (isinstance(value, torch.optim.Optimizer) or isinstance(value, tuple) and value
+            and all(isinstance(o, torch.optim.Optimizer) for o in value)):
+        raise TranspileError(f"mode diloco needs {name}=: a torch optimizer over the model's "
+                             "parameters (or a list of them), which steps on the averaged "
+                             "pseudo-gradients (DiLoCo's: torch.optim.SGD(model.parameters(), "
+                             f"lr=0.7, momentum=0.9, nesterov=True)); got {value!r}")
+
+
+def _fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise TranspileError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiLoCo(_Fused):
+    """DiLoCo: the step's own (inner) optimizer with no communication, and every
+    sync_every steps the pseudo-gradients (parameters at the last sync minus
+    now) averaged over the ranks and stepped by outer_optimizer. With
+    fragments > 1, Streaming DiLoCo: one fragment of the parameters synced
+    every sync_every // fragments steps, in turn; its average taken
+    fragment_sync_delay steps before its outer step; the parameters after it
+    mixed with their local values by fragment_update_alpha. fuse_dtype: the
+    dtype the pseudo-gradients are summed in (torch.bfloat16 halves the bytes)."""
+
+    name = "diloco"
+    passes = modes.DILOCO
+    outer_optimizer: object = _option(None, _outer_optimizers)
+    sync_every: int = _option(100, _int_from(1))
+    fragments: int = _option(1, _int_from(1))
+    fragment_sync_delay: int = _option(0, _int_from(0))
+    fragment_update_alpha: float = _option(0.0, _fraction)
+
+    def __post_init__(self):
+        if isinstance(self.outer_optimizer, list):   # kept hashable, as a frozen spec is
+            object.__setattr__(self, "outer_optimizer", tuple(self.outer_optimizer))
+        super().__post_init__()
+        if self.sync_every % self.fragments:
+            raise TranspileError(f"sync_every={self.sync_every} must be a multiple of "
+                                 f"fragments={self.fragments}: each fragment is synced once "
+                                 "every sync_every steps")
+        if self.fragment_sync_delay >= self.sync_every // self.fragments:
+            raise TranspileError(f"fragment_sync_delay={self.fragment_sync_delay} must be less "
+                                 f"than sync_every // fragments = "
+                                 f"{self.sync_every // self.fragments}: a fragment's average is "
+                                 "taken within its own period")
+
+    def schedule(self, common) -> schedules.Schedule:
+        outer = self.outer_optimizer if isinstance(self.outer_optimizer, tuple) \
+            else (self.outer_optimizer,)
+        return schedules.DiLoCo(self.passes, outer, self.sync_every, self.fragments,
+                                self.fragment_sync_delay, float(self.fragment_update_alpha))
+
+    def refuse(self, common) -> None:
+        for option, given in (("verify", common.verify),
+                              ("find_unused_parameters", common.find_unused_parameters),
+                              ("check_every", common.check_every)):
+            if given:
+                raise TranspileError(f"{option} follows DDP's semantics, which mode diloco does "
+                                     "not by design (its ranks train replicas of their own "
+                                     "between outer steps): use it with grad_allreduce or "
+                                     "fuse_all_reduce")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Zero(_Fused):
     """ZeRO-2: gradients reduce-scattered, optimizer state sharded, parameters
@@ -289,7 +353,7 @@ class Pipeline(_Fused):
 
 
 SPECS: dict[str, type[ModeSpec]] = {cls.name: cls for cls in (
-    GradAllReduce, FuseAllReduce, LocalSGD, Zero, Fsdp, AllGather, Decentralized)}
+    GradAllReduce, FuseAllReduce, LocalSGD, DiLoCo, Zero, Fsdp, AllGather, Decentralized)}
 
 
 def build(mode: str | ModeSpec | None, passes: Sequence[PassLike] | None,

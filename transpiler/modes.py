@@ -43,10 +43,19 @@ LOCAL_SGD = {
     "sync": ("snapshot_params", MODEL_COLLECTIVES, "local_sgd") + _FUSED[1:],
 }
 
+# DiLoCo: local steps as local SGD's; each sync program also averages one
+# fragment's pseudo-gradients (snapshot - parameter) for the outer step the
+# schedule takes on the host.
+DILOCO = {
+    "local": LOCAL_SGD["local"],
+    "sync": ("snapshot_params", MODEL_COLLECTIVES, "pseudo_gradients") + _FUSED[1:],
+}
+
 MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "grad_allreduce": GRAD_ALLREDUCE,
     "fuse_all_reduce": FUSE_ALL_REDUCE,
     "local_sgd": LOCAL_SGD,
+    "diloco": DILOCO,
     "zero": ZERO,
     "fsdp": FSDP,
     "all_gather": ALL_GATHER,

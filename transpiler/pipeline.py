@@ -44,6 +44,11 @@ class PassContext:
     fuse_dtype: torch.dtype | None = None  # coalesce_tensors: dtype on the wire
     comm_hook: CommHook | None = None      # coalesce_tensors: DDP's comm hook on each bucket
     adaptive_k: bool = False      # local_sgd: output the mean loss and lr for the schedule
+    # snapshot_params: with one rank too (DiLoCo's outer step reads the snapshots)
+    keep_snapshots: bool = False
+    # pseudo_gradients: the fragment of the parameters this program averages,
+    # as (index, number of fragments)
+    fragment: tuple[int, int] | None = None
     # shard_params: gather a bucket again in each forward or backward pass
     # that reads it rather than keeping it to its last use in the step
     reshard_after_forward: bool = True

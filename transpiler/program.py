@@ -61,11 +61,12 @@ class Held(enum.Enum):
     """What a held tensor holds. The value is the tensor's name, with
     ":<param>" appended for a per-parameter one (held_name)."""
 
-    SNAPSHOT = "snapshot"                  # a parameter at the last local SGD sync
+    SNAPSHOT = "snapshot"                  # a parameter at the last local SGD or DiLoCo sync
     PARAM_SHARD = "param_shard"            # this rank's shard of a parameter (mode fsdp)
     MEAN_LOSS = "local_sgd.mean_loss"      # the loss averaged over the ranks at a sync
     LR = "local_sgd.lr"                    # the learning rate at a sync
     SKIPPED = "skip_nonfinite.skipped"     # whether skip_nonfinite skipped the update
+    PSEUDO_GRAD = "diloco.pseudo_grad"     # a parameter's averaged DiLoCo pseudo-gradient
 
 
 def held_name(what: Held, param: str | None = None) -> str:
@@ -145,9 +146,9 @@ class OutputSpec:
             raise ValueError(f"internal: an output of kind {self.kind} with held={self.held}")
 
     @staticmethod
-    def of_held(what: Held) -> "OutputSpec":
-        """A value kept for the schedule (one per program, not per parameter)."""
-        return OutputSpec(OutputKind.HELD, held_name(what), held=what)
+    def of_held(what: Held, param: str | None = None) -> "OutputSpec":
+        """A value kept for the schedule (of parameter `param`), named by held_name."""
+        return OutputSpec(OutputKind.HELD, held_name(what, param), held=what)
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ from .join import Join
 from .modes import STARTUP_PASSES
 from .pipeline import PassContext, pass_name, record, resolve as resolve_pass, run_passes
 from .program import Held, InputKind, OutputKind, Program, format_collectives, held_name
-from .roles import COMM
+from .roles import COMM, INPUT
 from .program_cache import Built, ProgramCache
 from .rebuild import AgreedPrograms
 from .mesh import Dim
@@ -389,6 +389,10 @@ class TranspiledStep:
         self._last, self._last_run = built, name
         self.bytes_sent += runnable.sent_bytes
         self.schedule.advance(name, self._held.tensors)
+        if self.schedule.updates_on_host:
+            self.schedule.host_update(self._held.tensors, {
+                spec.name: slot.tensor for spec, slot in zip(runnable.program.inputs, runnable.slots)
+                if spec.kind is InputKind.PARAM})
         if self.settings.comm_hook is not None:   # its state's host part (PowerSGD's counter)
             self.settings.comm_hook.after_step(runnable.program)
         self._held.step_done(carried=bool(runnable.held), transient=runnable.transient)
@@ -524,6 +528,8 @@ class TranspiledStep:
         captured = None
         try:
             captured = self._trace(step_args, why)
+            self.schedule.check_params(captured.param_names(), [
+                n.meta[INPUT].name for n in captured.program.updated_inputs(InputKind.PARAM)])
             if not step_args.optimizers:
                 self._check_update_by_hand()
             start = time.perf_counter()

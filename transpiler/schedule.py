@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .errors import TranspileError
 from .pipeline import PassContext, PassLike
 from .program import Held, held_name
 from .rings import local_world_size
@@ -38,6 +39,8 @@ class Schedule:
     # Partitions of the ranks whose groups the programs reduce over (decentralized
     # topologies); the runtime creates their communicators.
     partitions: tuple = ()
+    # Whether it updates the parameters on the host after a step (host_update).
+    updates_on_host = False
 
     def __init__(self):
         self.step = 0
@@ -56,6 +59,14 @@ class Schedule:
 
     def next_program(self) -> str:
         raise NotImplementedError
+
+    def check_params(self, names: Mapping[int, str], updated: Sequence[str]) -> None:
+        """Raise, on the first build before anything runs, if the step's
+        parameters (id -> name; `updated`: those it updates) do not fit."""
+
+    def host_update(self, held: Mapping[str, torch.Tensor],
+                    params: Mapping[str, torch.Tensor]) -> None:
+        """After advance(), where updates_on_host: update the parameters (by name)."""
 
     def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
         self.step += 1
@@ -240,3 +251,121 @@ class Decentralized(Schedule):
     def next_program(self) -> str:
         names = list(self.programs)
         return names[self.step % len(names)]
+
+
+class DiLoCo(Schedule):
+    """DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512), on
+    torchft's schedule (torchft/local_sgd.py, DiLoCo). The parameters are cut
+    into `fragments` (passes/pseudo_gradients.py); each period of
+    sync_every // fragments steps ends with the outer step of one fragment, in
+    turn. Every step runs the step's own (inner) update; the step
+    `fragment_sync_delay` steps before the period's end runs "sync<f>"
+    ("sync" with one fragment), which also averages the fragment's
+    pseudo-gradients (snapshot - parameter) over the ranks. After the period's
+    last step, on the host (torchft's perform_sync): the fragment's parameters
+    are reset to their snapshots, the outer optimizers stepped with the
+    averaged pseudo-gradients as the parameters' .grad (left None after, as
+    torchft's outer zero_grad leaves them), the snapshots set to the result,
+    and the parameters mixed with the values the inner steps reached:
+    lerp(new, local, alpha). Buffers stay each rank's own."""
+
+    updates_on_host = True
+
+    def __init__(self, programs: Mapping[str, Sequence[PassLike]], outer: Sequence,
+                 sync_every: int, fragments: int, delay: int, alpha: float):
+        super().__init__()
+        self.programs = {"local": tuple(programs["local"]),
+                         **{self.sync_program(f, fragments): tuple(programs["sync"])
+                            for f in range(fragments)}}
+        self.outer = tuple(outer)
+        self.period, self.fragments = sync_every // fragments, fragments
+        self.delay, self.alpha = delay, alpha
+        self.since = 0      # steps of this period taken
+        self.synced = 0     # outer steps taken (torchft's manager step)
+        self.pending: dict[str, torch.Tensor] = {}   # parameter -> pseudo-gradient, averaged
+
+    @staticmethod
+    def sync_program(fragment: int, fragments: int) -> str:
+        return "sync" if fragments == 1 else f"sync{fragment}"
+
+    def context(self, program: str, ctx: PassContext) -> PassContext:
+        syncs = [self.sync_program(f, self.fragments) for f in range(self.fragments)]
+        fragment = (syncs.index(program), self.fragments) if program in syncs else None
+        return dataclasses.replace(ctx, keep_snapshots=True, fragment=fragment)
+
+    def parameters_agree_after(self, program: str) -> bool:
+        return False   # buffers stay each rank's own
+
+    def next_program(self) -> str:
+        if self.since + 1 == self.period - self.delay:
+            return self.sync_program(self.synced % self.fragments, self.fragments)
+        return "local"
+
+    def check_params(self, names: Mapping[int, str], updated: Sequence[str]) -> None:
+        """Before anything runs: the outer optimizers step exactly the parameters
+        the step updates (`names`: id of each parameter of the step -> its name)."""
+        held = {id(p) for opt in self.outer for g in opt.param_groups for p in g["params"]}
+        foreign = len(held - names.keys())
+        missing = [name for i, name in names.items() if name in updated and i not in held]
+        if foreign or missing:
+            what = f"{foreign} tensor(s) that are not parameters of the step" if foreign else \
+                f"no parameter {missing[0]!r}, which the step updates"
+            raise TranspileError(f"mode diloco's outer_optimizer holds {what}: build it over "
+                                 "the model's parameters, as the inner optimizer "
+                                 "(torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, "
+                                 "nesterov=True))")
+
+    def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
+        super().advance(program, held)
+        self.since += 1
+        prefix = held_name(Held.PSEUDO_GRAD, "")
+        for name in [n for n in held if n.startswith(prefix)]:
+            # a copy: a compiled program's outputs may live in memory its next run reuses
+            self.pending[name[len(prefix):]] = held[name].clone()
+
+    def host_update(self, held: Mapping[str, torch.Tensor],
+                    params: Mapping[str, torch.Tensor]) -> None:
+        """After advance(): the outer step, when this step ended a period."""
+        if self.since < self.period:
+            return
+        names = list(self.pending)
+        snapshots = [held[held_name(Held.SNAPSHOT, n)] for n in names]
+        stepped = [params[n] for n in names]
+        outer_params = [p for opt in self.outer for g in opt.param_groups for p in g["params"]]
+        others = {id(p): p.grad for p in outer_params}
+        with torch.no_grad():
+            local = [p.detach().clone() for p in stepped] if self.alpha else []
+            for p, s in zip(stepped, snapshots):
+                p.copy_(s)
+        for p in outer_params:
+            p.grad = None
+        for p, n in zip(stepped, names):
+            p.grad = self.pending[n]
+        for opt in self.outer:
+            opt.step()
+        with torch.no_grad():
+            for p, s in zip(stepped, snapshots):
+                s.copy_(p)
+            for p, mine in zip(stepped, local):
+                p.lerp_(mine, self.alpha)
+        mine = {id(p) for p in stepped}
+        for p in outer_params:
+            p.grad = None if id(p) in mine else others[id(p)]
+        log.debug("transpiler: DiLoCo outer step %d of fragment %d (%d parameters)",
+                  self.synced, self.synced % self.fragments, len(names))
+        self.synced += 1
+        self.since = 0
+        self.pending = {}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "since": self.since, "synced": self.synced,
+                "pending": {n: t.clone() for n, t in self.pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.since, self.synced = int(state["since"]), int(state["synced"])
+        self.pending = {n: t.clone() for n, t in state["pending"].items()}
+
+    def __repr__(self) -> str:   # the settings the ranks agree on
+        return (f"DiLoCo(period={self.period}, fragments={self.fragments}, delay={self.delay}, "
+                f"alpha={self.alpha}, outer={[type(o).__name__ for o in self.outer]})")
