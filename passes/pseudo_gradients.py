@@ -4,10 +4,10 @@ Builds the sync programs of mode diloco (the schedule, transpiler/schedule.py
 DiLoCo, picks one every sync_every / fragments steps and takes the outer
 optimizer's step on the host with what it outputs).
 Requires: snapshot_params.
-Produces, before the output, for every parameter p of fragment ctx.fragment
-(index f of F: the updated parameters in input order cut into F contiguous
-runs of about equal bytes, fragment_of) with a snapshot s, where p_new is the
-step's own new value of p:
+Produces, before the output, for every parameter p with a snapshot s of
+fragment ctx.fragment (index f of F: the updated parameters in input order,
+grouped by the module that owns them, cut into F contiguous runs of about
+equal bytes: fragment_of), where p_new is the step's own new value of p:
 
     delta = s - p_new                      marked reduce=<p> over p's group (ctx.over)
     held output Held.PSEUDO_GRAD of p := delta / group size   (delta read after the reduction)
@@ -24,9 +24,11 @@ import torch
 import torch.fx as fx
 
 from transpiler.collectives import Reduction
+from transpiler.errors import TranspileError
 from transpiler.pipeline import Mark, PassContext, produces, requires
 from transpiler.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
 from transpiler.roles import INPUT, REDUCE, Role
+from transpiler.schedule import layers_of
 
 from .snapshot_params import snapshots
 
@@ -34,22 +36,26 @@ aten = torch.ops.aten
 
 
 def fragment_of(params: list[fx.Node], index: int, fragments: int) -> list[fx.Node]:
-    """Fragment `index` of `fragments`: the parameters (in input order) cut into
-    contiguous runs, each ending where the bytes so far first reach its share
-    of the total; every fragment gets at least one parameter."""
-    if fragments > len(params):
-        raise ValueError(f"{fragments} fragments of {len(params)} parameters: each needs one")
-    sizes = [n.meta["val"].numel() * n.meta["val"].element_size() for n in params]
+    """Fragment `index` of `fragments`: the parameters, in input order, grouped
+    by the module that owns them (a layer is never cut) and the groups cut into
+    `fragments` contiguous runs, each closed where the bytes so far first reach
+    its share of the total (and early enough to leave a group to each later one)."""
+    layers = [[params[i] for i in layer] for layer in
+              layers_of([n.meta[INPUT].name for n in params])]
+    if fragments > len(layers):
+        raise TranspileError(f"mode diloco: {fragments} fragments of a model with "
+                             f"{len(layers)} layers with parameters: give at most {len(layers)}")
+    sizes = [sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in layer)
+             for layer in layers]
     total, ends, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes):
         acc += size
         f = len(ends)
-        # close fragment f here once it has its share, leaving one parameter per later fragment
         if f < fragments - 1 and (acc * fragments >= total * (f + 1)
-                                  or len(params) - i - 1 == fragments - 1 - f):
+                                  or len(layers) - i - 1 == fragments - 1 - f):
             ends.append(i + 1)
-    bounds = [0, *ends, len(params)]
-    return params[bounds[index]:bounds[index + 1]]
+    bounds = [0, *ends, len(layers)]
+    return [n for layer in layers[bounds[index]:bounds[index + 1]] for n in layer]
 
 
 @requires("snapshot_params")

@@ -253,6 +253,18 @@ class Decentralized(Schedule):
         return names[self.step % len(names)]
 
 
+def layers_of(names: Sequence[str]) -> list[list[int]]:
+    """The parameters (by name, in order) grouped by the module that owns them:
+    runs of consecutive names with the same prefix before the last dot."""
+    layers: list[list[int]] = []
+    for i, name in enumerate(names):
+        if layers and names[layers[-1][0]].rpartition(".")[0] == name.rpartition(".")[0]:
+            layers[-1].append(i)
+        else:
+            layers.append([i])
+    return layers
+
+
 class DiLoCo(Schedule):
     """DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512), on
     torchft's schedule (torchft/local_sgd.py, DiLoCo). The parameters are cut
@@ -304,6 +316,11 @@ class DiLoCo(Schedule):
     def check_params(self, names: Mapping[int, str], updated: Sequence[str]) -> None:
         """Before anything runs: the outer optimizers step exactly the parameters
         the step updates (`names`: id of each parameter of the step -> its name)."""
+        layers = len(layers_of([name for name in names.values() if name in updated]))
+        if self.fragments > layers:
+            raise TranspileError(f"mode diloco: fragments={self.fragments}, but the step updates "
+                                 f"the parameters of {layers} layer(s), and a fragment is whole "
+                                 f"layers: give at most {layers}")
         held = {id(p) for opt in self.outer for g in opt.param_groups for p in g["params"]}
         foreign = len(held - names.keys())
         missing = [name for i, name in names.items() if name in updated and i not in held]
