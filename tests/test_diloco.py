@@ -180,12 +180,14 @@ def test_the_programs_average_one_fragment_each():
     assert averaged == {"local": [], "sync0": names[:6], "sync1": names[6:]}
 
 
-def test_resumed_mid_period_continues_exactly():
+def _resumed_while_pending(steps_before: int = 5, steps_after: int = 5) -> None:
     """A checkpoint taken between a fragment's average and its outer step
-    (fragment_sync_delay) holds the averaged pseudo-gradients: the resumed run
-    is the uninterrupted one, bit for bit."""
+    (fragment_sync_delay: on several ranks while its sums are in flight) holds
+    the averaged pseudo-gradients: the resumed run is the uninterrupted one,
+    bit for bit."""
     options = dict(sync_every=4, fragments=2, fragment_sync_delay=1)
-    batches = _batches(0, 10)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    batches = _batches(rank, steps_before + steps_after)
 
     def start():
         model = _model()
@@ -193,21 +195,26 @@ def test_resumed_mid_period_continues_exactly():
         return model, inner_opt, outer_opt, _diloco_step(model, inner_opt, outer_opt, **options)
 
     model, inner_opt, outer_opt, step = start()
-    for x, y in batches[:5]:
+    for x, y in batches[:steps_before]:
         step(x, y)
-    assert step.schedule.pending, "the checkpoint is to be taken with an average pending"
     saved = copy.deepcopy({"model": model.state_dict(), "inner": inner_opt.state_dict(),
                            "outer": outer_opt.state_dict(), "step": step.state_dict()})
-    for x, y in batches[5:]:
+    assert step.schedule.pending or any(k.startswith("in_flight") for k in saved["step"]["held"]), \
+        "the checkpoint is to be taken with an average pending"
+    for x, y in batches[steps_before:]:
         step(x, y)
     model2, inner2, outer2, step2 = start()
     model2.load_state_dict(saved["model"])
     inner2.load_state_dict(saved["inner"])
     outer2.load_state_dict(saved["outer"])
     step2.load_state_dict(saved["step"])
-    for x, y in batches[5:]:
+    for x, y in batches[steps_before:]:
         step2(x, y)
     _assert_equal([(torch.zeros(1), _state(model2)), (torch.zeros(1), _state(model))])
+
+
+def test_resumed_mid_period_continues_exactly():
+    _resumed_while_pending()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -287,3 +294,7 @@ def test_inductor_within_rounding_of_torchft():
     assert torch.allclose(our_losses, their_losses, rtol=1e-6, atol=0)
     for name in theirs:
         assert torch.allclose(ours[name].double(), theirs[name].double(), rtol=0, atol=1e-6), name
+
+
+def test_resumed_with_sums_in_flight_continues_exactly(ranks2):
+    ranks2.run(_resumed_while_pending)

@@ -22,7 +22,7 @@ from .capture.ambient import as_traced
 from .compile_once import Plan, compiled_on_every_rank, digest
 from .errors import TranspileError
 from .nodes import node_first_rank
-from .program import InputKind, OutputKind, Program
+from .program import Held, InputKind, OutputKind, Program
 from .world import world
 
 if TYPE_CHECKING:
@@ -60,8 +60,12 @@ class Runnable:
 
     def __post_init__(self):
         self.held = [spec.name for spec in self.program.inputs if spec.kind is InputKind.HELD]
+        # (a sum in flight is kept from the program that issues it to the one
+        # that waits on it, and gone with that one)
         self.transient = [spec.target for spec in self.program.outputs
-                          if spec.kind is OutputKind.HELD and spec.target not in self.held]
+                          if spec.kind is OutputKind.HELD and spec.target not in self.held
+                          and spec.held is not Held.IN_FLIGHT] + \
+            [spec.name for spec in self.program.inputs if spec.held is Held.IN_FLIGHT]
 
 
 class Executor:

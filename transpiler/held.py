@@ -17,6 +17,9 @@ import enum
 
 import torch
 
+from .collectives import WAIT
+from .program import Held, held_name
+
 
 class Phase(enum.Enum):
     EMPTY = "empty"       # none current: before the first startup, or since the
@@ -88,10 +91,13 @@ class HeldTensors:
             self.tensors.pop(name, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the held tensors while they are current (or loaded), else {}."""
+        """Copies of the held tensors while they are current (or loaded), else {};
+        a sum in flight (Held.IN_FLIGHT) waited on first."""
         if self.phase is Phase.EMPTY:
             return {}
-        return {name: t.detach().clone() for name, t in self.tensors.items()}
+        in_flight = held_name(Held.IN_FLIGHT, "")
+        return {name: (WAIT(t) if name.startswith(in_flight) else t).detach().clone()
+                for name, t in self.tensors.items()}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what state_dict saved. The next state set is trusted as loaded

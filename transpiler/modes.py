@@ -50,6 +50,9 @@ DILOCO = {
     "local": LOCAL_SGD["local"],
     "sync": ("snapshot_params", MODEL_COLLECTIVES, "pseudo_gradients") + _FUSED[1:],
 }
+# Streaming DiLoCo with fragment_sync_delay: the sync cut in two programs, the
+# sums issued in one and waited on in a later one.
+DILOCO["deferred"] = DILOCO["sync"] + ("defer_waits",)
 
 MODES: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "grad_allreduce": GRAD_ALLREDUCE,

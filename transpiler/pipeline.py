@@ -21,6 +21,14 @@ from .topology import Gossip
 log = logging.getLogger("transpiler")
 
 
+class SyncPart(enum.Enum):
+    """A sync cut in two programs (defer_waits): the one that issues its
+    collectives, and the one, steps later, that waits on them."""
+
+    SEND = "send"
+    RECEIVE = "receive"
+
+
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """Settings every pass reads. Passes take nothing from globals or the environment."""
@@ -49,6 +57,8 @@ class PassContext:
     # pseudo_gradients: the fragment of the parameters this program averages,
     # as (index, number of fragments)
     fragment: tuple[int, int] | None = None
+    # defer_waits: which part of a sync whose sums are waited on later this program is
+    sync_part: SyncPart | None = None
     # shard_params: gather a bucket again in each forward or backward pass
     # that reads it rather than keeping it to its last use in the step
     reshard_after_forward: bool = True

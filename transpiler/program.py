@@ -67,6 +67,7 @@ class Held(enum.Enum):
     LR = "local_sgd.lr"                    # the learning rate at a sync
     SKIPPED = "skip_nonfinite.skipped"     # whether skip_nonfinite skipped the update
     PSEUDO_GRAD = "diloco.pseudo_grad"     # a parameter's averaged DiLoCo pseudo-gradient
+    IN_FLIGHT = "in_flight"                # a bucket's sum, issued and not yet waited on
 
 
 def held_name(what: Held, param: str | None = None) -> str:

@@ -652,7 +652,7 @@ class TranspiledStep:
                     raise NotRollable("backend cudagraphs captures each program as one graph")
                 programs[name].loop = micro_loop.split(programs[name], *captured.rolled)
         held = list({spec.name: spec for r in programs.values() for spec in r.program.inputs
-                     if spec.kind is InputKind.HELD}.values())
+                     if spec.kind is InputKind.HELD and spec.held is not Held.IN_FLIGHT}.values())
         startup = refresh = None
         shard = (ctx.mesh.position(ctx.shard_over), ctx.mesh.size(ctx.shard_over))
         if world_size > 1:
@@ -723,7 +723,8 @@ class TranspiledStep:
         by_name.update({spec.name: slot for spec, slot in zip(program.inputs, slots)})
         targets = [None if spec.kind is OutputKind.USER
                    else captured_targets[(spec.kind, spec.target)] if spec.kind in own
-                   else HeldSlot(self._held.tensors, spec.target) if spec.kind is OutputKind.HELD
+                   else HeldSlot(self._held.tensors, spec.target, rebind=spec.held is Held.IN_FLIGHT)
+                   if spec.kind is OutputKind.HELD
                    else by_name[spec.target] for spec in program.outputs]
         return slots, targets
 

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .errors import TranspileError
-from .pipeline import PassContext, PassLike
+from .pipeline import PassContext, PassLike, SyncPart
 from .program import Held, held_name
 from .rings import local_world_size
 from .topology import Topology, resolve
@@ -270,10 +270,14 @@ class DiLoCo(Schedule):
     torchft's schedule (torchft/local_sgd.py, DiLoCo). The parameters are cut
     into `fragments` (passes/pseudo_gradients.py); each period of
     sync_every // fragments steps ends with the outer step of one fragment, in
-    turn. Every step runs the step's own (inner) update; the step
-    `fragment_sync_delay` steps before the period's end runs "sync<f>"
-    ("sync" with one fragment), which also averages the fragment's
-    pseudo-gradients (snapshot - parameter) over the ranks. After the period's
+    turn. Every step runs the step's own (inner) update; the period's last
+    step runs "sync<f>" ("sync" with one fragment), which also averages the
+    fragment's pseudo-gradients (snapshot - parameter) over the ranks. With
+    fragment_sync_delay = d > 0 the average is cut in two programs: the step
+    d steps before the period's end runs "send<f>", which issues the sums,
+    and the period's last step "receive<f>", which waits on them, so that
+    the d - 1 steps between and the last step's own work overlap them
+    (passes/defer_waits.py). After the period's
     last step, on the host (torchft's perform_sync): the fragment's parameters
     are reset to their snapshots, the outer optimizers stepped with the
     averaged pseudo-gradients as the parameters' .grad (left None after, as
@@ -286,32 +290,40 @@ class DiLoCo(Schedule):
     def __init__(self, programs: Mapping[str, Sequence[PassLike]], outer: Sequence,
                  sync_every: int, fragments: int, delay: int, alpha: float):
         super().__init__()
-        self.programs = {"local": tuple(programs["local"]),
-                         **{self.sync_program(f, fragments): tuple(programs["sync"])
-                            for f in range(fragments)}}
         self.outer = tuple(outer)
         self.period, self.fragments = sync_every // fragments, fragments
         self.delay, self.alpha = delay, alpha
+        # program name -> (fragment, part of its sync)
+        self.parts: dict[str, tuple[int, SyncPart | None]] = {}
+        for f in range(fragments):
+            suffix = "" if fragments == 1 else str(f)
+            self.parts.update({f"send{suffix}": (f, SyncPart.SEND),
+                               f"receive{suffix}": (f, SyncPart.RECEIVE)}
+                              if delay else {f"sync{suffix}": (f, None)})
+        self.programs = {"local": tuple(programs["local"]),
+                         **{name: tuple(programs["deferred" if part else "sync"])
+                            for name, (_, part) in self.parts.items()}}
         self.since = 0      # steps of this period taken
         self.synced = 0     # outer steps taken (torchft's manager step)
         self.pending: dict[str, torch.Tensor] = {}   # parameter -> pseudo-gradient, averaged
 
-    @staticmethod
-    def sync_program(fragment: int, fragments: int) -> str:
-        return "sync" if fragments == 1 else f"sync{fragment}"
-
     def context(self, program: str, ctx: PassContext) -> PassContext:
-        syncs = [self.sync_program(f, self.fragments) for f in range(self.fragments)]
-        fragment = (syncs.index(program), self.fragments) if program in syncs else None
-        return dataclasses.replace(ctx, keep_snapshots=True, fragment=fragment)
+        fragment, part = self.parts.get(program, (None, None))
+        return dataclasses.replace(ctx, keep_snapshots=True, sync_part=part,
+                                   fragment=None if fragment is None else (fragment, self.fragments))
 
     def parameters_agree_after(self, program: str) -> bool:
         return False   # buffers stay each rank's own
 
     def next_program(self) -> str:
-        if self.since + 1 == self.period - self.delay:
-            return self.sync_program(self.synced % self.fragments, self.fragments)
-        return "local"
+        fragment = self.synced % self.fragments
+        part = SyncPart.SEND if self.since + 1 == self.period - self.delay else \
+            SyncPart.RECEIVE if self.since + 1 == self.period else None
+        if part is None:
+            return "local"
+        if self.delay == 0:
+            part = None
+        return next(name for name, p in self.parts.items() if p == (fragment, part))
 
     def check_params(self, names: Mapping[int, str], updated: Sequence[str]) -> None:
         """Before anything runs: the outer optimizers step exactly the parameters

@@ -61,10 +61,13 @@ class StateSlot:
 
 @dataclasses.dataclass(frozen=True)
 class HeldSlot:
-    """A tensor the transpiled step keeps between calls (InputKind.HELD)."""
+    """A tensor the transpiled step keeps between calls (InputKind.HELD).
+    `rebind`: the program's own tensor is kept, not copied (a collective's
+    result not yet waited on: its work is that tensor's)."""
 
     store: dict
     name: str
+    rebind: bool = False
 
     def read(self, leaves):
         return self.store[self.name]
@@ -73,7 +76,10 @@ class HeldSlot:
         return _not_a_tensor(value)
 
     def write(self, value):
-        _store(self.store, self.name, value)
+        if self.rebind:
+            self.store[self.name] = value
+        else:
+            _store(self.store, self.name, value)
 
     def mirror(self, memo: dict):
         return None   # the eager step has no such tensor
