@@ -24,7 +24,7 @@ reads afterwards becomes a copy into a slice of it (how coalesce_tensors packs a
 bucket), and where the copied gradient comes from a matmul or a sum that
 nothing else reads, that op writes it there itself (its out= form: the same
 kernel, one copy and one temporary fewer; a tied weight's second part is then
-added there in place). Last, a foreach multiply by a scalar tensor that only
+added there in place) where the slice is aligned as a new tensor is. Last, a foreach multiply by a scalar tensor that only
 feeds an in-place foreach add becomes one addcmul_ (SGD's update by -lr), which
 saves a temporary per parameter.
 """
@@ -217,6 +217,11 @@ def _scatter_in_place(graph: fx.Graph, node: fx.Node) -> None:
 # Ops that compute a gradient and can write it into a given tensor, with the
 # same kernel: the out= overload of each.
 _OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
+# The alignment of a new CPU tensor (c10's allocator), in bytes. mm's kernels
+# round differently into an output less aligned than that (a 7x13 product into
+# a slice 4 bytes off), so a gradient is produced into its slice only where the
+# slice starts at this alignment from the bucket's start (itself a new tensor).
+ALIGNMENT = 64
 # Views that keep the elements in order (a gradient reshaped to its slice).
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
@@ -239,10 +244,13 @@ def _produce_into_slices(graph: fx.Graph) -> None:
         op, chain, adds = found
         part = write.args[0]
         buffer = part.args[0]
+        span = _span(part)
+        if span is None or span[0] * buffer.meta["val"].element_size() % ALIGNMENT:
+            continue   # a kernel may round otherwise where its output is not aligned as a new tensor
         if buffer not in views:
             views[buffer] = _BucketViews(buffer)
         bucket = views[buffer]
-        elsewhere = bucket.elsewhere(_span(part))
+        elsewhere = bucket.elsewhere(span)
         alias, n = bucket.all - elsewhere, op.next
         while n is not write and (n in chain or n is part or n is buffer or n in elsewhere
                                   or alias.isdisjoint(n.all_input_nodes)):
@@ -265,7 +273,7 @@ def _produce_into_slices(graph: fx.Graph) -> None:
             if shape != [op.meta["val"].numel()]:
                 dst = graph.call_function(aten.view.default, (dst, shape))
                 dst.meta.update(part.meta)
-        bucket.add(_span(part), {dst, dst.args[0]} - {buffer})
+        bucket.add(span, {dst, dst.args[0]} - {buffer})
         op.target = _OUT_FORMS[op.target]
         op.kwargs = {**op.kwargs, "out": dst}
         graph.erase_node(write)
