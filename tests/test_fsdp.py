@@ -132,6 +132,42 @@ def test_a_read_of_released_parameters_raises_and_nothing_changes(read, ranks2):
     assert ranks2.run(rank_reads_released, read) == [0.0, 0.0]
 
 
+def _encoder_step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def rank_evaluates_as_ddp():
+    """Steps in mode fsdp, then an evaluation inside step.unsharded(): the
+    model's own code takes DDP's path. (A forward hook on a module turns off
+    torch's fast path of nn.TransformerEncoderLayer in eval mode, which rounds
+    otherwise: the transpiler registers none.)"""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    step, ddp = transpile(_encoder_step, mode="fsdp"), DDP(ref)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randn(3, 5, 16, generator=g)
+        step(model, opts[0], x), _encoder_step(ddp, opts[1], x)
+    hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    x = torch.randn(3, 5, 16, generator=g)
+    with torch.no_grad(), step.unsharded():
+        ours = model.eval()(x)
+    with torch.no_grad():
+        theirs = ref.eval()(x)
+    return hooked, torch.equal(ours, theirs)
+
+
+def test_an_evaluation_after_steps_takes_ddps_path(ranks2):
+    assert ranks2.run(rank_evaluates_as_ddp) == [([], True)] * 2
+
+
 # ------------------------------------------------------------------ resharding
 
 def _gathered_reads(program) -> list[tuple[str, str]]:

@@ -19,7 +19,6 @@ import functools
 import logging
 import os
 import time
-import weakref
 from typing import Callable
 
 import torch
@@ -106,7 +105,6 @@ class TranspiledStep:
         self._seconds = dict.fromkeys(("trace", "passes", "agreement"), 0.0)
         self._last: Built | None = None
         # submodules whose forward refuses to run on released parameters (mode fsdp)
-        self._guarded: weakref.WeakSet = weakref.WeakSet()
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
         # The first build, run op by op until the second call decides whether
@@ -593,7 +591,6 @@ class TranspiledStep:
             raise
         if self._sharded is not None:   # the state the trace made, cut to shards
             self._sharded.shard(step_args.optimizers)
-        sharded_params.guard_forward(step_args.modules, built.sharded_params, self._guarded)
         if self._cache.builds == 0 and backend != "eager" and self._cache.may_turn_symbolic:
             log.info("transpiler: the first call runs the step's programs op by op; they "
                      "compile at the next call if its batch has the same shapes, else the "

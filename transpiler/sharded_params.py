@@ -15,14 +15,11 @@ alone, and a checkpoint loads before the first call, into another world size
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .capture.guards import INTERNAL
 from .errors import TranspileError
 from .program import Held, held_name
 from .shards import Sharding, as_dtensor, from_dtensor, full_of, refuse_hybrid_dcp, shard_of, world_mesh
@@ -82,35 +79,6 @@ class Released(torch.nn.Parameter):
             f"here ({what}): read or change the "
             "parameters between steps inside `with step.unsharded():` (every rank enters it; "
             "writeback=True keeps what the block wrote)")
-
-
-def guard_forward(modules: list[torch.nn.Module], params: list[tuple[str, torch.Tensor]],
-                  guarded: weakref.WeakSet) -> None:
-    """A forward pre-hook on each submodule that holds one of these parameters
-    (once per submodule, recorded in `guarded`): its forward pass while they
-    are released, between steps outside unsharded(), raises instead of
-    reading released memory. The step's own trace lets it by: it runs the
-    modules on stand-ins of the parameters."""
-    sharded = {id(p) for _, p in params}
-    if not sharded:
-        return
-    for module in modules:
-        for sub in module.modules():
-            held = [(attr, p) for attr, p in sub._parameters.items() if id(p) in sharded]
-            if held and sub not in guarded:
-                hook = functools.partial(_refuse_released, held)
-                setattr(hook, INTERNAL, True)   # the transpiler's: not a guard of the step
-                sub.register_forward_pre_hook(hook)
-                guarded.add(sub)
-
-
-def _refuse_released(held: list[tuple[str, torch.Tensor]], module: torch.nn.Module, args) -> None:
-    for attr, p in held:
-        if module._parameters.get(attr) is p and p.numel() and not p.untyped_storage().nbytes():
-            raise TranspileError(
-                f"{type(module).__name__}.{attr} is kept as shards between the steps of mode "
-                "fsdp and holds no value here: run the model outside the step inside `with "
-                "step.unsharded():` (every rank enters it; it gathers the parameters)")
 
 
 @contextlib.contextmanager

@@ -270,15 +270,8 @@ class HookGuard:
         return len(self.places)
 
 
-# Hooks the transpiler registers itself (mode fsdp's guard on released
-# parameters) carry this attribute: they are not the step's.
-INTERNAL = "_transpiler_internal"
-
-
 def _handles(hooks) -> tuple:
-    if not hooks:
-        return ()
-    return tuple(k for k, h in hooks.items() if not getattr(h, INTERNAL, False))
+    return tuple(hooks) if hooks else ()
 
 
 class Guards:
