@@ -49,6 +49,10 @@ def test_bench_cli_writes_json(cli_run):
                             "local_sgd"}
     for config, fields in results.items():
         split = fields.pop("setup_split", None)
+        by_program = fields.pop("program_ms", None)
+        # a schedule of several programs (local SGD's) is timed by program too
+        assert (by_program is not None) == (config in bench.PERIOD), config
+        assert by_program is None or set(by_program) == {"local", "sync"}, config
         assert set(fields) == set(bench.FIELDS), config
         assert fields.pop("peak_device_mb") is None, config   # measured on CUDA only
         for name, value in fields.items():

@@ -83,7 +83,8 @@ def test_an_option_of_another_mode_is_refused_naming_who_takes_it():
                                              r"fuse_dtype$"):
         transpile(M.classify_step, mode="zero", k_steps=4, adaptive=True)
     with pytest.raises(TranspileError, match=r"^fuse_dtype applies only to mode='fuse_all_reduce', "
-                                             r"mode='local_sgd', mode='zero', mode='fsdp', passes=\[...\]; "
+                                             r"mode='local_sgd', mode='diloco', mode='zero', "
+                                             r"mode='fsdp', passes=\[...\]; "
                                              r"mode='grad_allreduce' takes bucket_mb$"):
         transpile(M.classify_step, fuse_dtype=torch.bfloat16)
     with pytest.raises(TranspileError, match=r"^topology applies only to mode='decentralized'; "

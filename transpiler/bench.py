@@ -32,6 +32,14 @@ resnet18 runs the step of torchvision's classification reference instead
     local_sgd               mode="local_sgd", k_steps=8: each timed sample is a
                             whole period (7 local steps and a sync), and its
                             step_ms the period's time divided by 8
+    diloco                  mode="diloco", sync_every=8, outer optimizer SGD (lr 0.7,
+                            Nesterov momentum 0.9): timed by period as
+                            local_sgd; diloco+bf16 sums the pseudo-gradients
+                            in bf16
+    streaming_diloco        diloco with fragments=2, fragment_sync_delay=3: a
+                            fragment's sums issued 3 steps before its outer
+                            step; "Step time by program" compares each
+                            program's step with a local one
     fuse_all_reduce+hierarchical  fuse_all_reduce with hierarchical=True: with
                             --nodes N (ranks told LOCAL_WORLD_SIZE = world / N,
                             simulated nodes on this machine) each bucket is
@@ -133,7 +141,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from transpiler import MODES, transpile
+from transpiler import MODES, DiLoCo, transpile
 from transpiler.backends import BACKENDS
 from transpiler.bench_report import Row, RunInfo, Table, text, write_report
 from transpiler.collectives import sent_bytes
@@ -144,6 +152,7 @@ CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
+DILOCO_H, DILOCO_FRAGMENTS = 8, 2
 # The fields of a config's result, in the table's order, and how the table formats them.
 STEP_COLUMNS = (("step_ms", ".2f"), ("vs_ddp", ".2f"), ("vs_limit", ".2f"),
                 ("param_mb", ".2f"), ("opt_state_mb", ".2f"), ("sent_mb", ".2f"),
@@ -478,6 +487,16 @@ def _transpiled(mode: str, then: tuple[str, ...] = (), **options) -> Builder | N
     return build
 
 
+def _diloco(**options) -> Builder:
+    """Mode diloco, sync_every=DILOCO_H, the paper's outer optimizer (SGD, lr
+    0.7, Nesterov momentum 0.9) over the model's parameters."""
+    def build(step_fn, model, optimizer):
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        return functools.partial(transpile(step_fn, mode=DiLoCo(
+            outer_optimizer=outer, sync_every=DILOCO_H, **options)), model, optimizer)
+    return build
+
+
 _ALL_CONFIGS: dict[str, Builder | None] = {
     "local": _local,
     "allreduce_only": _allreduce_only,
@@ -489,6 +508,10 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
     "grad_allreduce_nrings1": _transpiled("grad_allreduce", nrings=1),
     "fuse_all_reduce": _transpiled("fuse_all_reduce"),
     "local_sgd": _transpiled("local_sgd", k_steps=LOCAL_SGD_K),
+    "diloco": _diloco(),
+    "diloco+bf16": _diloco(fuse_dtype=torch.bfloat16),
+    "streaming_diloco": _diloco(fragments=DILOCO_FRAGMENTS,
+                                fragment_sync_delay=DILOCO_H // DILOCO_FRAGMENTS - 1),
     "fuse_all_reduce+inductor": _transpiled("fuse_all_reduce", backend="inductor"),
     "fuse_all_reduce+powersgd1": _transpiled_powersgd(1),
     "fuse_all_reduce+powersgd4": _transpiled_powersgd(4),
@@ -508,7 +531,8 @@ _ALL_CONFIGS: dict[str, Builder | None] = {
 CONFIGS: dict[str, Builder] = {k: v for k, v in _ALL_CONFIGS.items() if v is not None}
 # Steps per timed sample: local SGD's steps differ (k-1 local, then a sync), so a
 # sample is a whole period and step_ms its time divided by k.
-PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCAL_SGD_K}
+PERIOD: dict[str, int] = {"local_sgd": LOCAL_SGD_K, "local_sgd+cudagraphs": LOCAL_SGD_K,
+                          "diloco": DILOCO_H, "diloco+bf16": DILOCO_H, "streaming_diloco": DILOCO_H}
 # Configurations that run only with --device cuda.
 CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
 # Run when --configs is not given (the set of `make bench`'s report): the limits,
@@ -516,7 +540,8 @@ CUDA_ONLY = tuple(c for c in CONFIGS if c.endswith("+cudagraphs"))
 # fuse_all_reduce and fsdp under inductor; and with --device cuda, CUDA_ONLY.
 DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c in {
     "local", "allreduce_only", "ddp", "ddp_compiled", "ddp_zero_redundancy", "fsdp2",
-    "grad_allreduce", "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "zero", "fsdp",
+    "grad_allreduce", "fuse_all_reduce", "fuse_all_reduce+inductor", "local_sgd", "diloco",
+    "diloco+bf16", "streaming_diloco", "zero", "fsdp",
     "fsdp+inductor", "all_gather", "decentralized"})
 
 
@@ -574,9 +599,15 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     period = PERIOD.get(job.config, 1)
     sent_before = _bytes_sent(step)
 
+    by_program: dict[str, list[float]] = collections.defaultdict(list)
+
     def sample(i):
         for j in range(i * period, (i + 1) * period):
+            start = time.perf_counter()
             step(*batches[1 + j % (len(batches) - 1)])
+            if period > 1 and i >= job.warmup:   # a schedule's steps differ: each timed alone
+                _synchronize(job.device)
+                by_program[_transpiled_step(step).program.name].append(time.perf_counter() - start)
         _synchronize(job.device)
 
     times = [_between_barriers(sample, i)[1] / period for i in range(job.warmup + job.steps)]
@@ -594,7 +625,8 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
             "param_mb": (param_bytes(model) + getattr(_transpiled_step(step),
                                                       "parameter_shard_bytes", 0)) / 2**20,
             "opt_state_mb": _state_bytes(getattr(step, "args", (optimizer,))[-1]) / 2**20,
-            "sent_mb": None if sent is None else sent / 2**20}
+            "sent_mb": None if sent is None else sent / 2**20,
+            "program_s": {name: statistics.median(ts) for name, ts in by_program.items()}}
 
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -778,6 +810,8 @@ class Measurement:
     opt_state_mb: float = 0.0
     sent_mb: float | None = None   # what a rank sends per step (None: not counted)
     peak_device_mb: float | None = None   # torch.cuda.max_memory_allocated (None: CPU)
+    # a schedule's programs (PERIOD): the median time of a step that runs each, ms
+    program_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def combine(per_rank: list[dict]) -> Measurement:
@@ -793,7 +827,9 @@ def combine(per_rank: list[dict]) -> Measurement:
                        param_mb=max(r["param_mb"] for r in per_rank),
                        opt_state_mb=max(r["opt_state_mb"] for r in per_rank),
                        sent_mb=_max_or_none(r["sent_mb"] for r in per_rank),
-                       peak_device_mb=_max_or_none(r["peak_device_mb"] for r in per_rank))
+                       peak_device_mb=_max_or_none(r["peak_device_mb"] for r in per_rank),
+                       program_ms={name: max(r["program_s"][name] for r in per_rank) * 1e3
+                                   for name in per_rank[0]["program_s"]})
 
 
 def _max_or_none(values) -> float | None:
@@ -855,7 +891,9 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
                 base_rss_mb=max(m.base_rss_mb for m in ms), setup_split=ms[0].setup_split,
                 param_mb=max(m.param_mb for m in ms),
                 opt_state_mb=max(m.opt_state_mb for m in ms), sent_mb=ms[0].sent_mb,
-                peak_device_mb=_max_or_none(m.peak_device_mb for m in ms))
+                peak_device_mb=_max_or_none(m.peak_device_mb for m in ms),
+                program_ms={name: statistics.median(m.program_ms[name] for m in ms)
+                            for name in ms[0].program_ms})
     return {m: {c: out[m][c] for c in configs if c in out[m]} for m in models}
 
 
@@ -877,7 +915,8 @@ def summarize(raw: dict[str, dict[str, Measurement | str]]) -> dict[str, dict[st
                               "sent_mb": m.sent_mb,
                               "peak_rss_mb": m.peak_rss_mb,
                               "peak_device_mb": m.peak_device_mb, "setup_s": m.setup_s,
-                              **({"setup_split": m.setup_split} if m.setup_split else {})}
+                              **({"setup_split": m.setup_split} if m.setup_split else {}),
+                              **({"program_ms": m.program_ms} if m.program_ms else {})}
                           for c, m in ok.items()}
     return summary
 
@@ -940,6 +979,21 @@ def step_table(raw: dict, summary: dict) -> Table:
                  if isinstance(m, Measurement) else Row((model, config), m)
                  for model, results in raw.items() for config, m in results.items())
     return Table(("model", "config") + FIELDS, 2, rows)
+
+
+def program_table(raw: dict) -> Table | None:
+    """A row per program of each schedule's configuration (PERIOD): the median
+    time of a step that runs it, and that over a local step's; None when none ran."""
+    rows = []
+    for model, results in raw.items():
+        for config, m in results.items():
+            if not isinstance(m, Measurement) or not m.program_ms:
+                continue
+            local = m.program_ms.get("local")
+            rows += [Row((model, config, name, f"{ms:.2f}", _cell(_ratio(ms, local), ".2f")))
+                     for name, ms in sorted(m.program_ms.items())]
+    return Table(("model", "config", "program", "step_ms", "vs_local_step"), 3,
+                 tuple(rows)) if rows else None
 
 
 SETUP_PHASES = ("trace", "passes", "agreement", "compile", "other")
@@ -1132,6 +1186,9 @@ def main(argv=None) -> int:
     summary = summarize(raw)
     header = header_lines(info, args.steps, args.warmup, raw, args.repeat)
     tables = [("Step time", step_table(raw, summary))]
+    by_program = program_table(raw)
+    if by_program:
+        tables.append(("Step time by program (schedules of several programs)", by_program))
     setup = setup_table(raw)
     if setup:
         tables.append(("setup_s of the transpiler by phase (runtime.setup_split)", setup))

@@ -260,12 +260,17 @@ class DiLoCo(_Fused):
     def refuse(self, common) -> None:
         for option, given in (("verify", common.verify),
                               ("find_unused_parameters", common.find_unused_parameters),
-                              ("check_every", common.check_every)):
+                              ("check_every", common.check_every),
+                              ("skip_nonfinite", common.skip_nonfinite)):
             if given:
                 raise TranspileError(f"{option} follows DDP's semantics, which mode diloco does "
                                      "not by design (its ranks train replicas of their own "
                                      "between outer steps): use it with grad_allreduce or "
                                      "fuse_all_reduce")
+        if common.hierarchical and self.fragment_sync_delay:
+            raise TranspileError("fragment_sync_delay waits on one all-reduce per bucket in a "
+                                 "later step; a hierarchical reduction has three stages: not "
+                                 "with hierarchical=True yet (fragment_sync_delay=0 takes it)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
