@@ -267,6 +267,10 @@ class DiLoCo(_Fused):
                                      "not by design (its ranks train replicas of their own "
                                      "between outer steps): use it with grad_allreduce or "
                                      "fuse_all_reduce")
+        if common.backend == "cudagraphs" and self.fragment_sync_delay:
+            raise TranspileError("fragment_sync_delay keeps a collective in flight from one "
+                                 "program to a later one, which a CUDA graph's replay does not "
+                                 "carry: use backend='inductor' or 'eager' with it")
         if common.hierarchical and self.fragment_sync_delay:
             raise TranspileError("fragment_sync_delay waits on one all-reduce per bucket in a "
                                  "later step; a hierarchical reduction has three stages: not "
