@@ -133,3 +133,47 @@ def test_a_conversion_in_the_step_is_refused_naming_it():
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), *M.batches("mlp", 1, 8)[0])
     assert all(torch.equal(p, q) and p.dtype == torch.float32
                for p, q in zip(model.parameters(), before))
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module.eval()
+
+
+# Frozen teachers in eval mode, called under no_grad inside the step
+# (distillation, an EMA teacher): torch takes their fused fast path in eager
+# (torch._native_multi_head_attention, _transformer_encoder_layer_fwd), which
+# rounds otherwise than the composite path.
+TEACHERS = {
+    "MultiheadAttention": lambda: nn.MultiheadAttention(16, 4, batch_first=True),
+    "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(16, 4, 32, batch_first=True),
+    "TransformerEncoder": lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2, enable_nested_tensor=False),
+}
+
+
+@pytest.mark.parametrize("teacher", TEACHERS)
+def test_a_frozen_teacher_takes_torchs_fast_path_as_in_eager(teacher):
+    torch.manual_seed(0)
+    frozen = _frozen(TEACHERS[teacher]())
+
+    def distill(model, opt, x):
+        opt.zero_grad()
+        with torch.no_grad():
+            target = frozen(x, x, x, need_weights=False)[0] \
+                if isinstance(frozen, nn.MultiheadAttention) else frozen(x)
+        loss = (model(x) - target).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    ours = nn.Linear(16, 16)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(distill)
+    for i in range(3):
+        x = torch.randn(2, 6, 16)
+        assert torch.equal(step(ours, opts[0], x), distill(theirs, opts[1], x)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert not torch.overrides.has_torch_function((x,)), "left patched after the call"

@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx, track_tensor_tree
+from torch.fx.experimental.proxy_tensor import (TorchFunctionMetadataMode, get_proxy_mode, make_fx,
+                                               track_tensor_tree)
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import functionalize
@@ -690,26 +691,48 @@ def _autocast_cache(enabled: bool):
 @contextlib.contextmanager
 def _seen_as_in_eager():
     """What model and torch code may branch on, as eager has it while the step
-    runs: torch.fx's is_fx_tracing() False (make_fx's tracer sets it), and a
+    runs: torch.fx's is_fx_tracing() False (make_fx's tracer sets it), so is
+    nn.MultiheadAttention's check for make_fx (in eval mode without grad it
+    takes its fused fast path in eager, which rounds otherwise), and a
     traced tensor's type among those that take torch's foreach paths
     (clip_grad_norm_ and the optimizers pick them by `type(t) in ...`), and a
     0-d tensor formatted as its value (f"expert_{idx}": Tensor.__format__
     formats the value of a plain tensor only), a decision on that value."""
     from torch.fx import _symbolic_trace
+    from torch.nn.modules import activation
     from torch.utils._foreach_utils import _foreach_supported_types as foreach_types
     before = _symbolic_trace._is_fx_tracing_flag
     _symbolic_trace._is_fx_tracing_flag = False
     foreach_types.append(FakeTensor)
     torch.Tensor.__format__ = _format_as_in_eager
+    make_fx_tracing = activation._is_make_fx_tracing
+    activation._is_make_fx_tracing = torch.compiler.is_exporting
+    torch.overrides.has_torch_function = _has_torch_function_as_in_eager
     try:
         yield
     finally:
         _symbolic_trace._is_fx_tracing_flag = before
         foreach_types.remove(FakeTensor)
         torch.Tensor.__format__ = _FORMAT
+        activation._is_make_fx_tracing = make_fx_tracing
+        torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
 
 
 _FORMAT = torch.Tensor.__format__
+_HAS_TORCH_FUNCTION = torch.overrides.has_torch_function
+
+
+def _has_torch_function_as_in_eager(args) -> bool:
+    """torch.overrides.has_torch_function, not counting the mode make_fx's
+    tracer keeps (it records metadata; eager has no mode): nn.MultiheadAttention
+    and nn.TransformerEncoderLayer check it before their fast path."""
+    if not _HAS_TORCH_FUNCTION(args):
+        return False
+    modes = torch.overrides._get_current_function_mode_stack()
+    if not all(isinstance(m, TorchFunctionMetadataMode) for m in modes):
+        return True
+    return bool(torch.overrides._get_overloaded_args(
+        [a for a in args if isinstance(a, torch.Tensor)]))
 
 
 def _format_as_in_eager(self, format_spec):
