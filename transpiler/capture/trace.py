@@ -58,6 +58,7 @@ from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, rea
 from .memoized import memoized_while_traced
 from .outside import is_ndarray, outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
+from .recurrent import recurrent_layers_refused
 from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
@@ -367,6 +368,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
+            stack.enter_context(recurrent_layers_refused())
             stack.enter_context(synced_batch_norms())
             stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
