@@ -181,6 +181,9 @@ def _compiled_worst(arch: zoo.Arch, model, rank: int,
     where torch.compile fails on the model)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ddp = DDP(model, find_unused_parameters=arch.find_unused)
+    # the rank processes serve every run: without a reset, dynamo's recompile
+    # limit, reached by earlier architectures, would run this one eagerly
+    torch._dynamo.reset()
     try:
         losses, _ = _train(arch, zoo.step_of(arch), torch.compile(ddp), opt, rank)
     except Exception:  # noqa: BLE001 - no peer to compare with
