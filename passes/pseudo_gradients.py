@@ -24,7 +24,6 @@ import torch
 import torch.fx as fx
 
 from transpiler.collectives import Reduction
-from transpiler.errors import TranspileError
 from transpiler.pipeline import Mark, PassContext, produces, requires
 from transpiler.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
 from transpiler.roles import INPUT, REDUCE, Role
@@ -42,9 +41,8 @@ def fragment_of(params: list[fx.Node], index: int, fragments: int) -> list[fx.No
     its share of the total (and early enough to leave a group to each later one)."""
     layers = [[params[i] for i in layer] for layer in
               layers_of([n.meta[INPUT].name for n in params])]
-    if fragments > len(layers):
-        raise TranspileError(f"mode diloco: {fragments} fragments of a model with "
-                             f"{len(layers)} layers with parameters: give at most {len(layers)}")
+    if fragments > len(layers):   # the schedule refuses it first (DiLoCo.check_params)
+        raise ValueError(f"{fragments} fragments of {len(layers)} layers")
     sizes = [sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in layer)
              for layer in layers]
     total, ends, acc = sum(sizes), [], 0

@@ -18,7 +18,6 @@ import enum
 import torch
 
 from .collectives import WAIT
-from .program import Held, held_name
 
 
 class Phase(enum.Enum):
@@ -92,12 +91,11 @@ class HeldTensors:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the held tensors while they are current (or loaded), else {};
-        a sum in flight (Held.IN_FLIGHT) waited on first."""
+        each waited on first (a sum in flight, Held.IN_FLIGHT; for any other
+        tensor the wait does nothing)."""
         if self.phase is Phase.EMPTY:
             return {}
-        in_flight = held_name(Held.IN_FLIGHT, "")
-        return {name: (WAIT(t) if name.startswith(in_flight) else t).detach().clone()
-                for name, t in self.tensors.items()}
+        return {name: WAIT(t).detach().clone() for name, t in self.tensors.items()}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what state_dict saved. The next state set is trusted as loaded

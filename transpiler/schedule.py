@@ -347,14 +347,16 @@ class DiLoCo(Schedule):
     def advance(self, program: str, held: Mapping[str, torch.Tensor]) -> None:
         super().advance(program, held)
         self.since += 1
-        prefix = held_name(Held.PSEUDO_GRAD, "")
-        for name in [n for n in held if n.startswith(prefix)]:
-            # a copy: a compiled program's outputs may live in memory its next run reuses
-            self.pending[name[len(prefix):]] = held[name].clone()
 
     def host_update(self, held: Mapping[str, torch.Tensor],
                     params: Mapping[str, torch.Tensor]) -> None:
-        """After advance(): the outer step, when this step ended a period."""
+        """After advance(): keep the pseudo-gradients the step averaged, and take
+        the outer step when this step ended a period."""
+        for name in params:
+            average = held.get(held_name(Held.PSEUDO_GRAD, name))
+            if average is not None:
+                # a copy: a compiled program's outputs may live in memory its next run reuses
+                self.pending[name] = average.clone()
         if self.since < self.period:
             return
         names = list(self.pending)
