@@ -104,7 +104,6 @@ class TranspiledStep:
         # One-time costs by phase (setup_split): every trace, pass and rank agreement.
         self._seconds = dict.fromkeys(("trace", "passes", "agreement"), 0.0)
         self._last: Built | None = None
-        # submodules whose forward refuses to run on released parameters (mode fsdp)
         # Bytes this rank has sent in its steps' collectives (collectives.sent_bytes).
         self.bytes_sent = 0.0
         # The first build, run op by op until the second call decides whether
