@@ -218,3 +218,61 @@ def test_recurrent_layers_equal_eager_or_are_refused(layer):
     for i in range(3):
         assert torch.equal(step(ours, opts[0], x), _rnn_step(theirs, opts[1], x)), f"call {i}"
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+class _FrozenBackbone(nn.Module):
+    """A backbone in eval mode with frozen BatchNorm statistics (fine-tuning a
+    head) before a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        with torch.no_grad():
+            self.backbone(torch.randn(32, 8) * 3 + 1)   # statistics of their own
+        self.backbone.eval().requires_grad_(False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+class _Tokens(nn.Module):
+    """Two token ids per sample from its features (Embedding's input)."""
+
+    def forward(self, x):
+        return (x[:, :2].abs() * 7).long().clamp(max=19)
+
+
+# Layers that change their own weights or buffers in the forward pass
+LAYERS = {
+    "spectral_norm": lambda: nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 3)),
+    "weight_norm": lambda: nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 3)),
+    "embedding_max_norm": lambda: nn.Sequential(
+        _Tokens(), nn.Embedding(20, 8, max_norm=1.0), nn.Flatten(), nn.Linear(16, 3)),
+    "frozen_batch_norm": _FrozenBackbone,
+}
+
+
+def _classify(model, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layers_that_write_themselves_equal_eager(layer):
+    torch.manual_seed(0)
+    ours = LAYERS[layer]()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (ours, theirs)]
+    step = transpile(_classify)
+    for i in range(3):
+        x, y = torch.randn(4, 8), torch.randint(3, (4,))
+        assert torch.equal(step(ours, opts[0], x, y), _classify(theirs, opts[1], x, y)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.state_dict().values(),
+                                                     theirs.state_dict().values())), f"call {i}"
