@@ -30,7 +30,7 @@ import torch.fx as fx
 from transpiler.collectives import WAIT
 from transpiler.pipeline import PassContext, SyncPart, requires
 from transpiler.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
-                                held_name)
+                                erase_unread, held_name)
 from transpiler.roles import BUCKET, COMM
 
 
@@ -68,7 +68,7 @@ def _drop_pseudo_gradients(program: Program) -> None:
     pairs = list(zip(program.outputs, out.args[0]))
     program.outputs = [spec for spec, _ in pairs if spec.held is not Held.PSEUDO_GRAD]
     out.args = (tuple(value for spec, value in pairs if spec.held is not Held.PSEUDO_GRAD),)
-    _erase_unread(program.graph, [value for spec, value in pairs if spec.held is Held.PSEUDO_GRAD])
+    erase_unread([value for spec, value in pairs if spec.held is Held.PSEUDO_GRAD])
 
 
 def _receive(program: Program, buckets: list[tuple[fx.Node, fx.Node]]) -> None:
@@ -78,17 +78,4 @@ def _receive(program: Program, buckets: list[tuple[fx.Node, fx.Node]]) -> None:
         spec = InputSpec(InputKind.HELD, held_name(Held.IN_FLIGHT, str(i)), held=Held.IN_FLIGHT)
         received = program.add_input(spec, collective, f"in_flight_{i}")
         wait.replace_input_with(collective, received)
-        _erase_unread(program.graph, [collective])
-
-
-def _erase_unread(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase each of `nodes` that nothing reads, then each of its inputs that
-    nothing reads any more, and so on (placeholders stay)."""
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node.users or node.op != "call_function" or node.graph is not graph:
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        stack += inputs
+        erase_unread([collective])

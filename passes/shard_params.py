@@ -40,7 +40,7 @@ import torch.fx as fx
 from transpiler.collectives import ALL_GATHER
 from transpiler.pipeline import PassContext, requires
 from transpiler.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
-                                draws_random, held_name)
+                                draws_random, erase_unread, held_name)
 from transpiler.roles import BUCKET, COMM, GATHERED, INPUT, PARAM_SHARD, ROLE, Role
 
 
@@ -188,24 +188,13 @@ def _hold_shards(program: Program) -> list[Bucket]:
                        for spec in program.outputs]
     program.output_node.args = (tuple(values),)
     for name in sorted(sharded):
-        _erase_unused(program.graph, cut[name])
+        erase_unread([cut[name]])
         program.inputs.remove(params[name].meta[INPUT])
         program.graph.erase_node(params[name])
     for b in buckets:
         b.derived = _derived(program.graph, set(b.full.values()))
         b.readers = sorted({r for v in [*b.full.values(), *b.derived] for r in v.users})
     return buckets
-
-
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """node and the nodes only it read (the cut of a parameter to its shard,
-    now read from the held shard)."""
-    todo = [node]
-    while todo:
-        node = todo.pop()
-        if node.op == "call_function" and not node.users:
-            todo += node.all_input_nodes
-            graph.erase_node(node)
 
 
 def _unpacking(gather: fx.Node) -> list[fx.Node]:
@@ -271,4 +260,4 @@ def _rewire(graph: fx.Graph, g: Gather, phase: dict[fx.Node, int]) -> None:
             r.args, r.kwargs = fx.map_arg((r.args, r.kwargs), lambda a: value(a) if (
                 a in derived and phase[a] not in g.phases) or a in g.values else a)
     for full in g.bucket.full.values():
-        _erase_unused(graph, g.values[full])   # what this pass does not read
+        erase_unread([g.values[full]])   # what this pass does not read

@@ -344,6 +344,17 @@ def new_node(graph: fx.Graph, target: Callable, args: tuple, role: Role,
     return node
 
 
+def erase_unread(nodes: list[fx.Node]) -> None:
+    """Erase each of `nodes` that nothing reads, then each of its inputs that
+    nothing reads any more, and so on (placeholders stay)."""
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node.op == "call_function" and not node.users and not node._erased:
+            todo += node.all_input_nodes
+            node.graph.erase_node(node)
+
+
 def keep_old_unless(program: Program, conditions: list[fx.Node | None],
                     skippable: bool = False) -> None:
     """Output k becomes where(conditions[k], new, old) where conditions[k] is a
