@@ -61,6 +61,19 @@ def test_the_update_is_cut_off_and_written_in_place():
     assert guarded <= in_place
 
 
+def test_the_gradients_are_unscaled_in_place():
+    """unscale_ writes the gradients and found_inf in place, as eager's
+    GradScaler does; its functional form cloned every gradient first."""
+    from transpiler.reinplace import reinplace
+    from transpiler.skipped_update import split
+    program = _program()
+    prefix = split(program, plan(program))[0]
+    targets = {n.target for n in reinplace(prefix)[0].graph.nodes}
+    aten = torch.ops.aten
+    assert aten._amp_foreach_non_finite_check_and_unscale_.default in targets
+    assert aten._amp_foreach_non_finite_check_and_unscale.default not in targets
+
+
 @pytest.mark.parametrize("passes", [MODES["local_sgd"]["sync"], MODES["zero"]],
                          ids=["local_sgd-sync", "zero"])
 def test_an_update_that_feeds_a_collective_keeps_its_select(passes):

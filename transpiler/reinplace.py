@@ -72,6 +72,28 @@ def _inplace_variant(target):
     return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
+def _mutating_variant(target) -> tuple[torch._ops.OpOverload, list[int]] | None:
+    """(op_, the positions of the arguments it writes) where target is the
+    functional form functionalization makes of an op that writes several
+    arguments and returns nothing (_amp_foreach_non_finite_check_and_unscale_
+    writes the gradients and found_inf): one result per written argument, in
+    order, each named after it. (An op that writes one argument is
+    _inplace_variant's.)"""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    namespace, name = target._schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name + "_", None)
+    variant = getattr(packet, target._overloadname, None) if packet is not None else None
+    if variant is None or variant._schema.returns:
+        return None
+    written = [i for i, a in enumerate(variant._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    names = [variant._schema.arguments[i].name + "_out" for i in written]
+    if len(written) < 2 or [r.name for r in target._schema.returns] != names:
+        return None
+    return variant, written
+
+
 def _aliases(node: fx.Node) -> set[fx.Node]:
     """The node and every view taken of it, transitively."""
     seen, todo = set(), [node]
@@ -138,8 +160,10 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     def reusable(x, node, others: set[fx.Node]) -> bool:
         """x (an input of node) may be overwritten by node: `others` are node's
         other inputs, which must not alias it."""
-        if not isinstance(x, fx.Node) or not _is_base(x) or out in x.users:
+        if not isinstance(x, fx.Node) or out in x.users:
             return False
+        if not _is_base(x):
+            return _part_reusable(x, node, others, out)
         if x.op == "placeholder" and (x not in donated or (end is not None and node <= end)):
             return False
         alias = _aliases(x)
@@ -158,6 +182,10 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
             if reusable(buffer, node, other_inputs(node)) and _same_layout(buffer, node.meta["val"]):
                 _scatter_in_place(graph, node)
             continue
+        mutating = _mutating_variant(node.target)
+        if mutating is not None:
+            _write_arguments_in_place(graph, node, *mutating, reusable)
+            continue
         variant = _inplace_variant(node.target)
         if variant is None or not node.args:
             continue
@@ -168,7 +196,7 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
             if not isinstance(selves, (list, tuple)) or not all(
                     reusable(x, node, others) and _same_layout(x, v) for x, v in zip(selves, vals)):
                 continue
-            if len(set(selves)) != len(selves):
+            if len(set(selves)) != len(selves) or not _read_by_item(node):
                 continue
             node.target = variant
             _items_to_selves(graph, node, selves)
@@ -186,6 +214,85 @@ def reinplace(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     in_place = [target is not None and value is target
                 for target, value in zip(written_to, out.args[0])]
     return gm, in_place
+
+
+def _write_arguments_in_place(graph: fx.Graph, node: fx.Node, variant, written: list[int],
+                              reusable) -> None:
+    """node -> variant(...) writing its arguments at `written` in place, where
+    each tensor there (each of a list) may be overwritten and has its result's
+    layout: result k becomes the k-th written argument. A tensor may be
+    written only once; what the node only reads must not alias what it writes."""
+    args = list(node.args)
+    if len(args) <= max(written):
+        return
+    targets = [args[i] for i in written]
+    flat = torch.utils._pytree.tree_leaves(targets)
+    read = {a for i, a in enumerate(args) if i not in written for a in
+            torch.utils._pytree.tree_leaves(a) if isinstance(a, fx.Node)}
+    read |= {a for a in torch.utils._pytree.tree_leaves(node.kwargs) if isinstance(a, fx.Node)}
+    vals = torch.utils._pytree.tree_leaves(list(node.meta["val"]))
+    items = [u for u in node.users if u.target is operator.getitem]
+    if len(items) != len(node.users) or not all(
+            _read_by_item(u) for u in items if isinstance(targets[u.args[1]], (list, tuple))):
+        return
+    if len(flat) != len(vals) or len(set(flat)) != len(flat) or not all(
+            reusable(x, node, read | (set(flat) - {x})) and _same_layout(x, v)
+            for x, v in zip(flat, vals)):
+        return
+    for item in items:
+        target = targets[item.args[1]]
+        if isinstance(target, (list, tuple)):
+            _items_to_selves(graph, item, target)
+        else:
+            item.replace_all_uses_with(target)
+        graph.erase_node(item)
+    node.target = variant
+
+
+def _part(x: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(base, start, end) where x is elements start:end of a 1-D intermediate
+    base, in order (a bucket's slice or split part, reshaped); else None."""
+    while x.target in _RESHAPES:
+        x = x.args[0]
+    if x.target is operator.getitem and x.args[0].target in _SPLITS:
+        split = x.args[0]
+        base, sizes = split.args[0], split.args[1]
+        if split.args[2:] not in ((), (0,)) or split.kwargs:
+            return None
+        if isinstance(sizes, int):   # split(base, size): equal parts, the last one shorter
+            sizes = [sizes] * x.args[1] + [sizes]
+        start = sum(sizes[:x.args[1]])
+        end = start + sizes[x.args[1]]
+    elif (span := _span(x)) is not None:
+        base, (start, end) = x.args[0], span
+    else:
+        return None
+    if not _is_base(base) or base.op == "placeholder" or base.meta["val"].dim() != 1:
+        return None
+    return base, start, min(end, base.meta["val"].shape[0])
+
+
+def _part_reusable(x: fx.Node, node: fx.Node, others: set[fx.Node], out: fx.Node) -> bool:
+    """x, a part of an intermediate (_part), may be overwritten by node: no
+    view of its base that overlaps it is read after node (or output), or is
+    one of node's other inputs. A view whose elements are not known overlaps."""
+    part = _part(x)
+    if part is None:
+        return False
+    base, start, end = part
+    for alias in _aliases(base):
+        other = _part(alias) if alias is not base else None
+        if other is not None and (other[1] >= end or other[2] <= start):
+            continue
+        if alias in others or any(u is not node and (u > node or u is out) for u in alias.users):
+            return False
+    return True
+
+
+def _read_by_item(node: fx.Node) -> bool:
+    """Whether a list result is read only item by item (an in-place op returns
+    no list to pass on whole)."""
+    return all(u.target is operator.getitem for u in node.users)
 
 
 def _items_to_selves(graph: fx.Graph, node: fx.Node, selves) -> None:
@@ -224,6 +331,8 @@ _OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntLi
 ALIGNMENT = 64
 # Views that keep the elements in order (a gradient reshaped to its slice).
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Views into consecutive parts along a dimension (a bucket unpacked).
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 
 
 def _produce_into_slices(graph: fx.Graph) -> None:
