@@ -12,8 +12,12 @@ configuration of CONFIGS on the same user step (zero_grad, forward,
 cross-entropy, backward, optimizer.step), the same seeded initial weights, the
 same batches (each rank its shard of a seeded global batch) and the same
 optimizer (SGD, lr 0.01, momentum 0.9; --optimizer adam: Adam, lr 0.01).
-resnet18 runs the step of torchvision's classification reference instead
-(train_step_amp: bf16 autocast, GradScaler, clipping, label smoothing):
+Two models run their script's own step instead: resnet18 the step of
+torchvision's classification reference (train_step_amp: bf16 autocast,
+GradScaler, clipping, label smoothing), nanogpt the model, optimizer and step of
+examples/nanogpt.py (a GPT, AdamW with weight-decay groups, 4 micro-batches of
+8 sequences each, clipping, a GradScaler disabled as nanoGPT's is without
+float16; run from a checkout, which has examples/):
 
     local                   the eager step, no communication at all
     allreduce_only          one all_reduce of a flat fp32 buffer as large as all
@@ -291,43 +295,6 @@ def _tokens(vocab: int, seq: int):
     return make
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    build: Callable[[], nn.Module]
-    make_batch: Callable[[torch.Generator, int], tuple]   # a global batch of `batch` samples
-    batch_per_rank: int
-    # trained by train_step_amp (a GradScaler passed after the optimizer), not STEPS
-    amp: bool = False
-
-
-MODELS: dict[str, ModelSpec] = {
-    # 8 x Linear(512, 512): 2.1M parameters in 16 tensors; 512 classes.
-    "wide": ModelSpec(lambda: MLP([512] * 9), _features(512, 512), 32),
-    # 64 x Linear(64, 64) and a Linear(64, 10) head: 130 small tensors, latency-bound.
-    "deep": ModelSpec(lambda: MLP([64] * 65 + [10]), _features(64, 10), 32),
-    # Parameters dominate (memory per rank): Linear(1024, 3072), Linear(3072, 3072),
-    # Linear(3072, 1024), 15.7M parameters (60 MiB in float32), a batch of 8 per rank.
-    "wide_mlp": ModelSpec(lambda: MLP([1024, 3072, 3072, 1024]), _features(1024, 1024), 8),
-    # 2 encoder blocks (d_model 128), vocab 1000, sequences of 32 tokens.
-    "transformer": ModelSpec(TransformerLM, _tokens(1000, 32), 8),
-    # GPT-2's shape at 12 layers, d_model 128: a large graph (setup time), 2.5M
-    # parameters in 148 tensors.
-    "gpt2_12l": ModelSpec(GPT, _tokens(1000, 64), 4),
-    # For --device cuda. GPT-2 124M's shape (GPT-2's vocabulary padded to a
-    # multiple of 64, as nanoGPT does), 1024-token sequences.
-    "gpt2_124m": ModelSpec(lambda: GPT(vocab=50304, d_model=768, nhead=12, layers=12,
-                                       context=1024), _tokens(50304, 1024), 8),
-    # 6 layers, d_model 256, 128-token sequences: small kernels, launch-bound on a GPU.
-    "gpt_6l": ModelSpec(lambda: GPT(vocab=8192, d_model=256, nhead=4, layers=6, context=128),
-                        _tokens(8192, 128), 16),
-    # torchvision's classification reference at 48 px: resnet18 (11.2M parameters
-    # in 62 tensors, BatchNorm), bf16 autocast, GradScaler, clipping, label smoothing.
-    "resnet18": ModelSpec(ResNet18, _images(48, 100), 8, amp=True),
-}
-# Run when --models is not given: gpt2_12l is for setup time, and slow to set up.
-DEFAULT_MODELS = ("wide", "deep", "transformer", "resnet18")
-
-
 def train_step(model, optimizer, inputs, targets):
     """The one user step every configuration runs (on CPU)."""
     optimizer.zero_grad()
@@ -366,6 +333,86 @@ def train_step_amp(model, optimizer, scaler, inputs, targets):
     scaler.step(optimizer)
     scaler.update()
     return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator, int], tuple]   # a global batch of `batch` samples
+    batch_per_rank: int
+    # The script's own step, taking a GradScaler (made by `scaler` for the
+    # device) after the optimizer; None: STEPS, or accumulating with --micro-batches.
+    step: Callable | None = None
+    scaler: Callable[[str], torch.amp.GradScaler] = torch.amp.GradScaler
+    # The script's own optimizer; None: --optimizer's.
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+
+
+# examples/nanogpt.py's defaults: its model, AdamW, micro-batches and clipping.
+NANOGPT = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+NANOGPT_MICRO_BATCHES, NANOGPT_BATCH = 4, 8
+
+
+def _nanogpt():
+    """The example's module (from a checkout: examples/ is not installed)."""
+    try:
+        from examples import nanogpt
+    except ImportError as exc:
+        raise BenchError("model nanogpt runs examples/nanogpt.py's code: run the bench from "
+                         f"the repository's root ({exc})") from exc
+    return nanogpt
+
+
+@functools.cache
+def _nanogpt_step() -> Callable:
+    return _nanogpt().make_train_step(NANOGPT_MICRO_BATCHES, 1.0, contextlib.nullcontext())
+
+
+def train_step_nanogpt(model, optimizer, scaler, inputs, targets):
+    """examples/nanogpt.py's step (on CPU: float32, no autocast) over this
+    rank's batch cut into its micro-batches."""
+    return _nanogpt_step()(model, optimizer, scaler,
+                           list(zip(inputs.chunk(NANOGPT_MICRO_BATCHES),
+                                    targets.chunk(NANOGPT_MICRO_BATCHES))))
+
+
+def _nanogpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return model.configure_optimizers(0.1, 3e-3, (0.9, 0.95))
+
+
+MODELS: dict[str, ModelSpec] = {
+    # 8 x Linear(512, 512): 2.1M parameters in 16 tensors; 512 classes.
+    "wide": ModelSpec(lambda: MLP([512] * 9), _features(512, 512), 32),
+    # 64 x Linear(64, 64) and a Linear(64, 10) head: 130 small tensors, latency-bound.
+    "deep": ModelSpec(lambda: MLP([64] * 65 + [10]), _features(64, 10), 32),
+    # Parameters dominate (memory per rank): Linear(1024, 3072), Linear(3072, 3072),
+    # Linear(3072, 1024), 15.7M parameters (60 MiB in float32), a batch of 8 per rank.
+    "wide_mlp": ModelSpec(lambda: MLP([1024, 3072, 3072, 1024]), _features(1024, 1024), 8),
+    # 2 encoder blocks (d_model 128), vocab 1000, sequences of 32 tokens.
+    "transformer": ModelSpec(TransformerLM, _tokens(1000, 32), 8),
+    # GPT-2's shape at 12 layers, d_model 128: a large graph (setup time), 2.5M
+    # parameters in 148 tensors.
+    "gpt2_12l": ModelSpec(GPT, _tokens(1000, 64), 4),
+    # For --device cuda. GPT-2 124M's shape (GPT-2's vocabulary padded to a
+    # multiple of 64, as nanoGPT does), 1024-token sequences.
+    "gpt2_124m": ModelSpec(lambda: GPT(vocab=50304, d_model=768, nhead=12, layers=12,
+                                       context=1024), _tokens(50304, 1024), 8),
+    # 6 layers, d_model 256, 128-token sequences: small kernels, launch-bound on a GPU.
+    "gpt_6l": ModelSpec(lambda: GPT(vocab=8192, d_model=256, nhead=4, layers=6, context=128),
+                        _tokens(8192, 128), 16),
+    # torchvision's classification reference at 48 px: resnet18 (11.2M parameters
+    # in 62 tensors, BatchNorm), bf16 autocast, GradScaler, clipping, label smoothing.
+    "resnet18": ModelSpec(ResNet18, _images(48, 100), 8, step=train_step_amp),
+    # examples/nanogpt.py with its defaults: a 2-layer GPT (d_model 64, vocab 256,
+    # 64-token sequences), 4 micro-batches of 8 sequences per step.
+    "nanogpt": ModelSpec(lambda: _nanogpt().GPT(**NANOGPT),
+                         _tokens(NANOGPT["vocab_size"], NANOGPT["block_size"]),
+                         NANOGPT_MICRO_BATCHES * NANOGPT_BATCH, step=train_step_nanogpt,
+                         scaler=lambda device: torch.amp.GradScaler(device, enabled=False),
+                         optimizer=_nanogpt_optimizer),
+}
+# Run when --models is not given: gpt2_12l is for setup time, and slow to set up.
+DEFAULT_MODELS = ("wide", "deep", "transformer", "resnet18", "nanogpt")
 
 
 def accumulating(k: int, device: str) -> Callable:
@@ -577,18 +624,18 @@ def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
     spec = MODELS[job.model]
     torch.manual_seed(SEED_WEIGHTS)
     model = spec.build().to(job.device)
-    optimizer = _optimizer(job.optimizer, model)
+    optimizer = (spec.optimizer or functools.partial(_optimizer, job.optimizer))(model)
     batches = [tuple(t.to(job.device) for t in batch)
                for batch in rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)]
     base_rss = _rss_mb()
 
-    if spec.amp:   # the scaler, between the optimizer and the batch
-        scaler = torch.amp.GradScaler(job.device)
+    if spec.step is not None:   # the scaler, between the optimizer and the batch
+        scaler = spec.scaler(job.device)
         batches = [(scaler, *batch) for batch in batches]
 
     def build_and_first_call():
-        step_fn = train_step_amp if spec.amp else STEPS[job.device] \
-            if job.micro_batches == 1 else accumulating(job.micro_batches, job.device)
+        step_fn = spec.step or (STEPS[job.device] if job.micro_batches == 1
+                                else accumulating(job.micro_batches, job.device))
         step = CONFIGS[job.config](step_fn, model, optimizer)
         step(*batches[0])
         _synchronize(job.device)
@@ -1106,7 +1153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "them (default 1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                    help="SGD with momentum (default), Adam or AdamW, whose state is twice "
-                        "the model")
+                        "the model (nanogpt keeps its script's AdamW)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="backward() on each of this many parts of the batch, then one "
                         "update (default 1)")
@@ -1157,10 +1204,10 @@ def main(argv=None) -> int:
                 or args.micro_batches < 1:
             raise BenchError("need --world-size >= 1, --steps >= 1, --warmup >= 0, "
                              "--repeat >= 1 and --micro-batches >= 1")
-        amp = [m for m in models if MODELS[m].amp]
-        if amp and args.micro_batches != 1:
-            raise BenchError(f"--micro-batches with {', '.join(amp)}: its step (autocast, "
-                             "GradScaler) takes one batch; leave it out of --models")
+        own = [m for m in models if MODELS[m].step is not None]
+        if own and args.micro_batches != 1:
+            raise BenchError(f"--micro-batches with {', '.join(own)}: it runs its script's own "
+                             "step; leave it out of --models")
         if args.nodes < 1 or args.world_size % args.nodes:
             raise BenchError(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
         check_writable(args.json, args.plot, args.report)
