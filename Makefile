@@ -22,7 +22,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The default models and configs (transpiler.bench.DEFAULT_MODELS, DEFAULT_CONFIGS);
+# The default models and configs (transpiler/bench/bench.py: DEFAULT_MODELS, DEFAULT_CONFIGS);
 # the report is generated from this run, never edited by hand. The plot needs
 # the optional extra (pip install -e .[bench]); without it the report says so.
 bench: install

@@ -30,9 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from transpiler import DiLoCo, TranspileError, transpile
-from transpiler.bench import GPT, pyplot, train_step
-from transpiler.topology import BUILT_IN
+from transpiler import DiLoCo, TranspileError, topology, transpile
+from transpiler.bench.bench import GPT, pyplot, train_step
 
 log = logging.getLogger("convergence")
 TOPOLOGIES = ("ring", "one-peer-exp", "complete")
@@ -81,9 +80,9 @@ def run(name: str, model: nn.Module, batches, held_out, lr: float):
     return {"loss": losses, "consensus_distance": distances, "held_out_loss": held}
 
 
-def fits(topology: str, world_size: int) -> bool:
+def fits(name: str, world_size: int) -> bool:
     try:
-        BUILT_IN[topology](world_size, world_size)
+        topology.BUILT_IN[name](world_size, world_size)
     except TranspileError:
         return False
     return True

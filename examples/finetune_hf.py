@@ -21,8 +21,7 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from transpiler import MODES, transpile
-from transpiler.backends import BACKENDS
+from transpiler import BACKENDS, MODES, transpile
 
 log = logging.getLogger("finetune")
 PAD = 0

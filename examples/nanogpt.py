@@ -32,8 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from transpiler import MODES, transpile
-from transpiler.backends import BACKENDS
+from transpiler import BACKENDS, MODES, transpile
 
 log = logging.getLogger("nanogpt")
 

@@ -17,8 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from transpiler import MODES, transpile
-from transpiler.backends import BACKENDS
+from transpiler import BACKENDS, MODES, transpile
 
 
 def train_step(model, optimizer, x, y):

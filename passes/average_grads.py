@@ -8,7 +8,7 @@ before optimizer.step() ends; and the gradients each earlier backward() leaves
 Produces: on each gradient, meta["reduce"] = Reduction(<param>, MEAN, over) with
 `over` the parameter's group (ctx.over: the world unless transpile(reduce_groups=...)
 names one). Where the step reads the gradients of an earlier backward() other
-than by accumulating into them (SAM; transpiler/averaging.py), each gradient
+than by accumulating into them (SAM; transpiler/program/averaging.py), each gradient
 it leaves is marked too, Reduction("<param>@<backward>", MEAN, over,
 point=<backward>): averaged where that backward() ends, as DDP does at every
 backward() outside no_sync; what reads it then (the next backward()'s
@@ -23,11 +23,11 @@ Order: before the passes that reduce (insert_allreduce, coalesce_tensors).
 
 from __future__ import annotations
 
-from transpiler.averaging import early_averages
-from transpiler.collectives import ReduceOp, Reduction
-from transpiler.pipeline import Mark, PassContext, produces
-from transpiler.program import Program
-from transpiler.roles import GRAD_AT, REDUCE
+from transpiler.program.averaging import early_averages
+from transpiler.program.collectives import ReduceOp, Reduction
+from transpiler.lowering.context import Mark, PassContext, produces
+from transpiler.program.program import Program
+from transpiler.program.roles import GRAD_AT, REDUCE
 
 
 @produces(Mark.TO_REDUCE)

@@ -34,13 +34,12 @@ do not; transpile(broadcast_buffers=False) drops it, as DDP's option does.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
 from passes.coalesce_tensors import MB, GradInfo, pack, plan_buckets, unpack
-from transpiler.collectives import BROADCAST, WAIT
-from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
-from transpiler.roles import COMM, INPUT, Role
+from transpiler.program.collectives import BROADCAST, WAIT
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import CommInfo, InputKind, OutputKind, Program, new_node
+from transpiler.program.roles import COMM, INPUT, Role
 
 aten = torch.ops.aten
 

@@ -1,6 +1,6 @@
 """broadcast_params: every rank starts from rank 0's parameters and buffers.
 
-Runs on the startup program (transpiler/startup.py): the identity over the
+Runs on the startup program (transpiler/runtime/startup.py): the identity over the
 parameters and buffers, plus a copy of a parameter for each held tensor it
 initializes. Requires nothing before it.
 Produces: for each parameter and buffer, in input order, `wait_tensor(broadcast(
@@ -14,10 +14,10 @@ Order: before ring_round_robin.
 
 from __future__ import annotations
 
-from transpiler.collectives import BROADCAST, WAIT
-from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, InputKind, Program, new_node
-from transpiler.roles import COMM, INPUT, Role
+from transpiler.program.collectives import BROADCAST, WAIT
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import CommInfo, InputKind, Program, new_node
+from transpiler.program.roles import COMM, INPUT, Role
 
 
 def broadcast_params(program: Program, ctx: PassContext) -> None:

@@ -27,10 +27,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import ALL_GATHER, ALL_REDUCE, WAIT
-from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, Program, draws_random, new_node
-from transpiler.roles import COMM, DECISION, ROLE, Role
+from transpiler.program.collectives import ALL_GATHER, ALL_REDUCE, WAIT
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import CommInfo, Program, draws_random, new_node
+from transpiler.program.roles import COMM, DECISION, ROLE, Role
 
 aten = torch.ops.aten
 _OPS = (ALL_GATHER, ALL_REDUCE)

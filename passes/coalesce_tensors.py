@@ -18,14 +18,14 @@ dtype at ctx.first_bucket_mb; values of different reduction points,
 Reduction.point, in buckets of their own). For each bucket, placed right
 after its last value: the values flattened and concatenated into one buffer
 (optionally cast to ctx.fuse_dtype), its reduction
-lowered by transpiler/lowering.py (for a MEAN the buffer times 1 / group size,
+lowered by transpiler/lowering/reductions.py (for a MEAN the buffer times 1 / group size,
 as DDP's reducer scales, then `all_reduce(sum)` over the group on ring 0 and
 its wait; hierarchical over several nodes: reduce-scatter inside the node,
 all-reduce across, all-gather inside), the cast back, and the reduced buffer
 split into views shaped like the values, which every former use of a value now
 reads (no copy back). With ctx.comm_hook (DDP's comm hook) the bucket's buffer,
 not averaged, is reduced by the hook traced into the program instead
-(transpiler/comm_hooks.py). Pack nodes have the role of the bucket's last value
+(transpiler/lowering/comm_hooks.py). Pack nodes have the role of the bucket's last value
 (BACKWARD for gradients), the rest COMM; all carry meta["bucket"]. Values of
 different dtypes or groups never share a buffer. Every mark is removed. With one
 rank it does not apply.
@@ -43,12 +43,12 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from transpiler import comm_hooks, lowering
-from transpiler.collectives import ReduceOp
-from transpiler.mesh import Dim, Over
-from transpiler.pipeline import Mark, PassContext, consumes
-from transpiler.program import CommInfo, InputKind, Program, new_node
-from transpiler.roles import BUCKET, PARAM, REDUCE, ROLE, Role
+from transpiler.lowering import comm_hooks, reductions as lowering
+from transpiler.program.collectives import ReduceOp
+from transpiler.program.mesh import Dim, Over
+from transpiler.lowering.context import Mark, PassContext, consumes
+from transpiler.program.program import CommInfo, InputKind, Program, new_node
+from transpiler.program.roles import BUCKET, PARAM, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 MB = 1 << 20

@@ -15,7 +15,7 @@ issue order; collectives of the model's own code are not touched):
              their pack) dropped
 
 Built by the same passes from one trace, the two programs have the same
-buckets in the same order; the schedule (transpiler/schedule.py DiLoCo) runs
+buckets in the same order; the schedule (transpiler/runtime/schedule.py DiLoCo) runs
 SEND, then RECEIVE fragment_sync_delay steps later, and the runtime keeps the
 in-flight values between them. With one rank (nothing summed) SEND outputs
 the pseudo-gradients it computes and RECEIVE none. Without ctx.sync_part it
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from transpiler.collectives import WAIT
-from transpiler.pipeline import PassContext, SyncPart, requires
-from transpiler.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
-                                erase_unread, held_name)
-from transpiler.roles import BUCKET, COMM
+from transpiler.program.collectives import WAIT
+from transpiler.lowering.context import PassContext, SyncPart, requires
+from transpiler.program.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
+                                        erase_unread, held_name)
+from transpiler.program.roles import BUCKET, COMM
 
 
 def plan_buckets(program: Program) -> list[tuple[fx.Node, fx.Node]]:

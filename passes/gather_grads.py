@@ -18,7 +18,7 @@ Produces:
   gradient (the program's only rank-dependent choice, as in DDP's local
   .grad). The original region is removed.
 A step that reads the gradients of an earlier backward() (SAM;
-transpiler/averaging.py) is refused. With one rank it does not apply.
+transpiler/program/averaging.py) is refused. With one rank it does not apply.
 Order: first, then ring_round_robin and schedule_comm (which issues each
 all-gather as soon as its gradients exist).
 """
@@ -31,14 +31,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from transpiler.averaging import early_averages
-from transpiler.collectives import ALL_GATHER, WAIT
+from transpiler.program.averaging import early_averages
+from transpiler.program.collectives import ALL_GATHER, WAIT
 from transpiler.errors import PassError
-from transpiler.mesh import Dim
-from transpiler.optimizers import PER_STEP
-from transpiler.pipeline import PassContext
-from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
-from transpiler.roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
+from transpiler.program.mesh import Dim
+from transpiler.capture.optimizers import PER_STEP
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import CommInfo, InputKind, OutputKind, Program, new_node
+from transpiler.program.roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
 
 from .coalesce_tensors import MB, GradInfo, plan_buckets
 

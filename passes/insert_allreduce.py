@@ -7,7 +7,7 @@ Produces: for each marked value that something reads, in program order (for
 gradients, the order the backward pass produces them; with ctx.find_unused in
 reverse order of the parameters, each issued not before the one before it, an
 order every rank has), the reduction lowered by
-transpiler/lowering.py: issued right after the node that produces the value
+transpiler/lowering/reductions.py: issued right after the node that produces the value
 (for a MEAN, `mul(value, 1 / group size)` with the value's role, then
 `all_reduce(., "sum")` over its group on ring 0; hierarchical over several
 nodes: a reduce-scatter inside the node), completed right before its first use
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from transpiler import lowering
-from transpiler.pipeline import Mark, PassContext, consumes
-from transpiler.program import CommInfo, Program
-from transpiler.roles import REDUCE, ROLE
+from transpiler.lowering import reductions as lowering
+from transpiler.lowering.context import Mark, PassContext, consumes
+from transpiler.program.program import CommInfo, Program
+from transpiler.program.roles import REDUCE, ROLE
 
 
 def plan_allreduce(program: Program, by_parameters: bool = False) -> list[fx.Node]:

@@ -1,7 +1,7 @@
 """local_sgd: average the parameters over the ranks (Paddle's LocalSGD).
 
 Builds the sync program of mode local_sgd, which ends each period of k local
-steps (the schedule in transpiler/schedule.py picks it on the host).
+steps (the schedule in transpiler/runtime/schedule.py picks it on the host).
 Requires: snapshot_params.
 Produces, before the output, for every parameter p with a snapshot s, where
 p_new is the step's own new value of p:
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import Reduction
-from transpiler.pipeline import Mark, PassContext, produces, requires
-from transpiler.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
-from transpiler.roles import INPUT, REDUCE, ROLE, Role
+from transpiler.program.collectives import Reduction
+from transpiler.lowering.context import Mark, PassContext, produces, requires
+from transpiler.program.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
+from transpiler.program.roles import INPUT, REDUCE, ROLE, Role
 
 from .snapshot_params import snapshots
 

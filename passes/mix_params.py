@@ -2,7 +2,7 @@
 topology before the optimizer updates it (Decent-DP's gossip step).
 
 Requires: ctx.gossip, the mixing of the program being built (the decentralized
-schedule sets it per program: transpiler/schedule.py, transpiler/topology.py).
+schedule sets it per program: transpiler/runtime/schedule.py, transpiler/lowering/topology.py).
 Produces, for every parameter p the step updates (an UPDATE output of a PARAM
 input), where x is p as the step starts and S the sum of x over the group:
 
@@ -32,10 +32,10 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import Reduction, ReduceOp
-from transpiler.pipeline import Mark, PassContext, produces
-from transpiler.program import InputKind, OutputKind, Program, new_node
-from transpiler.roles import INPUT, REDUCE, ROLE, Role
+from transpiler.program.collectives import Reduction, ReduceOp
+from transpiler.lowering.context import Mark, PassContext, produces
+from transpiler.program.program import InputKind, OutputKind, Program, new_node
+from transpiler.program.roles import INPUT, REDUCE, ROLE, Role
 
 aten = torch.ops.aten
 

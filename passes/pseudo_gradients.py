@@ -1,6 +1,6 @@
 """pseudo_gradients: DiLoCo's averaged pseudo-gradients of one fragment.
 
-Builds the sync programs of mode diloco (the schedule, transpiler/schedule.py
+Builds the sync programs of mode diloco (the schedule, transpiler/runtime/schedule.py
 DiLoCo, picks one every sync_every / fragments steps and takes the outer
 optimizer's step on the host with what it outputs).
 Requires: snapshot_params.
@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import Reduction
-from transpiler.pipeline import Mark, PassContext, produces, requires
-from transpiler.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
-from transpiler.roles import INPUT, REDUCE, Role
-from transpiler.schedule import layers_of
+from transpiler.program.collectives import Reduction
+from transpiler.lowering.context import Mark, PassContext, produces, requires
+from transpiler.lowering.layers import layers_of
+from transpiler.program.program import Held, InputKind, OutputKind, OutputSpec, Program, new_node
+from transpiler.program.roles import INPUT, REDUCE, Role
 
 from .snapshot_params import snapshots
 

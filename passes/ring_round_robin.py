@@ -12,10 +12,10 @@ Order: after every pass that inserts collectives.
 
 from __future__ import annotations
 
-from transpiler.collectives import set_group
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import Program
-from transpiler.roles import COMM
+from transpiler.program.collectives import set_group
+from transpiler.lowering.context import PassContext, requires
+from transpiler.program.program import Program
+from transpiler.program.roles import COMM
 
 
 def plan_rings(n_collectives: int, nrings: int) -> list[int]:

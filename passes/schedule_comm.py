@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from transpiler.collectives import WAIT
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import Program
-from transpiler.roles import BUCKET, COMM, ROLE, Role
+from transpiler.program.collectives import WAIT
+from transpiler.lowering.context import PassContext, requires
+from transpiler.program.program import Program
+from transpiler.program.roles import BUCKET, COMM, ROLE, Role
 
 
 def _bucket_chain(start: fx.Node, neighbours, comm_role: bool) -> list[fx.Node]:

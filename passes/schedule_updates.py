@@ -27,10 +27,10 @@ import operator
 
 import torch.fx as fx
 
-from transpiler.collectives import WAIT
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import Program, draws_random, new_node
-from transpiler.roles import COMM, ROLE, Role
+from transpiler.program.collectives import WAIT
+from transpiler.lowering.context import PassContext, requires
+from transpiler.program.program import Program, draws_random, new_node
+from transpiler.program.roles import COMM, ROLE, Role
 
 
 @requires("schedule_comm")

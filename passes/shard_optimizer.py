@@ -18,7 +18,7 @@ Produces:
   bucket is packed as an [N, L] buffer whose row r is the concatenation of
   rank r's shards of its gradients (cast to ctx.fuse_dtype on the wire where
   set, and back), scaled by 1 / world size and reduce-scattered (hybrid: inside
-  the node, then each shard all-reduced across the nodes: transpiler/lowering.py):
+  the node, then each shard all-reduced across the nodes: transpiler/lowering/reductions.py):
   rank r receives row r, split into the shards of the reduced gradients (marked
   meta["reduced"]);
   the parameters are gathered in their own dtype;
@@ -54,24 +54,15 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from passes.coalesce_tensors import MB, GradInfo, plan_buckets
-from transpiler import lowering
-from transpiler.collectives import ALL_GATHER, WAIT, Placement, ReduceOp
+from transpiler.lowering import reductions as lowering
+from transpiler.program.collectives import ALL_GATHER, WAIT, Placement, ReduceOp
 from transpiler.errors import PassError
-from transpiler.mesh import Dim
-from transpiler.pipeline import Mark, PassContext, consumes
-from transpiler.program import CommInfo, InputKind, OutputKind, Program, new_node
-from transpiler.shards import shard_numel
-from transpiler.roles import (
-    BUCKET,
-    COMM,
-    GATHERED,
-    INPUT,
-    PARAM_SHARD,
-    REDUCE,
-    REDUCED,
-    ROLE,
-    Role,
-)
+from transpiler.program.mesh import Dim
+from transpiler.lowering.context import Mark, PassContext, consumes
+from transpiler.program.program import CommInfo, InputKind, OutputKind, Program, new_node
+from transpiler.lowering.shards import shard_numel
+from transpiler.program.roles import (BUCKET, COMM, GATHERED, INPUT, PARAM_SHARD, REDUCE, REDUCED,
+                                      ROLE, Role)
 
 aten = torch.ops.aten
 

@@ -37,11 +37,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from transpiler.collectives import ALL_GATHER
-from transpiler.pipeline import PassContext, requires
-from transpiler.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
-                                draws_random, erase_unread, held_name)
-from transpiler.roles import BUCKET, COMM, GATHERED, INPUT, PARAM_SHARD, ROLE, Role
+from transpiler.program.collectives import ALL_GATHER
+from transpiler.lowering.context import PassContext, requires
+from transpiler.program.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
+                                        draws_random, erase_unread, held_name)
+from transpiler.program.roles import BUCKET, COMM, GATHERED, INPUT, PARAM_SHARD, ROLE, Role
 
 
 @dataclasses.dataclass

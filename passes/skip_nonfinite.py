@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from transpiler import lowering
-from transpiler.collectives import Placement
-from transpiler.pipeline import PassContext
-from transpiler.program import Held, OutputSpec, Program, keep_old_unless, new_node
-from transpiler.roles import REDUCED, Role
+from transpiler.lowering import reductions as lowering
+from transpiler.program.collectives import Placement
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import Held, OutputSpec, Program, keep_old_unless, new_node
+from transpiler.program.roles import REDUCED, Role
 
 aten = torch.ops.aten
 

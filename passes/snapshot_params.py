@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from transpiler.pipeline import PassContext
-from transpiler.program import Held, InputKind, InputSpec, Program
-from transpiler.roles import INPUT
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import Held, InputKind, InputSpec, Program
+from transpiler.program.roles import INPUT
 
 
 def snapshots(program: Program) -> dict[str, fx.Node]:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from transpiler import lowering
-from transpiler.pipeline import PassContext
-from transpiler.program import InputKind, OutputKind, Program, keep_old_unless, new_node
-from transpiler.roles import UNUSED, Role
+from transpiler.lowering import reductions as lowering
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import InputKind, OutputKind, Program, keep_old_unless, new_node
+from transpiler.program.roles import UNUSED, Role
 
 aten = torch.ops.aten
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from transpiler.bench import MLP
-from transpiler.bench import train_step as lm_step  # logits flattened over tokens
+from transpiler.bench.bench import MLP
+from transpiler.bench.bench import train_step as lm_step
 
 
 class TiedLM(nn.Module):

@@ -13,7 +13,7 @@ from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.modes import MODES
-from transpiler.roles import ROLE, Role
+from transpiler.program.roles import ROLE, Role
 
 STEPS = 3
 

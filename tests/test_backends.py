@@ -16,8 +16,9 @@ import torch.distributed as dist
 from tests import models as M
 from transpiler import TranspileError, transpile
 from tests.test_passes import _captured
-from transpiler import backends, compile_once, hpu
-from transpiler.program import OutputKind
+from transpiler.backends import compile as backends, hpu
+from transpiler.runtime import compile_once
+from transpiler.program.program import OutputKind
 
 STEPS = 5
 BATCH = 12
@@ -220,7 +221,7 @@ def test_a_rank_that_cannot_compile_stops_every_rank(failing, ranks2):
 
 
 def rank_node_first_rank(local_world_size):
-    from transpiler import nodes
+    from transpiler.runtime import nodes
     old = os.environ.pop("LOCAL_WORLD_SIZE", None)
     if local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = local_world_size
@@ -408,7 +409,7 @@ def _update_graph(device_reads_count: bool):
 def test_host_work_is_split_off_the_cuda_graph():
     # torch's default Adam counts its steps in a CPU tensor: a CUDA graph would
     # replay without incrementing it, so that work runs on the host each call.
-    from transpiler.cuda_graphs import split_host
+    from transpiler.backends.cuda_graphs import split_host
     split = split_host(_update_graph(device_reads_count=False))
     assert split.crossing is None
     host_ops = [n.target for n in split.host.graph.nodes if n.op == "call_function"]
@@ -419,7 +420,7 @@ def test_host_work_is_split_off_the_cuda_graph():
 
 
 def test_device_code_reading_a_changing_host_value_is_not_captured():
-    from transpiler.cuda_graphs import split_host
+    from transpiler.backends.cuda_graphs import split_host
     split = split_host(_update_graph(device_reads_count=True))
     assert split.host is None and "reads add_tensor, a CPU value that changes" in split.crossing
 
@@ -430,7 +431,7 @@ def test_device_code_reading_a_lifted_number_is_not_captured():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from transpiler.cuda_graphs import split_host
+    from transpiler.backends.cuda_graphs import split_host
     mode = FakeTensorMode(shape_env=ShapeEnv())
     graph, aten = torch.fx.Graph(), torch.ops.aten
     p, w = graph.placeholder("p"), graph.placeholder("w")

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from transpiler import bench, bench_shapes
-from transpiler.bench_report import Row, Table, markdown, text
+from transpiler.bench import bench, cli, shapes as bench_shapes
+from transpiler.bench.report import Row, Table, markdown, text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def test_bench_cli_writes_json(cli_run):
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)    # import matplotlib fails
-    code = bench.main(["--models", "deep", "--configs", "local",
+    code = cli.main(["--models", "deep", "--configs", "local",
                        "--plot", str(tmp_path / "bench.png")])
     assert code != 0
     assert "pip install -e .[bench]" in caplog.text
@@ -97,13 +97,13 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, caplog, tmp_pa
 
 
 def test_unknown_config_is_an_error(caplog):
-    assert bench.main(["--configs", "local,nope"]) == 2
+    assert cli.main(["--configs", "local,nope"]) == 2
     assert "nope" in caplog.text
 
 
 def test_report_into_a_missing_directory_is_an_error_before_the_run(caplog, tmp_path):
     report = tmp_path / "nowhere" / "performance.md"
-    assert bench.main(["--models", "deep", "--configs", "local", "--report", str(report)]) == 2
+    assert cli.main(["--models", "deep", "--configs", "local", "--report", str(report)]) == 2
     assert "its directory does not exist" in caplog.text
     assert "deep local" not in caplog.text       # no configuration ran
 
@@ -306,7 +306,7 @@ def test_varying_shapes_counts_builds_and_checks_against_ddp(tmp_path, capsys, m
 
 
 def test_varying_shapes_refuses_the_options_of_the_other_workloads(caplog):
-    assert bench.main(["--varying-shapes", "--micro-batches", "2", "--models", "deep"]) == 2
+    assert cli.main(["--varying-shapes", "--micro-batches", "2", "--models", "deep"]) == 2
     assert "--models, --micro-batches do not apply" in caplog.text
     assert "varying shapes" not in caplog.text     # nothing ran
 

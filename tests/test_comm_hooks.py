@@ -1,4 +1,4 @@
-"""DDP's comm hooks traced into the program (transpiler/comm_hooks.py):
+"""DDP's comm hooks traced into the program (transpiler/lowering/comm_hooks.py):
 `transpile(..., mode="fuse_all_reduce", comm_hook=(state, hook))` against torch
 DDP with `register_comm_hook(state, hook)`, running the same step in the same
 processes on 2 gloo ranks, bit for bit: torch's allreduce_hook,

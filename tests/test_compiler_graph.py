@@ -1,4 +1,4 @@
-"""The program's graph as a compiler gets it (transpiler/compiler_graph.py):
+"""The program's graph as a compiler gets it (transpiler/backends/compiler_graph.py):
 reshapes that split and merge dimensions at once go in two steps, so that
 inductor's kernels index a symbolic batch as it indexes a static one."""
 
@@ -13,7 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import models as M
 from tests.test_symbolic_shapes import SHAPES, make_lm, tokens
-from transpiler import compiler_graph, transpile
+from transpiler.backends import compiler_graph
+from transpiler import transpile
 
 B, S = sympy.symbols("B S", integer=True, positive=True)
 RESHAPE = torch.ops.aten.reshape.default
@@ -63,7 +64,7 @@ def _unvectorized_kernels(monkeypatch, in_steps: bool) -> tuple[int, list[str]]:
     those that do not use at::vec (one element per loop iteration)."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
     if not in_steps:
-        monkeypatch.setattr("transpiler.backends.reshapes_in_steps", lambda graph: None)
+        monkeypatch.setattr("transpiler.backends.compile.reshapes_in_steps", lambda graph: None)
     model = make_lm(layers=1)   # each compile is cold: one layer has every kernel kind
     opt = M.make_optimizer("sgd", model)
     step = transpile(M.lm_step, backend="inductor", dynamic=True)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests import models as M
-from transpiler import backends, transpile
-from transpiler.control import control_group
+from transpiler.backends import compile as backends
+from transpiler import transpile
+from transpiler.runtime.control import control_group
 
 NCCL_LIKE = "nccl_like"
 PG_TIMEOUT = datetime.timedelta(seconds=20)

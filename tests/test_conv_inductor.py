@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from transpiler import transpile
-from transpiler.bench import BasicBlock
+from transpiler.bench.bench import BasicBlock
 
 pytestmark = pytest.mark.slow   # compiles
 

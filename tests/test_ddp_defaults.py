@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from transpiler import TranspileError, transpile
-from transpiler.program import InputKind
-from transpiler.roles import Role
+from transpiler.program.program import InputKind
+from transpiler.program.roles import Role
 
 STEPS = 4
 BATCH = 12
@@ -289,7 +289,7 @@ def test_single_process_equals_eager(fn_name):
 
 def test_early_averages_plan():
     """Which backward() calls the plan averages, from the captured program."""
-    from transpiler.averaging import early_averages
+    from transpiler.program.averaging import early_averages
     from transpiler.capture import flatten_args, trace_step
 
     model = M.make("mlp", seed=0)

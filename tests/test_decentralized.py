@@ -18,8 +18,9 @@ from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip
-from transpiler import TranspileError, run_passes, topology, transpile
-from transpiler.mesh import Peers
+from transpiler import TranspileError, run_passes, transpile
+from transpiler.lowering import topology
+from transpiler.program.mesh import Peers
 from transpiler.modes import MODES
 
 STEPS = 4

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from transpiler import DiLoCo, TranspileError, transpile
-from transpiler.program import Held, OutputKind
+from transpiler.program.program import Held, OutputKind
 
 local_sgd = pytest.importorskip("torchft.local_sgd", reason="torchft is not installed")
 from torchft.work import _DummyWork  # noqa: E402

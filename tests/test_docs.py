@@ -11,7 +11,7 @@ import pytest
 
 from transpiler import MODES, transpile
 from transpiler import mode_specs
-from transpiler.runtime import TranspiledStep
+from transpiler.runtime.step import TranspiledStep
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 

@@ -19,8 +19,8 @@ from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.modes import MODES
-from transpiler.roles import GATHERED, ROLE, Role
-from transpiler.shards import shard_numel
+from transpiler.program.roles import GATHERED, ROLE, Role
+from transpiler.lowering.shards import shard_numel
 
 TINY_BUCKETS = {"bucket_mb": 0.002, "first_bucket_mb": 0.001}   # several buckets
 DEEP = [16, 32, 32, 32, 32, 4]     # an MLP whose backward reads three buckets
@@ -259,7 +259,7 @@ def test_resharding_trains_as_ddp_bit_for_bit(fn_name, ranks2):
 def rank_vs_fsdp2(opt_name: str):
     """The same step under torch's FSDP2 (fully_shard per block, then the
     root: the bench's configuration) and under mode fsdp, same processes."""
-    from transpiler.bench import CONFIGS
+    from transpiler.bench.bench import CONFIGS
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = M.make("mlp"), M.make("mlp")
     opts = [M.make_optimizer(opt_name, m) for m in (model, ref)]

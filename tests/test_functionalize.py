@@ -1,5 +1,5 @@
 """Capture functionalizes the traced step by rewriting its graph
-(transpiler/functionalize.py) where that is exact, and by tracing it again
+(transpiler/capture/functionalize.py) where that is exact, and by tracing it again
 under torch.func.functionalize where it is not. The rewrite must give the
 program the re-trace gives; the cases it refuses must fall back and still
 train as eager does."""
@@ -11,9 +11,10 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import models as M
-from transpiler import capture, functionalize, transpile
-from transpiler.bench import GPT, TransformerLM, train_step as lm_step
-from transpiler.roles import ROLE, Role
+from transpiler import capture, transpile
+from transpiler.capture import functionalize
+from transpiler.bench.bench import GPT, TransformerLM, train_step as lm_step
+from transpiler.program.roles import ROLE, Role
 
 aten = torch.ops.aten
 

@@ -123,7 +123,7 @@ def _unpacked(wait):
 def test_explain_lists_buckets():
     program = _captured().program
     run_passes(program, FUSE, SMALL)
-    from transpiler.program import format_collectives
+    from transpiler.program.program import format_collectives
     table = format_collectives(program)
     assert table.splitlines()[0].split() == ["#", "op", "ring", "bucket", "dtype", "tensors",
                                              "bytes", "parameters"]

@@ -1,9 +1,9 @@
-"""The held tensors' state machine (transpiler/held.py): what runs before a
+"""The held tensors' state machine (transpiler/runtime/held.py): what runs before a
 program, on made-up state sets, without ranks."""
 
 import torch
 
-from transpiler.held import HeldTensors, Phase, Prelude
+from transpiler.runtime.held import HeldTensors, Phase, Prelude
 
 MODEL, OTHER = ("model",), ("other model",)
 SNAP = "snapshot:w"

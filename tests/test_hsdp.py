@@ -22,12 +22,12 @@ from tests.test_multinode import standalone_command
 from tests.test_multinode import torchrun as torchrun_path  # noqa: F401 - a fixture
 from tests.test_passes import _captured
 from transpiler import TranspileError, run_passes, transpile
-from transpiler.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from transpiler.mesh import Dim
+from transpiler.program.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from transpiler.program.mesh import Dim
 from transpiler.modes import MODES
-from transpiler.pipeline import PassContext
-from transpiler.program import InputKind
-from transpiler.shards import shard_numel
+from transpiler.lowering.context import PassContext
+from transpiler.program.program import InputKind
+from transpiler.lowering.shards import shard_numel
 
 TINY_BUCKETS = dict(bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)   # several buckets
 STEPS, BATCH = 4, 16

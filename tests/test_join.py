@@ -1,4 +1,4 @@
-"""Join for uneven inputs (transpiler/join.py): `with step.join():` against torch
+"""Join for uneven inputs (transpiler/runtime/join.py): `with step.join():` against torch
 DDP under `Join([ddp])` running the same step in the same processes, the ranks'
 loaders of different lengths: every rank's parameters and optimizer state (a
 joined rank's where its last step left it) and each step's loss. Bit for bit on

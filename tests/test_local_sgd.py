@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tests import models as M
 from tests.ranks import RankPool
 from transpiler import TranspileError, transpile
-from transpiler.schedule import LR, MEAN_LOSS, LocalSGD
+from transpiler.runtime.schedule import LR, MEAN_LOSS, LocalSGD
 from transpiler.modes import LOCAL_SGD
 
 STEPS = 12

@@ -13,12 +13,12 @@ import torch.distributed as dist
 from tests import models as M
 from tests.test_passes import MAIN, _captured, _check_golden
 from transpiler import PassError, TranspileError, run_passes, transpile
-from transpiler.collectives import REDUCE_SCATTER
-from transpiler.mesh import Dim, Mesh, UserGroup
+from transpiler.program.collectives import REDUCE_SCATTER
+from transpiler.program.mesh import Dim, Mesh, UserGroup
 from transpiler.modes import MODES
 from transpiler.capture import flatten_args, trace_step
-from transpiler.pipeline import PassContext
-from transpiler.reduce_groups import check_program
+from transpiler.lowering.context import PassContext
+from transpiler.lowering.reduce_groups import check_program
 
 STEPS, BATCH = 5, 8
 MESH_2X2 = Mesh(4, 0, 2, {Dim.WORLD: ("w0", "w1"), Dim.NODE: ("n0", "n1"),

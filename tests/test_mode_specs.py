@@ -16,7 +16,8 @@ from transpiler import (MODES, AllGather, Decentralized, FuseAllReduce, GradAllR
 from passes.average_grads import average_grads
 from transpiler.capture import flatten_args, trace_step
 from transpiler.mode_specs import SPECS
-from transpiler.pipeline import Mark, PassContext, PassError, produces, record, resolve, run_passes
+from transpiler.lowering.context import Mark, PassContext, produces
+from transpiler.pipeline import PassError, record, resolve, run_passes
 
 TINY = dict(bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)
 STEPS = 5

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from transpiler import transpile
-from transpiler.program import InputKind
+from transpiler.program.program import InputKind
 
 
 def weighted_step(model, opt, x, y, weight, k):

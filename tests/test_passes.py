@@ -11,14 +11,14 @@ import torch
 
 from passes.insert_allreduce import plan_allreduce
 from passes.ring_round_robin import plan_rings
-from transpiler.mesh import Dim, Mesh
+from transpiler.program.mesh import Dim, Mesh
 from tests import models as M
 from transpiler import PassContext, PassError, Role, run_passes
 from transpiler.capture import flatten_args, trace_step
 from transpiler.modes import MODES, STARTUP_PASSES
 from transpiler.pipeline import record
-from transpiler.program import Held, Hyper, InputKind, new_node
-from transpiler.startup import startup_program
+from transpiler.program.program import Held, Hyper, InputKind, new_node
+from transpiler.runtime.startup import startup_program
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"

@@ -14,10 +14,10 @@ from tests.test_passes import CTX, _captured
 from transpiler import run_passes, transpile
 
 from transpiler.modes import MODES
-from transpiler.program import InputKind, OutputKind
-from transpiler.reinplace import _VIEWS, _produce_into_slices, reinplace
+from transpiler.program.program import InputKind, OutputKind
+from transpiler.backends.reinplace import _VIEWS, _produce_into_slices, reinplace
 from transpiler.capture import flatten_args, trace_step
-from transpiler.roles import DECISION, Role
+from transpiler.program.roles import DECISION, Role
 
 
 PROGRAMS = [(mode, name, passes) for mode, programs in sorted(MODES.items())

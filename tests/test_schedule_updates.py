@@ -13,7 +13,7 @@ from tests.test_training_loops import clip, clip_value
 from tests.test_zero import TINY_BUCKETS
 from transpiler import PassContext, run_passes, transpile
 from transpiler.modes import MODES
-from transpiler.roles import COMM
+from transpiler.program.roles import COMM
 
 STEPS = 3
 

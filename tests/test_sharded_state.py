@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import models as M
 from tests.test_zero import TINY_BUCKETS
 from transpiler import TranspileError, transpile
-from transpiler.shards import shard_of
+from transpiler.lowering.shards import shard_of
 
 
 def _as_shards(full: dict, rank: int, world_size: int) -> dict:

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from tests.test_passes import CTX
 from transpiler import run_passes, transpile
-from transpiler.backends import compile_program
+from transpiler.backends.compile import compile_program
 from transpiler.capture import flatten_args, trace_step
 from transpiler.modes import MODES
-from transpiler.program import InputKind, OutputKind
-from transpiler.skipped_update import plan
+from transpiler.program.program import InputKind, OutputKind
+from transpiler.backends.skipped_update import plan
 
 
 def scaled_step(model, opt, scaler, x, y):
@@ -64,8 +64,8 @@ def test_the_update_is_cut_off_and_written_in_place():
 def test_the_gradients_are_unscaled_in_place():
     """unscale_ writes the gradients and found_inf in place, as eager's
     GradScaler does; its functional form cloned every gradient first."""
-    from transpiler.reinplace import reinplace
-    from transpiler.skipped_update import split
+    from transpiler.backends.reinplace import reinplace
+    from transpiler.backends.skipped_update import split
     program = _program()
     prefix = split(program, plan(program))[0]
     targets = {n.target for n in reinplace(prefix)[0].graph.nodes}

@@ -1,4 +1,4 @@
-"""torch.distributed's collectives called in the step (transpiler/traced_collectives.py):
+"""torch.distributed's collectives called in the step (transpiler/capture/traced_collectives.py):
 a loss or a metric reduced over the ranks for logging, as training scripts do,
 is a collective of the program, equal to torch DDP running the same step in the
 same processes; the collectives a program cannot hold are refused at the first

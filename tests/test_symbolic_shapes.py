@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from transpiler import transpile
-from transpiler.bench import GPT
+from transpiler.bench.bench import GPT
 from transpiler.capture import shapes
 from transpiler.errors import TranspileError
 

@@ -446,7 +446,7 @@ def test_verify_bad_options():
 
 
 def test_verify_compares_non_finite_values_as_equal_where_they_are():
-    from transpiler.verify import first_difference
+    from transpiler.runtime.verify import first_difference
     inf, nan = float("inf"), float("nan")
     a = torch.tensor([1.0, inf, nan, 2.0])
     assert first_difference(["t"], [a], [a.clone()], 1e-3) is None

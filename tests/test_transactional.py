@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tests import models as M
 from transpiler import TranspileError, transpile
-from transpiler.backends import Executable
+from transpiler.backends.compile import Executable
 
 FAIL_AT: list[str | None] = [None]   # where fails_at raises; set per test and per rank
 

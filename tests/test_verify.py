@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import models as M
 from transpiler import VerificationError, transpile
 from transpiler.capture import flatten_args
-from transpiler.verify import Reference
+from transpiler.runtime.verify import Reference
 
 STEPS = 3
 BATCH = 16

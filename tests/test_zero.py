@@ -20,7 +20,7 @@ from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip, zero_grad_after_step, zero_grad_keep_tensors
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.modes import MODES
-from transpiler.shards import shard_numel, shard_of
+from transpiler.lowering.shards import shard_numel, shard_of
 
 TINY_BUCKETS = dict(bucket_mb=2048 / 2**20, first_bucket_mb=256 / 2**20)
 STEPS = 4
@@ -122,7 +122,7 @@ def rank_vs_ddp(model_name, opt_name):
 def rank_native_reduce_scatter():
     """The lowering for communicators with a reduce-scatter of their own
     (nccl), run on gloo's."""
-    from transpiler import runtime
+    from transpiler.runtime import step as runtime
     detected = runtime.reduce_scatter_native
     runtime.reduce_scatter_native = lambda device: True
     try:
@@ -162,7 +162,7 @@ def test_zero_trains_as_ddp(world_size, model_name, opt_name, ranks2, ranks3):
         assert M.max_rel_error(result["params"], result["ref"]) <= tol
         assert _state_error(result["full_state"], result["ref_state"]) <= tol
         assert all(a == pytest.approx(b, rel=1e-6) for a, b in result["losses"])
-        # gloo has no reduce-scatter of its own: each bucket is all-reduced (lowering.py).
+        # gloo has no reduce-scatter of its own: each bucket is all-reduced (lowering/reductions.py).
         assert result["ops"].count("all_reduce") == result["ops"].count("all_gather") >= 2
         # Each entry shaped like its parameter holds ceil(numel / N) elements.
         for name, entries in result["shards"].items():

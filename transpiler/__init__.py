@@ -7,16 +7,19 @@
 """
 
 from .api import transpile
+from .backends.compile import BACKENDS
+from .lowering import topology   # topology.of(...): a gossip topology of your own
 from .errors import DivergenceError, PassError, TranspileError, VerificationError
-from .mesh import Dim
+from .program.mesh import Dim
 from .mode_specs import (AllGather, Decentralized, DiLoCo, FuseAllReduce, GradAllReduce, LocalSGD,
                          Fsdp, ModeSpec, Pipeline, Zero)
 from .modes import MODES
-from .pipeline import PassContext, run_passes
-from .program import Program
-from .roles import Role
+from .lowering.context import PassContext
+from .pipeline import run_passes
+from .program.program import Program
+from .program.roles import Role
 
-__all__ = ["transpile", "TranspileError", "PassError", "DivergenceError", "VerificationError",
-           "MODES", "PassContext", "run_passes", "Program", "Role", "Dim", "ModeSpec",
-           "GradAllReduce", "FuseAllReduce", "LocalSGD", "DiLoCo", "Zero", "Fsdp", "AllGather", "Decentralized",
-           "Pipeline"]
+__all__ = ["transpile", "BACKENDS", "topology", "TranspileError", "PassError", "DivergenceError",
+           "VerificationError", "MODES", "PassContext", "run_passes", "Program", "Role", "Dim",
+           "ModeSpec", "GradAllReduce", "FuseAllReduce", "LocalSGD", "DiLoCo", "Zero", "Fsdp",
+           "AllGather", "Decentralized", "Pipeline"]

@@ -6,14 +6,16 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Callable, Sequence
 
-from . import hpu, mode_specs, world
-from .backends import BACKENDS
+from .backends import hpu
+from . import mode_specs, world
+from .backends.compile import BACKENDS
 from .errors import TranspileError
 from .mode_specs import ModeSpec, is_int
 from .modes import BROADCAST_BUFFERS, SHARD_OPTIMIZER
-from .pipeline import PassContext, PassLike, check_order, resolve
-from .reduce_groups import check as check_groups
-from .runtime import TranspiledStep
+from .lowering.context import PassContext, PassLike
+from .pipeline import check_order, resolve
+from .lowering.reduce_groups import check as check_groups
+from .runtime.step import TranspiledStep
 
 MAX_RINGS = 16
 
@@ -112,7 +114,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     verify: check the first `verify` steps against the eager step under DDP's
     semantics, run on copies, and raise VerificationError on every rank, with
     nothing written back, where a value differs by more than verify_tolerance
-    relative to the largest magnitude of the eager value (transpiler/verify.py).
+    relative to the largest magnitude of the eager value (transpiler/runtime/verify.py).
     hierarchical: reduce over the world hierarchically when there is more than
     one node (torchrun's LOCAL_WORLD_SIZE ranks per node): reduce-scatter inside
     the node, all-reduce across nodes, all-gather inside the node.
@@ -120,7 +122,7 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
     values) are averaged over that group instead of the world, such as the
     experts of a mixture of experts; a group is a process group (each rank
     gives the one it belongs to, in the same position on every rank) or a
-    dimension of the mesh, Dim.NODE or Dim.ACROSS (transpiler/reduce_groups.py).
+    dimension of the mesh, Dim.NODE or Dim.ACROSS (transpiler/lowering/reduce_groups.py).
     broadcast_buffers: start every step from rank 0's buffers (BatchNorm's
     statistics), as DDP does by default (its broadcast_buffers=True); False keeps
     each rank's own, as DDP(broadcast_buffers=False). Applies to the modes whose

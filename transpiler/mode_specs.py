@@ -17,12 +17,13 @@ from typing import ClassVar, Mapping, Sequence
 import torch
 
 from . import modes
-from . import schedule as schedules
-from .comm_hooks import CommHook
+from .runtime import schedule as schedules
+from .lowering.comm_hooks import CommHook
 from .errors import TranspileError
-from .pipeline import Pass, PassLike, pass_name, resolve
-from .topology import Topology
-from .topology import check_spec as check_topology
+from .lowering.context import Pass, PassLike
+from .pipeline import pass_name, resolve
+from .lowering.topology import Topology
+from .lowering.topology import check_spec as check_topology
 
 # What values may be reduced in: gloo and nccl sum these (not float8, for one).
 REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..scaler import GradScaler
+from .scaler import GradScaler
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import TranspileError
-from ..program import InputKind, OutputKind, OutputSpec, Program, graph_module
-from ..roles import CARRY, GRAD_AT, INPUT, PARAM, READY
+from ..program.program import InputKind, OutputKind, OutputSpec, Program, graph_module
+from ..program.roles import CARRY, GRAD_AT, INPUT, PARAM, READY
 from .inputs import Inputs
 from .slots import GradSlot, StateSlot
 

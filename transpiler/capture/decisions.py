@@ -12,7 +12,7 @@ anything is written; the check reads the value itself, so that a compiler,
 which knows what the trace assumed of it, cannot fold the check into a
 constant): a later call whose values decide otherwise fails the check with
 nothing written, and the step is traced again for it
-(runtime.py); the programs of each set of decisions are kept under the same
+(runtime/step.py); the programs of each set of decisions are kept under the same
 signature (program_cache.py). The cost is one host read per decision, as
 eager pays; a rank whose decision changes traces alone, which its collectives
 allow only before the program's first collective (check_program).
@@ -40,10 +40,10 @@ from torch.utils._sympy import functions as sympy_functions
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-from ..collectives import WAIT
+from ..program.collectives import WAIT
 from ..errors import TranspileError
-from ..program import draws_random
-from ..roles import DECISION, MICRO
+from ..program.program import draws_random
+from ..program.roles import DECISION, MICRO
 from .user_code import step_name, user_line
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..scaler import GradScaler
+from .scaler import GradScaler
 from .reads import Cell, _global_names, _instance_dict, is_library
 
 _DEPTH = 3          # how deep into plain objects and containers the walk goes

@@ -8,9 +8,9 @@ from typing import Callable
 
 import torch
 
-from ..optimizers import formulation_of
-from ..program import Hyper, InputKind, InputSpec, same_layout
-from ..scaler import scaler_slots
+from .optimizers import formulation_of
+from ..program.program import Hyper, InputKind, InputSpec, same_layout
+from .scaler import scaler_slots
 from .arguments import StepArgs
 from .optimizer_state import opt_params
 from .outside import is_ndarray

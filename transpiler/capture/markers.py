@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TranspileError
-from ..roles import PARAM, ROLE, Role
+from ..program.roles import PARAM, ROLE, Role
 from .optimizer_state import opt_params
 from .user_code import step_name, user_line
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import TranspileError
-from ..roles import CARRY, MICRO
+from ..program.roles import CARRY, MICRO
 from .arguments import StepArgs, is_leaf
 from .markers import last_node, node_of
 from .user_code import user_line

@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import TranspileError
-from ..optimizers import formulation_of
+from .optimizers import formulation_of
 
 # Group options forced while tracing: the foreach path, and capturable=True
 # where it exists, keep every step-dependent quantity a tensor (no .item()).

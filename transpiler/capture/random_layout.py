@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch._ops import OpOverload
 
-from ..program import same_layout
+from ..program.program import same_layout
 
 _LIBRARY = torch.library.Library("transpiler", "FRAGMENT")
 _TWINS: dict[OpOverload, OpOverload] = {}

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .user_code import library_dirs
-from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, mutable, restore, saved,
+from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
 
 _ACTIVE: list = [None]   # the Recorder of the trace in progress
@@ -64,10 +64,9 @@ def _not_reached_into() -> tuple[type, ...]:
     constants), optimizers, schedulers and GradScalers (their values are the
     signature's and inputs), logging's objects (their caches change as they
     log), exceptions."""
-    from ..scaler import GradScaler
     numpy = sys.modules.get("numpy")
     return (torch.Tensor, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-            GradScaler, logging.Logger, logging.Handler, logging.Manager, BaseException,
+            torch.amp.GradScaler, logging.Logger, logging.Handler, logging.Manager, BaseException,
             type, types.ModuleType) + ((numpy.ndarray, numpy.random.RandomState,
                                         numpy.random.Generator) if numpy else ())
 

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import TranspileError
-from ..program import draws_random
+from ..program.program import draws_random
 from .micro import NotRollable
 from .rng_plan import CPU, Lane, Origin, OriginKind, RngPlan, Seed, StreamPlan
 

@@ -27,7 +27,7 @@ from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from ..program import InputKind, same_layout
+from ..program.program import InputKind, same_layout
 from .slots import ArraySlot, DataSlot
 
 

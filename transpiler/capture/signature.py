@@ -10,9 +10,9 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from ..errors import TranspileError
-from ..optimizers import formulation_of
-from ..scaler import GradScaler
-from ..scaler import signature_of as scaler_signature
+from .optimizers import formulation_of
+from .scaler import GradScaler
+from .scaler import signature_of as scaler_signature
 from . import ambient
 from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params

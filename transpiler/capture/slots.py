@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..optimizers import hyper_value
+from .optimizers import hyper_value
 from .outside import is_ndarray
 from .reads import Place, put
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..collectives import ALL_GATHER, ALL_REDUCE
+from ..program.collectives import ALL_GATHER, ALL_REDUCE
 from ..errors import TranspileError
-from ..traced_collectives import issued
+from .traced_collectives import issued
 from ..world import describe, group as step_group
 
 

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, get_proxy_slot
 
 from ..errors import TranspileError
-from ..program import draws_random
+from ..program.program import draws_random
 from .inputs import Inputs
 from .numbers import NumberSlot
 from .rng_lanes import Event, Read, Reset, Restore, lay_out

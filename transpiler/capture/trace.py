@@ -22,13 +22,13 @@ from torch.fx.experimental.proxy_tensor import (TorchFunctionMetadataMode, get_p
                                                track_tensor_tree)
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .. import functionalize
-from ..averaging import mark_backward_ends
+from . import functionalize
+from ..program.averaging import mark_backward_ends
 from ..errors import TranspileError
-from ..optimizers import updates_with_lifted_hyperparameters
-from ..program import InputKind, InputSpec, OutputKind, Program
-from ..roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
-from ..scaler import SKIPS, guard_skipped_steps, traced_scalers
+from .optimizers import updates_with_lifted_hyperparameters
+from ..program.program import InputKind, InputSpec, OutputKind, Program
+from ..program.roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
+from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
@@ -67,8 +67,8 @@ from .reads import Recorder, Write
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
-from ..collectives import WAIT
-from ..traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
+from ..program.collectives import WAIT
+from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
 from .user_code import step_name, trace_error, user_line
 
@@ -460,7 +460,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 "replays the draw on every call but cannot take another branch for it; draw "
                 "outside the step and pass the value (or the decision) as an argument, or draw "
                 "with torch (torch.rand(()) < p, torch.distributions)") from exc
-        error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers)
+        error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers.stepping)
         guarded = guarded_numbers(exc, symbols)
         if guarded:
             raise NotLiftable(guarded, str(error)) from exc

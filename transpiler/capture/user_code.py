@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import TranspileError
-
-if TYPE_CHECKING:
-    from .markers import Markers
 
 
 def step_name(step_fn) -> str:
@@ -50,12 +46,15 @@ _DATA_DEPENDENT = (
 )
 
 
-def trace_error(step_fn, exc: BaseException, markers: Markers) -> TranspileError:
+def trace_error(step_fn, exc: BaseException,
+                stepping: torch.optim.Optimizer | None) -> TranspileError:
+    """The error for a trace that raised `exc`; `stepping`: the optimizer whose
+    step() was being traced, if any."""
     where = user_line(step_fn, exc.__traceback__)
     text = f"{type(exc).__name__}: {exc}"
-    if markers.stepping is not None:
+    if stepping is not None:
         return TranspileError(
-            f"{type(markers.stepping).__name__}.step() cannot be captured{where}: "
+            f"{type(stepping).__name__}.step() cannot be captured{where}: "
             f"{text.splitlines()[0]}. SGD, Adam and AdamW are supported; other optimizers "
             "work when their step traces into tensor operations")
     if "DynamicOutputShape" in text:

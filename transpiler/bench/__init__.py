@@ -1,0 +1,7 @@
+"""The bench: the transpiler's step timed against torch DDP, FSDP2,
+ZeroRedundancyOptimizer, torch.compile and the no-communication limit
+(`python -m transpiler.bench`, `make bench`).
+
+bench.py: the models, configurations, rank processes and tables; report.py:
+the Markdown report; shapes.py: the varying-shapes workload. The bench sits
+above every other layer: it may import anything; nothing imports it."""

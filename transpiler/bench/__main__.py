@@ -1,0 +1,8 @@
+"""python -m transpiler.bench: the bench's command line (cli.py). The ranks it
+spawns unpickle transpiler.bench.bench._rank_main, never this __main__."""
+
+import sys
+
+from transpiler.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,198 @@
+"""Functionalizing the traced step's graph by rewriting it, where that is exact.
+
+The traced step mutates tensors in place: the optimizer updates parameters and
+state, BatchNorm its statistics, a module may use an in-place activation. A
+program is a pure function of its inputs. torch.func.functionalize gets there
+by tracing the whole graph again under fake tensors, which costs about as much
+as the first trace. Most steps need much less: where no other alias of a
+mutated tensor (a view of it, or the view it is) is read after the mutation,
+each in-place op is its out-of-place twin, whose result stands for the tensor
+in every later use, and a mutated input is written back (copy_) at the end, as
+functionalization writes it.
+
+`rewrite` checks that on the whole graph first (plan) and edits it only then;
+where it does not hold it leaves the graph untouched and says why, and the
+caller traces again under functionalization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..program.program import draws_random, new_node
+from ..program.roles import ROLE
+
+aten = torch.ops.aten
+# Ops whose result is their input itself: a mutation of either is seen by both.
+_SAME = {aten.detach.default, aten.alias.default}
+
+
+def mutated_index(target) -> int | None:
+    """The position of the one argument an op writes to, or None if it writes
+    to none; -1 where it writes to several or to one that is not its first."""
+    schema = target._schema
+    written = [i for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    if not written:
+        return None
+    return 0 if written == [0] else -1
+
+
+def _is_view(target) -> bool:
+    return target not in _SAME and any(r.alias_info is not None for r in target._schema.returns)
+
+
+# In-place ops whose out-of-place twin has another overload name (dropout's draw).
+_RENAMED = {aten.bernoulli_.float: aten.bernoulli.p}
+
+
+def _twin(target):
+    """The out-of-place overload of an in-place one (add_.Tensor -> add.Tensor)
+    taking the same arguments, or None; None too for the ops that change a
+    tensor's shape or strides in place (t_, resize_, set_), which every view of
+    it would see."""
+    if target in _RENAMED:
+        return _RENAMED[target]
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or torch.Tag.inplace_view in target.tags:
+        return None
+    packet = getattr(aten, name[:-1], None)
+    overload = target._overloadname
+    if packet is None or overload not in packet.overloads():
+        return None
+    twin = getattr(packet, overload)
+    same = [(a.name, str(a.type)) for a in twin._schema.arguments] == \
+           [(a.name, str(a.type)) for a in target._schema.arguments]
+    return twin if same and mutated_index(twin) is None else None
+
+
+def _with_defaults(node: fx.Node) -> dict:
+    """The node's kwargs, and the defaults of the arguments it leaves out,
+    which a renamed twin may not have (bernoulli_(self, p=0.5) -> bernoulli.p)."""
+    kwargs = dict(node.kwargs)
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i >= len(node.args) and arg.name not in kwargs and arg.has_default_value():
+            kwargs[arg.name] = arg.default_value
+    return kwargs
+
+
+@dataclasses.dataclass
+class _Plan:
+    root: dict[fx.Node, fx.Node]        # node -> the tensor it is (itself, or what it aliases whole)
+    twins: dict[fx.Node, object]        # in-place node -> its out-of-place overload
+
+
+class Unsupported(Exception):
+    """The graph cannot be rewritten exactly; the message says why."""
+
+
+def _plan(graph: fx.Graph) -> _Plan:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    base: dict[fx.Node, fx.Node] = {}     # view -> the tensor it views
+    twins: dict[fx.Node, object] = {}
+    mutations: dict[fx.Node, list[int]] = {}   # tensor -> positions where it is mutated
+
+    def first_tensors(node: fx.Node) -> list[fx.Node]:
+        arg = node.args[0]
+        return list(arg) if isinstance(arg, (list, tuple)) else [arg]
+
+    for node in graph.nodes:
+        root[node] = node
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target is operator.getitem:
+            source = node.args[0]
+            if source in base:              # an element of split()/unbind(): a view
+                base[node] = base[source]
+            continue
+        if not isinstance(target, torch._ops.OpOverload):
+            if not any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+                continue   # arithmetic on sizes and values (a decision's check: capture/decisions.py)
+            raise Unsupported(f"{node.name} calls {target}, not an aten op")
+        written = mutated_index(target)
+        if written == -1:
+            raise Unsupported(f"{node.name} ({target}) writes to several arguments")
+        if written is None:
+            if target in _SAME:
+                root[node] = root[node.args[0]]
+            elif _is_view(target):
+                source = root[node.args[0]]
+                base[node] = base.get(source, source)
+            continue
+        twin = _twin(target)
+        if twin is None:
+            raise Unsupported(f"{node.name} ({target}) has no out-of-place twin")
+        if draws_random(node) and not node.args[0].meta["val"].is_contiguous():
+            # the twin allocates by a rule of its own: drawn on the target's
+            # layout by the functionalizing trace (capture/random_layout.py)
+            raise Unsupported(f"{node.name} ({target}) draws into a tensor that is not contiguous")
+        twins[node] = twin
+        for tensor in first_tensors(node):
+            r = root[tensor]
+            if r in base:
+                raise Unsupported(f"{node.name} ({target}) writes through a view")
+            mutations.setdefault(r, []).append(position[node])
+        if not isinstance(node.args[0], (list, tuple)):
+            root[node] = root[node.args[0]]   # add_ returns its (now new) self
+    last_read: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        for user in node.users:
+            r = root[node]
+            last_read[r] = max(last_read.get(r, -1), position[user])
+    for view, b in base.items():
+        end = last_read.get(root[view], -1)
+        if any(position[view] < p < end for p in mutations.get(b, ())):
+            raise Unsupported(f"{view.name}, a view, is read after {b.name} is mutated")
+    return _Plan(root, twins)
+
+
+def rewrite(graph: fx.Graph) -> None:
+    """Make the graph functional in place: in-place ops become their
+    out-of-place twins, later uses read the new values, and each mutated
+    placeholder gets a trailing copy_ of its final value. Raises Unsupported
+    (the graph untouched) where that would not be exact."""
+    plan = _plan(graph)
+    if not plan.twins:
+        return
+    current: dict[fx.Node, fx.Node] = {}   # tensor -> the node of its latest value
+
+    def latest(a: fx.Node) -> fx.Node:
+        return current.get(plan.root.get(a, a), a)
+
+    output = graph.output_node()
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "output"):
+            continue
+        mutated = node.args[0] if node.args else None   # before it reads the latest values
+        node.args = fx.node.map_arg(node.args, latest)
+        node.kwargs = fx.node.map_arg(node.kwargs, latest)
+        twin = plan.twins.get(node)
+        if twin is None:
+            continue
+        meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        role = meta.pop(ROLE)
+        with graph.inserting_before(node):
+            kwargs = _with_defaults(node) if node.target in _RENAMED else dict(node.kwargs)
+            new = new_node(graph, twin, node.args, role, kwargs, **meta)
+            new._rename(twin.overloadpacket.__name__)   # as make_fx names it: _foreach_mul
+            if isinstance(mutated, (list, tuple)):
+                for i, tensor in enumerate(mutated):
+                    item = new_node(graph, operator.getitem, (new, i), role)
+                    current[plan.root[tensor]] = item
+            else:
+                # Users of the in-place op's result read the tensor it updated,
+                # at its latest value wherever they are.
+                tensor = plan.root[node]
+                current[tensor], plan.root[new] = new, tensor
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    with graph.inserting_before(output):
+        for node in graph.nodes:
+            if node.op == "placeholder" and node in current:
+                graph.call_function(aten.copy_.default, (node, current[node]))

@@ -1,0 +1,357 @@
+"""The optimizer updates a program computes, with every hyperparameter a tensor.
+
+torch's SGD, Adam and AdamW branch on their hyperparameters in Python and hand
+them to kernels as Python numbers (`alpha=weight_decay`), which a trace bakes
+into the program. While a step is captured, the arithmetic of their step() (the
+functional sgd()/adam() it calls once per parameter group, after torch has
+gathered the gradients and created the state) is done by the updates below
+instead: the foreach ops of torch's capturable path, in its order, with each
+value read from a 0-d tensor input of the program. Changing a value (lr,
+momentum, dampening, weight decay, betas, eps) never traces or compiles again.
+
+Which terms exist is the program's structure: weight decay and momentum on or
+off, and the flags (nesterov, maximize, amsgrad, ...). A term that is off
+costs nothing; switching one on traces again, once, and says why.
+
+The values torch derives in Python (1 - beta1, 1 - dampening, 1 - lr * weight
+decay) are derived here on the host in double precision, so they round as
+eager's do, and where torch fuses a scalar into a kernel (`add(g, p, alpha=wd)`,
+one rounding) the program uses addcmul by the 0-d tensor, which rounds once too.
+
+Adam's bias corrections are computed as torch's default (neither capturable
+nor fused) Adam computes them: on the host, in double precision, from each
+parameter's step count as this call's update makes it (the count is state the
+program increments; the host reads it before each call, as torch's
+_get_value(step) does), and fed as one value per parameter of the group (a
+checkpoint may hold different counts in one group). A capturable or fused
+optimizer keeps its count on the device: its update is torch's capturable
+formulation, which computes them there (reading the count on the host would
+synchronize).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import struct
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+from torch.optim.optimizer import _get_scalar_dtype
+
+from ..errors import TranspileError
+
+# How each lifted value is derived from a param group, on the host.
+_DERIVE: dict[str, Callable[[dict], float]] = {
+    "lr": lambda g: g["lr"],
+    "momentum": lambda g: g["momentum"],
+    "one_minus_dampening": lambda g: 1 - g["dampening"],
+    "weight_decay": lambda g: g["weight_decay"],
+    "beta1": lambda g: g["betas"][0],
+    "beta2": lambda g: g["betas"][1],
+    "one_minus_beta1": lambda g: 1 - g["betas"][0],
+    "one_minus_beta2": lambda g: 1 - g["betas"][1],
+    "eps": lambda g: g["eps"],
+    "one_minus_lr_weight_decay": lambda g: 1 - g["lr"] * g["weight_decay"],
+}
+
+# Values derived per parameter from the group and the step count its update
+# reaches, in torch's default Adam's expressions (_single_tensor_adam and
+# _multi_tensor_adam agree: -(lr / bc1) is (lr / bc1) * -1, and every op casts
+# the double to the tensor's dtype). The program reads them as one vector per
+# group, an entry per parameter of the group.
+_PER_STEP: dict[str, Callable[[dict, float], float]] = {
+    "neg_step_size": lambda g, step: -(g["lr"] / (1 - g["betas"][0] ** step)),
+    "bias_correction2_sqrt": lambda g, step: (1 - g["betas"][1] ** step) ** 0.5,
+}
+PER_STEP = frozenset(_PER_STEP)
+
+
+def hyper_value(optimizer: torch.optim.Optimizer, group_index: int, name: str,
+                ahead: int = 0) -> float | list[float]:
+    """The value of a lifted hyperparameter for this call: a number, or for a
+    per-step value a list with an entry per parameter of the group, for the
+    update `ahead` updates after this call's first."""
+    group = optimizer.param_groups[group_index]
+    if name in _DERIVE:
+        return float(_DERIVE[name](group))
+    derive, steps, values = _PER_STEP[name], {}, []
+    for p in group["params"]:
+        count = optimizer.state.get(p, {}).get("step")
+        key = (count.item(), count.dtype) if isinstance(count, torch.Tensor) else (count, None)
+        if key not in steps:
+            count = key[0]
+            for _ in range(ahead + 1):
+                count = _next_step(count, key[1])
+            steps[key] = derive(group, count)
+        values.append(steps[key])
+    return values
+
+
+def _next_step(count: float | None, dtype: torch.dtype | None) -> float:
+    """The step count after the update's increment (`step_t += 1`, in the
+    count's dtype), as a Python float. No count yet: the first step (a
+    parameter the program does not update has no state; its entry is unused)."""
+    if count is None:
+        return 1.0
+    after = float(count) + 1
+    if dtype == torch.float32:   # the float32 sum, rounded to nearest even
+        after = struct.unpack("f", struct.pack("f", after))[0]
+    return after
+
+
+@dataclasses.dataclass(frozen=True)
+class Formulation:
+    """An optimizer's update, with its hyperparameters as inputs.
+
+    group_keys: the param-group entries whose values are lifted (they leave the
+    signature; terms() stands for them there). terms(group): the terms that are
+    on, in a fixed order. lifted(terms): the values the update reads.
+    functionals: (module, name) of the functions step() calls per group.
+    initial_state(group, p): the state torch's first step creates for p, made
+    now, when starting the update from it gives the first step's results
+    exactly; None when it does not (SGD's dampening: torch's first step takes
+    the undamped gradient as its momentum buffer)."""
+
+    group_keys: tuple[str, ...]
+    terms: Callable[[dict], tuple[str, ...]]
+    lifted: Callable[[tuple[str, ...]], tuple[str, ...]]
+    functionals: tuple[tuple[str, str], ...]
+    update: Callable
+    initial_state: Callable[[dict, torch.Tensor], dict | None]
+
+
+def _nonzero(group: dict, keys) -> tuple[str, ...]:
+    return tuple(k for k in keys if group[k] != 0)
+
+
+# ------------------------------------------------------------ SGD
+
+def _sgd_terms(group):
+    return _nonzero(group, ("weight_decay", "momentum"))
+
+
+def _sgd_lifted(terms):
+    # 1 - dampening is read whenever momentum is on: a multiply-add by 1.0 is an
+    # exact add, so dampening never changes the program's structure.
+    return ("lr",) + terms + (("one_minus_dampening",) if "momentum" in terms else ())
+
+
+def _sgd_update(group, h, terms, params, grads, momentum_buffer_list):
+    """torch.optim.sgd._multi_tensor_sgd, its traced (compiling) branch."""
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if "weight_decay" in terms:
+        grads = _add_scaled(grads, params, h["weight_decay"])
+    if "momentum" in terms:
+        momentum, undamped = h["momentum"], h["one_minus_dampening"]
+        bufs = momentum_buffer_list
+        if all(b is not None for b in bufs):
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_addcmul_(bufs, grads, [undamped] * len(bufs))
+        else:
+            for i, (buf, grad) in enumerate(zip(bufs, grads)):
+                if buf is None:
+                    bufs[i] = grad.detach().clone()
+                else:
+                    buf.mul_(momentum).addcmul_(grad, undamped)
+        if group["nesterov"]:
+            grads = _add_scaled(grads, bufs, momentum)
+        else:
+            grads = bufs
+    torch._foreach_addcmul_(params, grads, [-h["lr"]] * len(params))
+
+
+def _sgd_initial_state(group, p):
+    """torch's first step with momentum copies the gradient into the buffer;
+    0 * momentum + 1 * gradient, what the update computes from zeros, is the
+    same value (dampening 0, where 1 - dampening is 1)."""
+    if group["momentum"] == 0:
+        return {}
+    if group["dampening"] != 0:
+        return None
+    return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _add_scaled(xs, ys, scale):
+    """xs + ys * scale, rounded once like torch's add(xs, ys, alpha=scale):
+    addcmul by a 0-d tensor is one fused multiply-add (as are the in-place
+    addcmul_ above), a mul then an add is two roundings."""
+    return torch._foreach_addcmul(xs, ys, [scale] * len(xs))
+
+
+# ------------------------------------------------------------ Adam, AdamW
+
+def _adam_terms(group):
+    """The weight decay that is on, and where the bias corrections are computed:
+    in the program for a capturable or fused optimizer (its step count lives on
+    the device), else on the host."""
+    terms = ()
+    if group["weight_decay"] != 0:
+        terms += ("decoupled_weight_decay" if group.get("decoupled_weight_decay")
+                  else "weight_decay",)
+    if group.get("capturable") or group.get("fused"):
+        terms += ("capturable",)
+    return terms
+
+
+def _adam_lifted(terms):
+    # lr is read by the capturable update, and by adaptive local SGD.
+    lifted = ("lr", "beta2", "one_minus_beta1", "one_minus_beta2", "eps")
+    lifted += ("beta1",) if "capturable" in terms else ("neg_step_size", "bias_correction2_sqrt")
+    if "weight_decay" in terms:
+        lifted += ("weight_decay",)
+    if "decoupled_weight_decay" in terms:
+        lifted += ("one_minus_lr_weight_decay",)
+    return lifted
+
+
+def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                 state_steps):
+    """torch.optim.adam._multi_tensor_adam: the bias corrections of its default
+    branch, from the host (_PER_STEP), or those of its capturable branch."""
+    n = len(params)
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    torch._foreach_add_(state_steps, 1)
+    if "decoupled_weight_decay" in terms:
+        torch._foreach_mul_(params, h["one_minus_lr_weight_decay"])
+    if "weight_decay" in terms:
+        grads = _add_scaled(grads, params, h["weight_decay"])
+    torch._foreach_lerp_(exp_avgs, grads, [h["one_minus_beta1"]] * n)
+    torch._foreach_mul_(exp_avg_sqs, h["beta2"])
+    torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, h["one_minus_beta2"]), grads)
+
+    if group["amsgrad"]:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
+    if "capturable" in terms:
+        _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps)
+    else:
+        _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt)
+
+
+def _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt):
+    """denom = sqrt / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg,
+    denom, value=-step_size), with each parameter's own values. The CPU kernel
+    of addcdiv computes param + (value * exp_avg) / denom in the tensor's
+    dtype: the multiply by the 0-d value first rounds the same."""
+    # While traced, the group lists the traced parameters; the update gets those
+    # with a gradient.
+    position = {id(p): i for i, p in enumerate(group["params"])}
+    at = [position[id(p)] for p in params]
+    neg_step_size, bias_correction2_sqrt = (torch.unbind(h[k]) for k in
+                                            ("neg_step_size", "bias_correction2_sqrt"))
+    torch._foreach_div_(exp_avg_sq_sqrt, [bias_correction2_sqrt[i] for i in at])
+    # A Python-level _foreach_add_(list, tensor) would take the tensor for a
+    # Scalar and read its value: name the Tensor overload.
+    torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
+    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, [neg_step_size[i] for i in at]),
+                            exp_avg_sq_sqrt)
+
+
+def _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps):
+    """The bias corrections of _multi_tensor_adam's capturable branch, from the
+    step counts in the program."""
+    n = len(params)
+    bias_correction1 = torch._foreach_pow([h["beta1"]] * n, state_steps)
+    bias_correction2 = torch._foreach_pow([h["beta2"]] * n, state_steps)
+    torch._foreach_sub_(bias_correction1, 1)
+    torch._foreach_sub_(bias_correction2, 1)
+    torch._foreach_neg_(bias_correction2)
+    torch._foreach_div_(bias_correction1, h["lr"])
+    torch._foreach_reciprocal_(bias_correction1)
+    torch._foreach_sqrt_(bias_correction2)
+    step_size, bias_correction2_sqrt = bias_correction1, bias_correction2
+    torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
+    torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
+    torch._foreach_div_(exp_avg_sq_sqrt, step_size)
+    torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt)
+
+
+def _adam_initial_state(group, p):
+    """Adam._init_group's lazy state: the update then runs from these zeros,
+    as torch's first step does."""
+    on_device = group.get("capturable") or group.get("fused")
+    state = {
+        "step": (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                             device=p.device) if on_device
+                 else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+_SGD = Formulation(("lr", "momentum", "dampening", "weight_decay"), _sgd_terms, _sgd_lifted,
+                   (("torch.optim.sgd", "sgd"),), _sgd_update, _sgd_initial_state)
+_ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_lifted,
+                    (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update,
+                    _adam_initial_state)
+FORMULATIONS: dict[type, Formulation] = {
+    torch.optim.SGD: _SGD, torch.optim.Adam: _ADAM, torch.optim.AdamW: _ADAM,
+}
+
+
+def formulation_of(opt: torch.optim.Optimizer) -> Formulation | None:
+    """The optimizer's formulation, or None where its step is traced as torch
+    wrote it (another optimizer type, a hyperparameter that is not a Python
+    number, complex parameters): then every hyperparameter is part of the
+    signature and a change traces again."""
+    form = FORMULATIONS.get(type(opt))
+    if form is None:
+        return None
+    for group in opt.param_groups:
+        values = [group.get(k) for k in form.group_keys]
+        values = [v for value in values for v in (value if isinstance(value, tuple) else (value,))]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return None
+        if any(p.is_complex() for p in group["params"]):
+            return None
+    return form
+
+
+@contextlib.contextmanager
+def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
+    """While tracing, route the functional updates of the groups in `groups`
+    (id of a traced parameter -> (formulation, group, terms, {name: tensor}))
+    to the formulations. Groups of other optimizers take torch's own path."""
+    patched = []
+
+    def route(original):
+        def functional(params, grads, *lists, **kwargs):
+            target = groups.get(id(params[0])) if params else None
+            if target is None:
+                return original(params, grads, *lists, **kwargs)
+            form, group, terms, h = target
+            if kwargs.get("has_sparse_grad") or kwargs.get("grad_scale") is not None \
+                    or kwargs.get("found_inf") is not None:
+                raise TranspileError(
+                    "sparse gradients and GradScaler's grad_scale/found_inf cannot be captured "
+                    "in a program's optimizer update; use dense gradients and unscale outside "
+                    "the optimizer")
+            fake_mode = getattr(params[0], "fake_mode", None)
+            # Each foreach op of the update lists every parameter: fake tensors'
+            # cache would hash them all and never hit.
+            with disable_fake_tensor_cache(fake_mode) if fake_mode else contextlib.nullcontext():
+                form.update(group, h, terms, params, grads, *lists)
+        return functional
+
+    modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}
+    try:
+        for module_name, name in sorted(modules):
+            module = importlib.import_module(module_name)
+            original = getattr(module, name, None)
+            if original is not None:
+                patched.append((module, name, original))
+                setattr(module, name, route(original))
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)

@@ -1,0 +1,117 @@
+"""Running a program on the live tensors and committing what it writes (the
+new parameters and buffers, optimizer state, .grad, held tensors) only once the
+whole program has succeeded: a step that raises leaves everything as it was.
+Programs run, and compile, as traced (capture/ambient.py): without the
+caller's autocast, grad mode or torch function modes. The write-back is all or
+nothing: every value is checked against its target before the first is
+written, and nothing that can fail runs after that."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+from . import rebuild
+from ..backends.compile import compile_program, inductor_cache_on
+from ..capture.ambient import as_traced
+from .compile_once import Plan, compiled_on_every_rank, digest
+from ..errors import TranspileError
+from .nodes import node_first_rank
+from .runnable import Runnable
+from ..world import world
+
+log = logging.getLogger("transpiler")
+
+
+class Executor:
+    """Runs programs and commits their writes; counts the seconds compilers
+    took (they compile on a program's first run)."""
+
+    def __init__(self):
+        self.compile_seconds = 0.0
+
+    def run(self, runnable: Runnable, leaves) -> list:
+        """Run the compiled program and write back the outputs it did not write
+        in place; its outputs (None where written in place)."""
+        if runnable.loop is not None:
+            return runnable.loop.run(self.run, leaves, runnable.compile_alone)
+        first = runnable.executable is None
+        start = time.perf_counter()
+        with as_traced():
+            inputs = [slot.read(leaves) for slot in runnable.slots]
+            if first:
+                executable = compile_program(runnable.program, runnable.backend)
+                if executable.prepare is not None:
+                    # Compiled on every rank before any issues the program's
+                    # collectives; kept only then (a failed compile is tried,
+                    # and agreed on, again at the next call).
+                    compile = functools.partial(executable.prepare, inputs)
+                    if runnable.compile_alone:
+                        _compiled_alone(compile, runnable.program.name)
+                    else:   # once per node: the node's other ranks load it
+                        plan = Plan(node_first_rank(), digest(runnable.program, inputs)
+                                    if inductor_cache_on() else None)
+                        compiled_on_every_rank(compile, runnable.program.name, plan)
+                runnable.executable = executable
+            executable = runnable.executable
+            try:
+                outputs = executable.run(inputs)
+            except Exception as exc:
+                rebuild.raise_if_abandoned(exc)   # a rank gave up: its reason
+                raise
+        self.commit(runnable, outputs, executable.written)
+        if first:
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            log.info("transpiler: first run of program %r (%s) took %.2fs",
+                     runnable.program.name, runnable.backend, seconds)
+        return outputs
+
+    def run_uncommitted(self, runnable: Runnable, leaves) -> list:
+        """Run the program op by op and write nothing: every output, for the
+        caller to check before it commits them."""
+        if runnable.loop is not None:
+            return runnable.loop.run(self.run_uncommitted, leaves, runnable.compile_alone)
+        with as_traced():
+            inputs = [slot.read(leaves) for slot in runnable.slots]
+            try:
+                return list(runnable.program.gm(*inputs))
+            except Exception as exc:
+                rebuild.raise_if_abandoned(exc)   # a rank gave up: its reason
+                raise
+
+    def commit(self, runnable: Runnable, outputs: list, written: list[bool] | None = None) -> None:
+        """Write the outputs to their targets (but those `written` in place by
+        the program), all or none: a value that does not fit its target (its
+        shape, dtype or device) raises before any is written."""
+        writes = [(spec, target, value) for spec, target, value, done
+                  in zip(runnable.program.outputs, runnable.targets, outputs,
+                         written or [False] * len(outputs)) if target is not None and not done]
+        for spec, target, value in writes:
+            why = target.misfit(value)
+            if why is not None:
+                raise TranspileError(
+                    f"program {runnable.program.name!r} computed {why} as the new "
+                    f"{spec.kind.value} {spec.target}, so nothing was written back: a target "
+                    "changed in a way the step's signature does not record (a parameter given "
+                    "a grad_dtype of its own), or the transpiler has a bug (report it, with "
+                    "the step)")
+        with torch.no_grad():
+            for _, target, value in writes:
+                target.write(value)
+
+
+def _compiled_alone(compile, program: str) -> None:
+    """Compile a program built on this rank alone. The others may be waiting
+    in its collectives: a failure abandons the job (rebuild.abandon)."""
+    try:
+        compile()
+    except Exception as exc:  # noqa: BLE001 - posted for the others, then raised
+        rebuild.abandon(f"rank {world()[1]} traced the step again but could not compile program "
+                        f"{program!r} ({type(exc).__name__}: {exc}) while the others ran on "
+                        "with the previous one; the communicators were shut down so that no "
+                        "rank waits for the process group's timeout: this job cannot go on; "
+                        "restart it.", exc)
