@@ -221,12 +221,12 @@ def test_a_rank_that_cannot_compile_stops_every_rank(failing, ranks2):
 
 
 def rank_node_first_rank(local_world_size):
-    from transpiler.runtime import nodes
+    from transpiler.runtime import node_first
     old = os.environ.pop("LOCAL_WORLD_SIZE", None)
     if local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = local_world_size
     try:
-        return nodes.node_first_rank()
+        return node_first.node_first_rank()
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
         if old is not None:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from tests import models as M
 from transpiler.backends import compile as backends
 from transpiler import transpile
-from transpiler.runtime.control import control_group
+from transpiler.runtime.control_plane import control_group
 
 NCCL_LIKE = "nccl_like"
 PG_TIMEOUT = datetime.timedelta(seconds=20)

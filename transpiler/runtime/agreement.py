@@ -1,13 +1,13 @@
 """Rank agreement: before the first collective of a new program, every rank
 shows the others what it built (or the error it hit); any failure or mismatch
 is raised on every rank instead of leaving some of them waiting forever. The
-exchanges run on the control plane's gloo group (control.py)."""
+exchanges run on the control plane's gloo group (control_plane.py)."""
 
 from __future__ import annotations
 
 import hashlib
 
-from .control import all_gather_values
+from .control_plane import all_gather_values
 from ..errors import TranspileError
 from ..program.program import InputKind, Program
 from ..program.roles import COMM

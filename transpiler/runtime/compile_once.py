@@ -24,7 +24,7 @@ import torch
 
 from .agreement import raise_first_failure
 from ..capture.shapes import is_symbolic
-from .control import all_gather_values
+from .control_plane import all_gather_values
 from ..program.program import Program
 from ..world import world
 

@@ -19,7 +19,7 @@ from ..backends.compile import compile_program, inductor_cache_on
 from ..capture.ambient import as_traced
 from .compile_once import Plan, compiled_on_every_rank, digest
 from ..errors import TranspileError
-from .nodes import node_first_rank
+from .node_first import node_first_rank
 from .runnable import Runnable
 from ..world import world
 

@@ -42,7 +42,7 @@ from . import sharded_params
 from .. import world
 from .agreement import summarize
 from ..program.collectives import ALL_REDUCE, WAIT
-from .control import all_gather_values
+from .control_plane import all_gather_values
 from ..errors import TranspileError
 from .runnable import Runnable
 from .joined_update import GIVEN, joined_update, kept_outputs

@@ -23,12 +23,12 @@ from typing import Callable
 
 import torch
 
-from . import agreement, consensus, consistency, micro_loop, rebuild, sharded_params, verify
+from . import agreement, divergence, micro_loop, rebuild, replica_average, sharded_params, verify
 from ..lowering import powersgd, reduce_groups
 from . import schedule as schedules
 from ..backends.compile import check_process_group, device_of, resolve
 from ..program.collectives import sent_bytes
-from .control import all_gather_values
+from .control_plane import all_gather_values
 from ..capture import Captured, HeldSlot, decisions, flatten_args, trace_step
 from ..capture.ambient import refuse_untraceable, snapshot
 from ..capture.found import discover
@@ -206,7 +206,7 @@ class TranspiledStep:
         named = [(spec.name, slot.read(None)) for spec, slot
                  in zip(runnable.program.inputs, runnable.slots)
                  if spec.kind is InputKind.PARAM and id(slot.read(None)) not in grouped]
-        return consistency.divergent(named)
+        return divergence.divergent(named)
 
     def _raise_if_divergent(self) -> None:
         lines = self.check_consistency()
@@ -235,7 +235,7 @@ class TranspiledStep:
         decentralized training, where the ranks' parameters differ by design. A
         collective: call it on every rank at the same step."""
         if world()[0] > 1:
-            consensus.global_average(self._state_tensors(buffers))
+            replica_average.global_average(self._state_tensors(buffers))
 
     @_over_its_group
     def consensus_distance(self) -> float:
@@ -244,7 +244,7 @@ class TranspiledStep:
         average; 0.0 when they agree. A collective: call it on every rank."""
         if world()[0] == 1:
             return 0.0
-        return consensus.consensus_distance(self._state_tensors(False))
+        return replica_average.consensus_distance(self._state_tensors(False))
 
     def state_dict(self) -> dict:
         """The step's own state: its schedule (step counter; local_sgd: steps since

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..capture import StepArgs, intercepted_schedulers
-from .control import all_gather_values
+from .control_plane import all_gather_values
 from ..errors import VerificationError
 from ..world import group as step_group, world
 

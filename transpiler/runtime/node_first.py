@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from .control import all_gather_bytes
+from .control_plane import all_gather_bytes
 from ..program.mesh import Dim
 from ..lowering.rings import plain_mesh
 from ..world import is_default, per_group, world

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .control import control_group
+from .control_plane import control_group
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
