@@ -26,7 +26,11 @@ nothing else reads, that op writes it there itself (its out= form: the same
 kernel, one copy and one temporary fewer; a tied weight's second part is then
 added there in place) where the slice is aligned as a new tensor is. Last, a foreach multiply by a scalar tensor that only
 feeds an in-place foreach add becomes one addcmul_ (SGD's update by -lr), which
-saves a temporary per parameter.
+saves a temporary per parameter. An op functionalization made of one that
+writes several arguments (GradScaler's unscale_: the gradients and found_inf)
+gets its in-place form back where each may be overwritten; and a part of a 1-D
+intermediate (a bucket's split or slice) may be overwritten where no view of
+it that overlaps the part is read later.
 """
 
 from __future__ import annotations
@@ -62,14 +66,20 @@ _VIEWS = {
 }
 
 
+def _underscored(target: torch._ops.OpOverload):
+    """The overload of the op named target's name + "_" (its in-place form), or None."""
+    namespace, name = target._schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
 def _inplace_variant(target):
     if not isinstance(target, torch._ops.OpOverload):
         return None
     namespace, name = target._schema.name.split("::")
     if target not in _ELEMENTWISE and not (namespace == "aten" and name.startswith(_FOREACH_PREFIX)):
         return None
-    packet = getattr(getattr(torch.ops, namespace), name + "_", None)
-    return getattr(packet, target._overloadname, None) if packet is not None else None
+    return _underscored(target)
 
 
 def _mutating_variant(target) -> tuple[torch._ops.OpOverload, list[int]] | None:
@@ -81,9 +91,7 @@ def _mutating_variant(target) -> tuple[torch._ops.OpOverload, list[int]] | None:
     _inplace_variant's.)"""
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    namespace, name = target._schema.name.split("::")
-    packet = getattr(getattr(torch.ops, namespace), name + "_", None)
-    variant = getattr(packet, target._overloadname, None) if packet is not None else None
+    variant = _underscored(target)
     if variant is None or variant._schema.returns:
         return None
     written = [i for i, a in enumerate(variant._schema.arguments)
