@@ -3,7 +3,10 @@ gradients and applies the update once per rank's gradient, in rank order, so
 all ranks take the same N updates per step.
 
 Requires: a captured program whose optimizer state exists before the step
-(state the step creates would start again from zeros at every replay: refused).
+(state the step creates would start again from zeros at every replay: refused)
+and no torch.amp.GradScaler among its optimizers' steps (refused: its found_inf
+decides one skip and one scale update for the whole step, which N replays of
+the update, each with one rank's gradients, do not have).
 Produces:
 - buckets of the gradients as fuse_all_reduce plans them (plan_buckets); each
   bucket flattened and concatenated into a row (role of its last gradient,
@@ -36,6 +39,7 @@ from transpiler.program.collectives import ALL_GATHER, WAIT
 from transpiler.errors import PassError
 from transpiler.program.mesh import Dim
 from transpiler.capture.optimizers import PER_STEP
+from transpiler.capture.scaler import SKIPS
 from transpiler.lowering.context import PassContext
 from transpiler.program.program import CommInfo, InputKind, OutputKind, Program, new_node
 from transpiler.program.roles import BUCKET, COMM, INPUT, PARAM, ROLE, Role
@@ -61,6 +65,12 @@ def gather_grads(program: Program, ctx: PassContext) -> None:
               if n.op == "call_function" and n.meta.get(ROLE, 0) & _REGION]
     if not grads or not region:
         return
+    if any(SKIPS in n.meta for n in program.graph.nodes):
+        raise PassError(
+            "the step steps its optimizer through a torch.amp.GradScaler, whose found_inf "
+            "(from unscale_) decides one skip and one scale update for the whole step; mode "
+            "all_gather applies one update per rank's gradients and has no such single "
+            "decision: use mode 'fuse_all_reduce' or 'grad_allreduce' with a GradScaler")
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes) for name, g in grads.items()]
     plan = plan_buckets(infos, int(ctx.bucket_mb * MB), int(ctx.first_bucket_mb * MB))
     position = {node: i for i, node in enumerate(program.graph.nodes)}

@@ -11,7 +11,8 @@ from tests import models as M
 from tests.test_fuse_all_reduce import SMALL
 from tests.test_passes import _captured, _check_golden
 from tests.test_training_loops import clip
-from transpiler import TranspileError, run_passes, transpile
+from transpiler import PassError, TranspileError, run_passes, transpile
+from transpiler.capture import flatten_args, trace_step
 from transpiler.modes import MODES
 from transpiler.program.roles import ROLE, Role
 
@@ -90,3 +91,27 @@ def test_options_all_gather_does_not_combine_with_are_refused_up_front():
     for option in (dict(verify=1), dict(skip_nonfinite=True), dict(fuse_dtype=torch.bfloat16)):
         with pytest.raises(TranspileError, match="all_gather"):
             transpile(M.classify_step, mode="all_gather", **option)
+
+
+def _scaled_step(model, opt, scaler, x, y):
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_a_grad_scaler_is_refused_with_what_to_use():
+    """GradScaler's found_inf decides one skip and one scale update per step;
+    N replays of the update have no such single decision."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    batch = (torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    _scaled_step(model, opt, scaler, *batch)   # the momentum buffers exist
+    program = trace_step(_scaled_step, flatten_args(_scaled_step, (model, opt, scaler, *batch),
+                                                    {})).program
+    with pytest.raises(PassError, match="GradScaler.*use mode 'fuse_all_reduce'"):
+        run_passes(program, MODES["all_gather"], SMALL)
