@@ -1,9 +1,13 @@
 """The benchmark runs end to end and writes well-formed results. It checks the
 shape of the output, never the speed."""
 
+import dataclasses
 import importlib.util
 import json
 import math
+import os
+import re
+import signal
 import statistics
 import pathlib
 import subprocess
@@ -12,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from transpiler.bench import bench, cli, shapes as bench_shapes
+from transpiler import TranspileError
+from transpiler.bench import bench, cli, launch, shapes as bench_shapes
 from transpiler.bench.report import Row, Table, markdown, text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -161,7 +166,7 @@ def test_bench_report_is_the_run_it_printed(cli_run):
 
 def test_report_tables_show_failures():
     table = Table(("model", "config", "step_ms"), 2,
-                  (Row(("deep", "ddp", "5.00")), Row(("deep", "zero"), "rank 1 failed: a | b")))
+                  (Row(("deep", "ddp", "5.00")), Row(("deep", "zero"), "FAILED: rank 1 failed: a | b")))
     assert markdown(table).splitlines() == [
         "| model | config | step_ms |", "| --- | --- | --: |", "| deep | ddp | 5.00 |",
         "| deep | zero | FAILED: rank 1 failed: a \\| b |"]
@@ -332,6 +337,47 @@ def test_rounds_run_the_whole_list_each_round_without_what_failed():
 
 
 def test_failure_text_is_the_first_and_last_line_once():
-    assert bench.failure_text(bench.BenchError("rank 1 failed:\n  trace\nValueError: x")) == \
-        "rank 1 failed: ValueError: x"
-    assert bench.failure_text(bench.BenchError("one line")) == "one line"
+    assert launch.failure_text(launch.BenchError("rank 1 failed:\n  trace\nValueError: x")) == \
+        "FAILED: rank 1 failed: ValueError: x"
+    assert launch.failure_text(launch.BenchError("one line")) == "FAILED: one line"
+    assert launch.failure_text(launch.Refused("by the transpiler on rank 0:\n  trace\n"
+                                              "TranspileError: use x")) == \
+        "refused: by the transpiler on rank 0: TranspileError: use x"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    device: str = "cpu"
+    how: str = "ok"
+
+
+def _fails(job, rank, world_size):
+    """Rank 0 fails as `job.how` says; rank 1 then waits on it in a collective."""
+    if rank == 0:
+        if job.how == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if job.how == "refused":
+            raise TranspileError("mode m refuses this step: use mode n")
+        if job.how == "raises":
+            raise ValueError("the cause")
+    torch.distributed.barrier()
+    return {"rank": rank, "t": torch.ones(2) * rank}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, cell", [
+    ("dies", r"FAILED: rank 0 died \(killed by SIGKILL\) without an error"),
+    ("raises", r"FAILED: rank 0 failed: .*ValueError: the cause"),
+    ("refused", r"refused: by the transpiler on rank 0: .*use mode n")])
+def test_a_failure_is_reported_by_its_cause_not_by_the_peer_left_waiting(how, cell):
+    """Rank 1 fails too (a lost connection, or a barrier never met); the cell
+    names what happened on rank 0."""
+    with pytest.raises(launch.BenchError) as caught:
+        launch.run_ranks(_Job(how=how), 2, _fails, timeout_s=60)
+    assert re.match(cell, launch.failure_text(caught.value)), launch.failure_text(caught.value)
+
+
+def test_ranks_return_their_results_by_rank():
+    out = launch.run_ranks(_Job(), 2, _fails, timeout_s=60)
+    assert [r["rank"] for r in out] == [0, 1]
+    assert torch.equal(out[1]["t"], torch.ones(2))

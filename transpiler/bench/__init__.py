@@ -2,6 +2,7 @@
 ZeroRedundancyOptimizer, torch.compile and the no-communication limit
 (`python -m transpiler.bench`, `make bench`).
 
-bench.py: the models, configurations, rank processes and tables; report.py:
-the Markdown report; shapes.py: the varying-shapes workload. The bench sits
+bench.py: the models, configurations and tables; launch.py: the rank
+processes and the cause of a failure; report.py: the Markdown report;
+shapes.py: the varying-shapes workload. The bench sits
 above every other layer: it may import anything; nothing imports it."""

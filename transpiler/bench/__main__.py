@@ -1,5 +1,5 @@
 """python -m transpiler.bench: the bench's command line (cli.py). The ranks it
-spawns unpickle transpiler.bench.bench._rank_main, never this __main__."""
+spawns unpickle transpiler.bench.launch._rank_main, never this __main__."""
 
 import sys
 

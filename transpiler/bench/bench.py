@@ -122,19 +122,15 @@ import logging
 import math
 import os
 import platform
-import queue
 import resource
 import shlex
 import statistics
 import tempfile
 import time
-import traceback
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.utils._pytree as pytree
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -147,11 +143,11 @@ from torch.distributed.tensor import DTensor
 from transpiler import MODES, DiLoCo, transpile
 from transpiler.backends.compile import BACKENDS
 from transpiler.bench.report import Row, RunInfo, Table, text, write_report
+from transpiler.bench.launch import REFUSED, BenchError, failure_text, run_ranks
 from transpiler.program.collectives import sent_bytes
 
 log = logging.getLogger("transpiler.bench")
 
-CONFIG_TIMEOUT_S = 600      # one configuration on one model, all ranks
 SEED_WEIGHTS, SEED_DATA = 0, 1
 LR, MOMENTUM = 0.01, 0.9
 LOCAL_SGD_K = 8
@@ -164,10 +160,6 @@ FIELDS = tuple(name for name, _ in STEP_COLUMNS)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 REFERENCES = ("local", "allreduce_only", "ddp")   # needed for vs_ddp and vs_limit
-
-
-class BenchError(Exception):
-    """A usage or environment error: reported in one line, no traceback."""
 
 
 # ------------------------------------------------------------ models and data
@@ -740,85 +732,6 @@ def _build_seconds(step) -> float:
     return getattr(_transpiled_step(step), "build_seconds", 0.0)
 
 
-def _rank_main(rank: int, world_size: int, store: str, job, results,
-               work: Callable = measure) -> None:
-    """One rank: join the process group and put work(job, rank, world_size),
-    or the traceback of its failure, on `results`."""
-    torch.set_num_threads(1)
-    backend = "gloo"
-    if job.device == "cuda":
-        # nccl needs a GPU per rank; ranks sharing a GPU reduce through gloo
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        backend = "nccl" if world_size <= torch.cuda.device_count() else "gloo"
-    try:
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size)
-        try:
-            results.put((rank, None, _by_value(work(job, rank, world_size))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - sent to the parent, which reports it
-        results.put((rank, traceback.format_exc(), None))
-
-
-def _by_value(result):
-    """The result with its tensors as numpy arrays: a tensor put on a queue is
-    shared through a file descriptor that dies with the rank, which exits
-    right after (the parent could read it too late)."""
-    return pytree.tree_map(lambda v: ("tensor", v.detach().cpu().numpy())
-                           if isinstance(v, torch.Tensor) else v, result)
-
-
-def _tensors(result):
-    return pytree.tree_map(lambda v: torch.from_numpy(v[1])
-                           if isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor" else v,
-                           result, is_leaf=lambda v: isinstance(v, tuple) and len(v) == 2
-                           and v[0] == "tensor")
-
-
-# ------------------------------------------------------------ launching ranks
-
-def _collect(results, world_size: int, timeout_s: float) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    got: dict[int, dict] = {}
-    while len(got) < world_size:
-        try:
-            rank, error, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            missing = sorted(set(range(world_size)) - set(got))
-            raise BenchError(f"ranks {missing} did not finish within "
-                             f"{timeout_s:.0f}s") from None
-        if error is not None:
-            raise BenchError(f"rank {rank} failed:\n{error}")
-        got[rank] = _tensors(value)
-    return [got[r] for r in range(world_size)]
-
-
-def run_ranks(job, world_size: int, work: Callable = measure,
-              timeout_s: float = CONFIG_TIMEOUT_S) -> list[dict]:
-    """Run work(job, rank, world_size) (a module-level function: measure
-    unless told) in `world_size` fresh spawned ranks; their results, by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="transpiler-bench-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, job, results, work))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        ok = False
-        try:
-            out = _collect(results, world_size, timeout_s)
-            ok = True
-            return out
-        finally:
-            for p in procs:
-                p.join(timeout=30 if ok else 0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-
-
 @contextlib.contextmanager
 def _environment(name: str, value: str | None):
     """os.environ[name] = value (None: unchanged) for the ranks spawned inside,
@@ -895,12 +808,6 @@ def rounds(items: list, repeat: int, label: Callable[[Any], str],
                                                          else "") + f" {label(item)}")
 
 
-def failure_text(exc: BenchError) -> str:
-    """A failed configuration's cell: the first and the last line of its error."""
-    lines = str(exc).strip().splitlines()
-    return " ".join(dict.fromkeys((lines[0], lines[-1])))
-
-
 def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: int,
               warmup: int, repeat: int = 1, nodes: int = 1, optimizer: str = "sgd",
               device: str = "cpu", micro_batches: int = 1) -> dict[str, dict[str, Measurement | str]]:
@@ -921,10 +828,10 @@ def run_bench(models: list[str], configs: list[str], *, world_size: int, steps: 
             log.info("%s ...", tag)
             start = time.perf_counter()
             try:
-                m = combine(run_ranks(job, world_size))
+                m = combine(run_ranks(job, world_size, measure))
             except BenchError as exc:
-                log.error("%s FAILED: %s", tag, exc)
                 out[job.model][job.config] = failure_text(exc)
+                log.error("%s %s", tag, out[job.model][job.config])
                 continue
             measured[job].append(m)
             log.info("%s: %.2f ms/step, setup %.2fs (%.1fs in all)", tag, m.step_ms,
@@ -1186,7 +1093,8 @@ def _configs(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     """The default run (cli.py parsed `argv` into `args`): 0, 1 if a
-    configuration failed, 2 on a usage error."""
+    configuration failed (not refused: a configuration the transpiler refuses
+    for a model is a result), 2 on a usage error."""
     try:
         models = _names(args.models, MODELS, "model")
         configs = _with_references(_configs(args))
@@ -1249,5 +1157,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                                                "(pip install -e .[bench])" if args.plot
                                                else "the run was given no --plot") + ".",
                      elapsed_s)
-    failed = any(not isinstance(m, Measurement) for r in raw.values() for m in r.values())
+    failed = any(isinstance(m, str) and not m.startswith(REFUSED)
+                 for r in raw.values() for m in r.values())
     return 1 if failed else 0

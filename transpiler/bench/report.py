@@ -15,7 +15,7 @@ import os
 @dataclasses.dataclass(frozen=True)
 class Row:
     cells: tuple[str, ...]      # formatted; a failed row has only its labels
-    failure: str | None = None  # why the configuration failed
+    failure: str | None = None  # why the configuration failed or was refused, as shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ def text(table: Table) -> str:
     for i, row in enumerate(table.rows):
         if i and row.cells[0] != table.rows[i - 1].cells[0]:
             lines.append("")
-        lines.append(line(row.cells) + ("" if row.failure is None else f" FAILED: {row.failure}"))
+        lines.append(line(row.cells) + ("" if row.failure is None else f" {row.failure}"))
     return "\n".join(lines)
 
 
@@ -47,7 +47,7 @@ def markdown(table: Table) -> str:
     def line(cells):
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
     align = ["---" if i < table.labels else "--:" for i in range(len(table.columns))]
-    rows = [row.cells if row.failure is None else row.cells + (f"FAILED: {row.failure}",)
+    rows = [row.cells if row.failure is None else row.cells + (row.failure,)
             + ("",) * (len(table.columns) - len(row.cells) - 1) for row in table.rows]
     return "\n".join([line(table.columns), line(align)] + [line(r) for r in rows])
 

@@ -80,10 +80,11 @@ import time
 import torch
 import torch.nn as nn
 
-from transpiler.bench.bench import (CONFIGS, CUDA_ONLY, GPT, SEED_DATA, SEED_WEIGHTS, BenchError,
+from transpiler.bench.bench import (CONFIGS, CUDA_ONLY, GPT, SEED_DATA, SEED_WEIGHTS,
                                     _between_barriers, _cold_inductor_cache, _names, _optimizer,
-                                    _tokens, _transpiled_step, check_writable, failure_text,
-                                    parse_args, rounds, run_info, run_ranks, train_step, write_json)
+                                    _tokens, _transpiled_step, check_writable, parse_args, rounds,
+                                    run_info, train_step, write_json)
+from transpiler.bench.launch import BenchError, failure_text, run_ranks
 from transpiler.bench.report import Row, Table, text, write_report
 from transpiler.runtime.step import TranspiledStep
 
@@ -262,8 +263,8 @@ def run_varying(workload: Workload, configs: list[str], *, world_size: int, step
                     ShapesJob(config, workload, warmup, steps), world_size, measure_shapes,
                     TIMEOUT_S))
         except BenchError as exc:
-            log.error("%s FAILED: %s", tag, exc)
             out[config] = failure_text(exc)
+            log.error("%s %s", tag, out[config])
             continue
         measured[config].append(fields)
         if r == 1:
