@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from .argument_writes import ArgumentChanges, changes, snapshot
+from .reads import is_traced
 from .scaler import GradScaler
 
 
@@ -30,6 +32,9 @@ class StepArgs:
     # (name, object) of the modules, optimizers and GradScalers the step
     # reaches outside its arguments (found.py), read again for this call
     found: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    # argument name (or position) -> the caller's value: where the program
+    # sets what the step set in the arguments' containers (argument_writes.py)
+    root: dict = dataclasses.field(default_factory=dict)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -48,14 +53,27 @@ class StepArgs:
         for _, value in self.found:
             yield value
 
-    def call(self, step_fn, leaves):
+    def call(self, step_fn, leaves, writes: ArgumentChanges | None = None):
+        """step_fn on the arguments rebuilt around `leaves`. With `writes`
+        (while traced): what the step changed in their containers is added to
+        it, a change no program can make refused (argument_writes.py)."""
         values = pytree.tree_unflatten(leaves, self.spec)
         if self.bound is None:
             args, kwargs = values
-            return step_fn(*args, **kwargs)
-        for name, value in zip(self.bound.arguments, values):
-            self.bound.arguments[name] = value
-        return step_fn(*self.bound.args, **self.bound.kwargs)
+            before = snapshot(_root(args, kwargs)) if writes is not None else None
+            result = step_fn(*args, **kwargs)
+        else:
+            for name, value in zip(self.bound.arguments, values):
+                self.bound.arguments[name] = value
+            before = snapshot(dict(self.bound.arguments)) if writes is not None else None
+            result = step_fn(*self.bound.args, **self.bound.kwargs)
+        if writes is not None:
+            changes(step_fn, before, is_traced, writes)
+        return result
+
+
+def _root(args: tuple, kwargs: dict) -> dict:
+    return {**dict(enumerate(args)), **kwargs}
 
 
 def is_leaf(x) -> bool:
@@ -89,14 +107,15 @@ def flatten_args(step_fn, args, kwargs) -> StepArgs:
         bound = None
     if bound is None:
         leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=is_leaf)
-        return StepArgs([f"arg{i}" for i in range(len(leaves))], leaves, spec, None)
+        return StepArgs([f"arg{i}" for i in range(len(leaves))], leaves, spec, None,
+                        root=_root(args, kwargs))
     values = list(bound.arguments.values())
     leaves, spec = pytree.tree_flatten(values, is_leaf=is_leaf)
     names = []
     for name, value in bound.arguments.items():
         n = len(pytree.tree_leaves(value, is_leaf=is_leaf))
         names += [name] if n == 1 else [f"{name}_{i}" for i in range(n)]
-    return StepArgs(names, leaves, spec, bound)
+    return StepArgs(names, leaves, spec, bound, root=dict(bound.arguments))
 
 
 def _unique(items):

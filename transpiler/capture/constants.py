@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .markers import node_of
-from .reads import _traced
+from .reads import is_traced
 
 _DEPTH = 4
 
@@ -30,7 +30,7 @@ def realize(value, reals: dict, depth: int = 0):
     if isinstance(value, torch.Tensor):
         if id(value) in reals:
             return reals[id(value)]
-        return _computed(value) if _traced(value) else value
+        return _computed(value) if is_traced(value) else value
     if depth >= _DEPTH:
         return value
     if isinstance(value, list):
@@ -46,7 +46,7 @@ def realize(value, reals: dict, depth: int = 0):
         for kind in ("_parameters", "_buffers"):
             members = getattr(value, kind)
             for k, v in list(members.items()):
-                if isinstance(v, torch.Tensor) and _traced(v):
+                if isinstance(v, torch.Tensor) and is_traced(v):
                     members[k] = reals.get(id(v)) or _computed(v)
         for k, v in list(vars(value).items()):
             if not k.startswith("_"):

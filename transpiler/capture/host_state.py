@@ -33,7 +33,7 @@ from ..errors import TranspileError
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .constants import realize
 from .guards import saved
-from .reads import MISSING, Recorder, Write, put, recording
+from .reads import MISSING, Recorder, Write, is_traced, put, recording
 from .signature import registrations
 from .user_code import step_name
 
@@ -159,9 +159,8 @@ def _structure(modules) -> tuple:
 
 def _holds_traced(value, depth: int = 0) -> bool:
     """A tensor or a number the program computes (a .item() of one)."""
-    from .reads import _traced
     if isinstance(value, torch.Tensor):
-        return _traced(value)
+        return is_traced(value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return True
     if depth > 4 or value is MISSING:

@@ -234,7 +234,7 @@ class Write:
 
     def change(self) -> str:
         before, after = self.values()
-        return f"{_text(before)} -> {_text(after)}"
+        return f"{shown(before)} -> {shown(after)}"
 
     def describe(self) -> str:
         return f"{self.name} {self.change()}"
@@ -242,10 +242,10 @@ class Write:
     @property
     def assigns_traced_tensor(self) -> bool:
         """A tensor the step computed, assigned to the host (self.aux = loss)."""
-        return not self.in_place and isinstance(self.after, torch.Tensor) and _traced(self.after)
+        return not self.in_place and isinstance(self.after, torch.Tensor) and is_traced(self.after)
 
 
-def _text(value) -> str:
+def shown(value) -> str:
     """How a written value is shown: a tensor by its layout."""
     if value is MISSING:
         return "absent"
@@ -254,7 +254,7 @@ def _text(value) -> str:
     return show(value)
 
 
-def _traced(t: torch.Tensor) -> bool:
+def is_traced(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor) or torch._is_functional_tensor(t)
 
@@ -721,7 +721,7 @@ class Recorder:
         return value
 
     def _tensor(self, holder, key, path: tuple, value, name: str, label: str | None = None):
-        if isinstance(value, torch.Tensor) and _traced(value):
+        if isinstance(value, torch.Tensor) and is_traced(value):
             return value
         stand = self.stand_in(value, label or name, Place(holder, key, path))
         if not path and stand is not value:
@@ -820,7 +820,7 @@ def _tensors_set(now, before: dict) -> list | None:
         return None
     changed = [(k, before.get(k, MISSING), v) for k, v in now.items()
                if before.get(k, MISSING) is not v]
-    if not changed or not all(isinstance(v, torch.Tensor) and _traced(v) for _, _, v in changed):
+    if not changed or not all(isinstance(v, torch.Tensor) and is_traced(v) for _, _, v in changed):
         return None
     return changed
 

@@ -30,6 +30,7 @@ from ..program.program import InputKind, InputSpec, OutputKind, Program
 from ..program.roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
+from .argument_writes import ArgumentChanges, ArgumentSlot, Written
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .guards import Guards
@@ -156,6 +157,8 @@ class Captured:
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)
     # what the program assumes of tensor values, checked as it runs (decisions.py)
     decisions: list[Decision] = dataclasses.field(default_factory=list)
+    # dict keys the step removes from its arguments, removed after each run
+    arguments_removed: list[Written] = dataclasses.field(default_factory=list)
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -295,6 +298,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []
     hosts: list[HostState] = []
+    arg_writes = ArgumentChanges()   # what it sets in its arguments' containers
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # ones it gives a gradient without dropping .grad first
@@ -385,7 +389,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             host.recorder.source = functools.partial(source_stand_in, drawing)
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
-            result = step_args.call(step_fn, leaves)
+            result = step_args.call(step_fn, leaves, arg_writes)
             for i, (zeros, _) in zeroed.items():   # no backward() gave it a gradient
                 node_of(zeros).meta[UNUSED] = inputs.param_names[i]
             host.finish()
@@ -427,7 +431,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 if tp.requires_grad and id(tp) not in markers.reset and tp.grad is not None:
                     kept.append(p)
             return (tuple(out_leaves) + tuple(new_state) + tuple(grads)
-                    + tuple(w.after for w in host.assigned))
+                    + tuple(w.after for w in host.assigned) + tuple(t for _, t in arg_writes.set))
 
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
@@ -486,6 +490,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
                               if spec.kind is InputKind.NUMBER})
         _check_matmul_dtypes(step_fn, gm, step_args)
+        if watches and arg_writes:
+            raise NotRollable("the step changes the containers among its arguments: traced "
+                              "unrolled, each micro-batch's change is its own")
         if watches:
             check_rolled(watches[0], gm.graph)
             drop_unwritten_clones(gm.graph)
@@ -523,7 +530,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         rng_plan = rng.plan(fgm, rolled=bool(watches))
         program, slots, targets = to_program(
             fgm, inputs, returned[0].num_tensors, created, left,
-            [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned])
+            [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned]
+            + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set])
         _check_arguments_unwritten(step_fn, program, targets)
         _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
@@ -531,7 +539,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
-                        host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions)
+                        host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions,
+                        arguments_removed=arg_writes.removed)
     except BaseException:
         host.abandon()
         raise

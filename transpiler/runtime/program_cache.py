@@ -59,6 +59,8 @@ class Built:
     made_state: list = dataclasses.field(default_factory=list)
     # what its programs assume of tensor values (capture/decisions.py)
     decisions: list = dataclasses.field(default_factory=list)
+    # dict keys the step removes from its arguments (capture/argument_writes.py)
+    arguments_removed: list = dataclasses.field(default_factory=list)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

@@ -32,6 +32,7 @@ from .control_plane import all_gather_values
 from ..capture import Captured, HeldSlot, decisions, flatten_args, trace_step
 from ..capture.ambient import refuse_untraceable, snapshot
 from ..capture.found import discover
+from ..capture.argument_writes import arguments_of
 from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
 from ..errors import DivergenceError, TranspileError
@@ -309,6 +310,10 @@ class TranspiledStep:
 
     def _call(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
+        with arguments_of(step_args.root):   # where its programs set what the step sets there
+            return self._call_flat(step_args)
+
+    def _call_flat(self, step_args):
         if self._found is None:   # what the step reaches outside its arguments (found.py)
             self._found = discover(self.step_fn, step_args.leaves)
             if self._found and self.verify_steps:
@@ -382,6 +387,8 @@ class TranspiledStep:
             param.grad = None
         for write in built.host_writes:   # what the step's Python wrote on the host
             write.redo()
+        for key in built.arguments_removed:   # what it removed from its arguments' dicts
+            key.remove()
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
         self._last, self._last_run = built, name
@@ -557,7 +564,8 @@ class TranspiledStep:
                            captured.schedulers, captured.cleared + dropped,
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
-                           captured.rng, captured.made_state, captured.decisions)
+                           captured.rng, captured.made_state, captured.decisions,
+                           captured.arguments_removed)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",

@@ -1,0 +1,194 @@
+"""What the step writes into the containers among its arguments.
+
+The trace calls the step with its arguments rebuilt around the traced inputs
+(arguments.py): new lists, dicts and dataclass objects, so that a write into
+one never reaches the caller's. The program runs without the step's Python,
+so such a write would be lost on every call, silently. Each container is
+compared after the traced step with what it held before:
+
+- a dict key (or a dataclass field) the step set to a tensor (ultralytics'
+  `batch['img'] = batch['img'].float() / 255`) is an output of the program,
+  written into the same place of the call's own arguments after every run
+  (ArgumentSlot), as the step would;
+- a dict key the step removed (transformers' `labels = inputs.pop("labels")`)
+  is removed from the call's own dict after every run (Written.remove);
+- any other change (an item appended to a list, a number or a host value
+  stored, a counter advanced) is refused, naming the argument and the change:
+  the program cannot compute host values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import TranspileError
+from .reads import MISSING, shown
+from .scaler import GradScaler
+from .user_code import step_name
+
+# (kind, key) steps from the arguments' root to a container
+Path = tuple[tuple[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A tensor the step set in a container of its arguments: container[key]
+    (an attribute for a dataclass), the container at `path`."""
+
+    path: Path
+    key: Any
+    field: bool   # a dataclass field (setattr), not an item
+
+    @property
+    def name(self) -> str:
+        return _name(self.path) + (f".{self.key}" if self.field else f"[{self.key!r}]")
+
+    def container(self):
+        """The container in the running call's arguments."""
+        container = _CALL.get()
+        for kind, key in self.path:
+            container = getattr(container, key) if kind == "field" else container[key]
+        return container
+
+    def remove(self) -> None:
+        """The key removed from the running call's dict, as the step removed it."""
+        self.container().pop(self.key, None)
+
+
+def _leaf_object(value) -> bool:
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer, GradScaler, torch.Tensor))
+
+
+def containers(values: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every mutable container in the arguments (dicts, Mappings, lists,
+    dataclass objects), with its path, outermost first."""
+    if _leaf_object(values) or isinstance(values, (str, bytes)):
+        return
+    if isinstance(values, (dict, Mapping)):
+        yield path, values
+        for k, v in list(values.items()):
+            yield from containers(v, path + (("item", k),))
+    elif isinstance(values, (list, tuple)):
+        if isinstance(values, list):
+            yield path, values
+            values = list.copy(values)   # not its own iteration (micro.Rolled records that)
+        for i, v in enumerate(values):
+            yield from containers(v, path + (("item", i),))
+    elif dataclasses.is_dataclass(values) and not isinstance(values, type):
+        yield path, values
+        for f in dataclasses.fields(values):
+            yield from containers(getattr(values, f.name, None), path + (("field", f.name),))
+
+
+def _items(container) -> dict:
+    if isinstance(container, (dict, Mapping)):
+        return dict(container.items())
+    if isinstance(container, list):
+        return dict(enumerate(list.copy(container)))
+    return {f.name: getattr(container, f.name, MISSING) for f in dataclasses.fields(container)}
+
+
+def snapshot(values) -> list[tuple[Path, Any, dict]]:
+    """What each container of the arguments holds (its items, shallow)."""
+    return [(path, c, _items(c)) for path, c in containers(values)]
+
+
+@dataclasses.dataclass
+class ArgumentChanges:
+    """What the traced step changed in its arguments' containers."""
+
+    set: list[tuple[Written, torch.Tensor]] = dataclasses.field(default_factory=list)
+    removed: list[Written] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.set or self.removed)
+
+
+def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
+            into: ArgumentChanges) -> None:
+    """Add to `into` the tensors the traced step set in the containers of its
+    arguments (`before`: their snapshot), each with its value, and the dict
+    keys it removed; raise on any other change. `traced(t)`: whether t is a
+    tensor the trace computes."""
+    for path, container, old in before:
+        new = _items(container)
+        is_dict = isinstance(container, (dict, Mapping))
+        removed = [k for k in old if k not in new]
+        changed = [k for k in new if old.get(k, MISSING) is not new[k]]
+        if not removed and not changed:
+            continue
+        bad = isinstance(container, list) or (removed and not is_dict) or [
+            k for k in changed if not (isinstance(new[k], torch.Tensor) and traced(new[k]))]
+        if bad:
+            raise TranspileError(
+                f"{step_name(step_fn)} changes its argument {_name(path)} "
+                f"({_change(container, old, new, removed, changed)}): the program runs "
+                "without the step's Python, so the change would be made once, when the step "
+                "is traced, and never again. Return the value from the step instead (any "
+                "pytree of tensors), or change the argument outside the step")
+        into.set += [(Written(path, k, not is_dict), new[k]) for k in changed]
+        into.removed += [Written(path, k, False) for k in removed]
+
+
+def _change(container, old: dict, new: dict, removed: list, changed: list) -> str:
+    what = type(container).__name__
+    if isinstance(container, list):
+        return f"a list of {len(old)} items, now {len(new)}"
+    if removed:
+        return f"a {what}: {removed[0]!r} removed"
+    k = next((k for k in changed if not isinstance(new[k], torch.Tensor)), changed[0])
+    return f"a {what}: {k!r} {shown(old.get(k, MISSING))} -> {shown(new[k])}"
+
+
+def _name(path: Path) -> str:
+    if not path:
+        return "(the arguments)"
+    (_, first), rest = path[0], path[1:]
+    if isinstance(first, int):   # a positional argument without a name
+        text = f"#{first}"
+    else:
+        text = repr(first).strip("'")
+    for kind, key in rest:
+        text += f".{key}" if kind == "field" else f"[{key!r}]"
+    return repr(text)
+
+
+# The arguments of the call whose program is running: where an ArgumentSlot writes.
+_CALL: contextvars.ContextVar = contextvars.ContextVar("arguments of the running call")
+
+
+@contextlib.contextmanager
+def arguments_of(values: Any):
+    """While a call's programs run and write back: its arguments' root."""
+    token = _CALL.set(values)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentSlot:
+    """Where the step set a tensor in a container of its arguments: the
+    program's output is set there, in the running call's own arguments."""
+
+    written: Written
+
+    def misfit(self, value) -> str | None:
+        return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+    def write(self, value):
+        container = self.written.container()
+        if self.written.field:
+            setattr(container, self.written.key, value)
+        else:
+            container[self.written.key] = value
+
+    def mirror(self, memo: dict):
+        return None   # the eager step's copy sets its own
