@@ -283,3 +283,37 @@ def test_ctc_loss_with_lengths_as_tensors_equals_eager():
         assert torch.equal(step(ours, opts[0], x, labels), _ctc_step(theirs, opts[1], x, labels))
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert step.traces == 2
+
+
+def _perturbed_step(model, opt, x, eps):
+    """A random perturbation within a tensor's value (FGSM's random start):
+    uniform_ takes the float, a decision pinned to it."""
+    opt.zero_grad()
+    delta = torch.empty_like(x).uniform_(-eps.item(), eps.item())
+    loss = model(x + delta).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_decision_on_a_float_holds_on_the_call_it_was_traced_on():
+    """A float32's 0.1 as a double (0.10000000149011612) was checked as its 15
+    digits, 0.100000001490116: the check failed on the very call it was traced
+    on, and the step was refused. Each float is checked as the double it is;
+    another value traces again, and a value seen before finds its program."""
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_perturbed_step)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    values = [torch.tensor(0.1)] * 3 + [torch.tensor(1 / 3, dtype=torch.float64),
+                                        torch.tensor(1e-300, dtype=torch.float64),
+                                        torch.tensor(0.1)]
+    for i, eps in enumerate(values):
+        torch.manual_seed(i)
+        a = step(ours, opts[0], x, eps)
+        torch.manual_seed(i)
+        assert torch.equal(a, _perturbed_step(theirs, opts[1], x, eps)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert step.traces == 3

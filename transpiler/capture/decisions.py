@@ -28,6 +28,7 @@ import re
 from unittest import mock
 
 import sympy
+from sympy.printing.str import StrPrinter
 import torch
 import torch._functorch.config
 import torch.fx as fx
@@ -103,9 +104,10 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     check (DECISION on its node's meta), where the values it reads are
     computed; returns them in the graph's order."""
     _pin_uninterpretable(shape_env, step_fn)
-    by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
-               for ra in ras}
-    insert_deferred_runtime_asserts(gm, shape_env, step_name(step_fn))
+    with _exact_floats():   # the checks' expressions are read from these strings
+        by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
+                   for ra in ras}
+        insert_deferred_runtime_asserts(gm, shape_env, step_name(step_fn))
     # The checks are in the graph now: a compiler would generate them again
     # from the shape environment, with no message but the expression.
     shape_env.deferred_runtime_asserts.clear()
@@ -134,6 +136,14 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
         decisions.append(decision)
     gm.recompile()
     return decisions
+
+
+def _exact_floats():
+    """sympy prints a float to 15 digits, which a float32's value as a double
+    (0.10000000149011612) does not survive: a check would fail on the call it
+    was traced on. Print each as Python does, the shortest digits that read
+    back as the same double (`_parsed` reads them so)."""
+    return mock.patch.object(StrPrinter, "_print_Float", lambda self, f: repr(float(f)))
 
 
 # How a check reads a number from a tensor: its value (.item()), or a size.
@@ -257,7 +267,10 @@ def _parsed(expr: str, symbols: tuple[str, ...]):
     """`expr` as sympy (torch's functions in it), and its symbols by name."""
     names = {name: sympy.Symbol(name) for name in symbols}
     functions = {name: getattr(sympy_functions, name) for name in sympy_functions.__all__}
-    return sympy.sympify(expr, locals={**functions, **names}), names
+    # a float's digits read as Python reads them, to the same double (sympy's
+    # own reading rounds twice: about 2% of doubles come back another)
+    exact = {"Float": lambda digits: sympy.Float(float(digits))}
+    return sympy.sympify(expr, locals={**functions, **names, **exact}), names
 
 
 torch.fx.node.has_side_effect(torch.ops.transpiler.decided.default)

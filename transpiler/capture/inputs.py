@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .optimizers import formulation_of
+from .optimizers import formulation_of, reads_numbers
 from ..program.program import Hyper, InputKind, InputSpec, same_layout
 from .scaler import scaler_slots
 from .arguments import StepArgs
@@ -73,7 +73,8 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
                                state_stand_in(p, value) if state_stand_in else value)
         form = formulation_of(opt)
         for gi, group in enumerate(opt.param_groups if form else ()):
-            wide = any(p.dtype == torch.float64 for p in group["params"])
+            # float64 where .item() must give eager's double (reads_numbers)
+            wide = any(p.dtype == torch.float64 for p in group["params"]) or reads_numbers(group)
             device = group["params"][0].device if group["params"] else torch.device("cpu")
             for key in form.lifted(form.terms(group)):
                 slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)

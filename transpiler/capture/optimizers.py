@@ -18,6 +18,16 @@ decay) are derived here on the host in double precision, so they round as
 eager's do, and where torch fuses a scalar into a kernel (`add(g, p, alpha=wd)`,
 one rounding) the program uses addcmul by the 0-d tensor, which rounds once too.
 
+A group with a bfloat16 or float16 parameter reads its values as Python
+numbers instead (`numbers`: each 0-d input's .item(), traced as a symbolic
+number): kernels of those dtypes round a 0-d tensor operand to the tensor's
+dtype (0.1 becomes 0.10009765625 in bfloat16) where a Python number is kept in
+float32, and `add` rounds its Python scalar to the tensor's dtype, so only
+torch's own calls with Python numbers round as eager's. Its update is then
+torch's multi-tensor code with the terms fixed (`_sgd_update_numbers`,
+`_adam_update_numbers`); the inputs are float64, so .item() gives the double
+eager passes, and nothing traces again when a value changes.
+
 Adam's bias corrections are computed as torch's default (neither capturable
 nor fused) Adam computes them: on the host, in double precision, from each
 parameter's step count as this call's update makes it (the count is state the
@@ -39,7 +49,7 @@ from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
-from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 
 from ..errors import TranspileError
 
@@ -110,6 +120,9 @@ class Formulation:
     signature; terms() stands for them there). terms(group): the terms that are
     on, in a fixed order. lifted(terms): the values the update reads.
     functionals: (module, name) of the functions step() calls per group.
+    update(group, h, terms, params, grads, *state lists): the update, h the
+    lifted values as 0-d tensors; update_on_numbers: the same, h as Python
+    numbers (reads_numbers).
     initial_state(group, p): the state torch's first step creates for p, made
     now, when starting the update from it gives the first step's results
     exactly; None when it does not (SGD's dampening: torch's first step takes
@@ -120,6 +133,7 @@ class Formulation:
     lifted: Callable[[tuple[str, ...]], tuple[str, ...]]
     functionals: tuple[tuple[str, str], ...]
     update: Callable
+    update_on_numbers: Callable   # the same with Python numbers (a bf16/fp16 group)
     initial_state: Callable[[dict, torch.Tensor], dict | None]
 
 
@@ -130,13 +144,15 @@ def _nonzero(group: dict, keys) -> tuple[str, ...]:
 # ------------------------------------------------------------ SGD
 
 def _sgd_terms(group):
-    return _nonzero(group, ("weight_decay", "momentum"))
+    return _nonzero(group, ("weight_decay", "momentum")) + (
+        ("foreach",) if _eager_foreach(group) else ())
 
 
 def _sgd_lifted(terms):
     # 1 - dampening is read whenever momentum is on: a multiply-add by 1.0 is an
     # exact add, so dampening never changes the program's structure.
-    return ("lr",) + terms + (("one_minus_dampening",) if "momentum" in terms else ())
+    values = tuple(t for t in terms if t in ("weight_decay", "momentum"))
+    return ("lr",) + values + (("one_minus_dampening",) if "momentum" in terms else ())
 
 
 def _sgd_update(group, h, terms, params, grads, momentum_buffer_list):
@@ -175,6 +191,82 @@ def _sgd_initial_state(group, p):
     return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def _sgd_update_numbers(group, h, terms, params, grads, momentum_buffer_list):
+    """torch.optim.sgd's update with Python numbers, line for line, on the path
+    eager takes (_eager_foreach): _multi_tensor_sgd (nesterov then writes into
+    the gradients) or _single_tensor_sgd."""
+    maximize, nesterov = group["maximize"], group["nesterov"]
+    lr = h["lr"]
+    wd = h["weight_decay"] if "weight_decay" in terms else None
+    momentum = h["momentum"] if "momentum" in terms else None
+    undamped = h.get("one_minus_dampening")
+    if "foreach" not in terms:
+        for i, param in enumerate(params):
+            grad = grads[i] if not maximize else -grads[i]
+            if wd is not None:
+                grad = grad.add(param, alpha=wd)
+            if momentum is not None:
+                buf = momentum_buffer_list[i]
+                if buf is None:
+                    buf = momentum_buffer_list[i] = grad.detach().clone()
+                else:
+                    buf.mul_(momentum).add_(grad, alpha=undamped)
+                grad = grad.add(buf, alpha=momentum) if nesterov else buf
+            param.add_(grad, alpha=-lr)
+        return
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if wd is not None:
+        if maximize:
+            torch._foreach_add_(grads, params, alpha=wd)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+    if momentum is not None:
+        bufs = momentum_buffer_list
+        if all(b is not None for b in bufs):
+            _foreach_mul_number_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=undamped)
+        else:
+            for i, (buf, grad) in enumerate(zip(bufs, grads)):
+                if buf is None:
+                    bufs[i] = grad.detach().clone()
+                else:
+                    buf.mul_(momentum).add_(grad, alpha=undamped)
+        if nesterov:
+            torch._foreach_add_(grads, bufs, alpha=momentum)
+        else:
+            grads = bufs
+    torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _foreach_mul_number_(xs, number) -> None:
+    """torch._foreach_mul_(xs, number) as eager computes it: on CPU, in place,
+    a bfloat16 or float16 tensor is multiplied by the number rounded to its
+    dtype (the out-of-place op, which the program may run instead, keeps it in
+    float32; the rounded factor gives both the in-place result)."""
+    rounded = {}
+    for x in xs:
+        if x.dtype in _REDUCED and x.device.type == "cpu" and x.dtype not in rounded:
+            rounded[x.dtype] = torch.full((), number, dtype=torch.float32).to(x.dtype)
+    plain = [x for x in xs if x.dtype not in rounded]
+    if plain:
+        torch._foreach_mul_(plain, number)
+    for dtype, factor in rounded.items():
+        torch.ops.aten._foreach_mul_.Tensor([x for x in xs if x.dtype == dtype], factor)
+
+
+def _eager_foreach(group: dict) -> bool:
+    """Whether eager's step takes torch's multi-tensor path for the group (its
+    `foreach`, by default where torch's foreach kernels run): a term of a
+    group that reads numbers, whose update follows that path (their roundings
+    differ: an in-place foreach op is a loop of in-place ops)."""
+    if not reads_numbers(group):
+        return False
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    return _default_to_fused_or_foreach(group["params"], group.get("differentiable", False))[1]
+
+
 def _add_scaled(xs, ys, scale):
     """xs + ys * scale, rounded once like torch's add(xs, ys, alpha=scale):
     addcmul by a 0-d tensor is one fused multiply-add (as are the in-place
@@ -194,6 +286,8 @@ def _adam_terms(group):
                   else "weight_decay",)
     if group.get("capturable") or group.get("fused"):
         terms += ("capturable",)
+    elif _eager_foreach(group):
+        terms += ("foreach",)
     return terms
 
 
@@ -235,15 +329,72 @@ def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_
         _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt)
 
 
+def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
+                         max_exp_avg_sqs, state_steps):
+    """torch.optim.adam's default update (neither capturable nor fused) with
+    Python numbers, line for line, on the path eager takes (_eager_foreach):
+    _multi_tensor_adam or _single_tensor_adam. A capturable or fused group computes on
+    0-d tensors, as torch's capturable branch does (_adam_update)."""
+    if "capturable" in terms:
+        return _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
+                            max_exp_avg_sqs, state_steps)
+    maximize, amsgrad = group["maximize"], group["amsgrad"]
+    at = _positions(group, params)
+    bc2_sqrt = [h["bias_correction2_sqrt"][i] for i in at]
+    neg_step_size = [h["neg_step_size"][i] for i in at]
+    if "foreach" not in terms:
+        for i, param in enumerate(params):
+            grad = grads[i] if not maximize else -grads[i]
+            exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+            state_steps[i] += 1
+            if "decoupled_weight_decay" in terms:
+                param.mul_(h["one_minus_lr_weight_decay"])
+            elif "weight_decay" in terms:
+                grad = grad.add(param, alpha=h["weight_decay"])
+            exp_avg.lerp_(grad, h["one_minus_beta1"])
+            exp_avg_sq.mul_(h["beta2"]).addcmul_(grad, grad, value=h["one_minus_beta2"])
+            if amsgrad:
+                torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+                exp_avg_sq = max_exp_avg_sqs[i]
+            denom = (exp_avg_sq.sqrt() / bc2_sqrt[i]).add_(h["eps"])
+            param.addcdiv_(exp_avg, denom, value=neg_step_size[i])
+        return
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    torch._foreach_add_(state_steps, 1)
+    if "decoupled_weight_decay" in terms:
+        _foreach_mul_number_(params, h["one_minus_lr_weight_decay"])
+    if "weight_decay" in terms:
+        if maximize:
+            torch._foreach_add_(grads, params, alpha=h["weight_decay"])
+        else:
+            grads = torch._foreach_add(grads, params, alpha=h["weight_decay"])
+    torch._foreach_lerp_(exp_avgs, grads, h["one_minus_beta1"])
+    _foreach_mul_number_(exp_avg_sqs, h["beta2"])
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, h["one_minus_beta2"])
+    if amsgrad:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(exp_avg_sq_sqrt, bc2_sqrt)
+    torch._foreach_add_(exp_avg_sq_sqrt, h["eps"])
+    torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, neg_step_size)
+
+
+def _positions(group, params) -> list[int]:
+    """Where each parameter the update gets (those with a gradient) is in the
+    group (while traced, the group lists the traced parameters)."""
+    position = {id(p): i for i, p in enumerate(group["params"])}
+    return [position[id(p)] for p in params]
+
+
 def _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt):
     """denom = sqrt / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg,
     denom, value=-step_size), with each parameter's own values. The CPU kernel
     of addcdiv computes param + (value * exp_avg) / denom in the tensor's
     dtype: the multiply by the 0-d value first rounds the same."""
-    # While traced, the group lists the traced parameters; the update gets those
-    # with a gradient.
-    position = {id(p): i for i, p in enumerate(group["params"])}
-    at = [position[id(p)] for p in params]
+    at = _positions(group, params)
     neg_step_size, bias_correction2_sqrt = (torch.unbind(h[k]) for k in
                                             ("neg_step_size", "bias_correction2_sqrt"))
     torch._foreach_div_(exp_avg_sq_sqrt, [bias_correction2_sqrt[i] for i in at])
@@ -290,10 +441,25 @@ def _adam_initial_state(group, p):
 
 
 _SGD = Formulation(("lr", "momentum", "dampening", "weight_decay"), _sgd_terms, _sgd_lifted,
-                   (("torch.optim.sgd", "sgd"),), _sgd_update, _sgd_initial_state)
+                   (("torch.optim.sgd", "sgd"),), _sgd_update, _sgd_update_numbers,
+                   _sgd_initial_state)
 _ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_lifted,
                     (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update,
-                    _adam_initial_state)
+                    _adam_update_numbers, _adam_initial_state)
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def reads_numbers(group: dict) -> bool:
+    """Whether a group's update reads its hyperparameters as Python numbers
+    (a bfloat16 or float16 parameter: see the module's docstring)."""
+    return any(p.dtype in _REDUCED for p in group["params"])
+
+
+def as_numbers(h: dict[str, torch.Tensor]) -> dict:
+    """The lifted values as the symbolic numbers the trace reads from them: a
+    number, or a list of them for a per-parameter vector."""
+    return {k: v.item() if v.dim() == 0 else [x.item() for x in v.unbind()]
+            for k, v in h.items()}
 FORMULATIONS: dict[type, Formulation] = {
     torch.optim.SGD: _SGD, torch.optim.Adam: _ADAM, torch.optim.AdamW: _ADAM,
 }
@@ -330,6 +496,9 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             if target is None:
                 return original(params, grads, *lists, **kwargs)
             form, group, terms, h = target
+            update = form.update
+            if reads_numbers(group):
+                update, h = form.update_on_numbers, as_numbers(h)
             if kwargs.get("has_sparse_grad") or kwargs.get("grad_scale") is not None \
                     or kwargs.get("found_inf") is not None:
                 raise TranspileError(
@@ -340,7 +509,7 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             # Each foreach op of the update lists every parameter: fake tensors'
             # cache would hash them all and never hit.
             with disable_fake_tensor_cache(fake_mode) if fake_mode else contextlib.nullcontext():
-                form.update(group, h, terms, params, grads, *lists)
+                update(group, h, terms, params, grads, *lists)
         return functional
 
     modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}

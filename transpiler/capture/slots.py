@@ -150,9 +150,11 @@ class HyperSlot:
     tensor (a vector with an entry per parameter of the group for a value
     derived from each one's step count, such as Adam's bias corrections) of
     float64 if the group has a float64 parameter, else float32.
-    Kernels compute a float32 (or bf16/fp16) tensor op in float32 whatever the
-    scalar's width, so this rounds exactly as eager's Python-float alpha, and
-    saves a conversion per tensor."""
+    Kernels compute a float32 tensor op in float32 whatever the scalar's
+    width, so this rounds exactly as eager's Python-float alpha, and saves a
+    conversion per tensor. A group with a bfloat16 or float16 parameter reads
+    its values as Python numbers (optimizers.reads_numbers): float64, so that
+    each is eager's double."""
 
     optimizer: torch.optim.Optimizer
     group: int
