@@ -9,6 +9,7 @@ token reaches it, sizes from .tolist()) are the main users."""
 import copy
 
 import pytest
+import sympy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -317,3 +318,17 @@ def test_a_decision_on_a_float_holds_on_the_call_it_was_traced_on():
         assert torch.equal(a, _perturbed_step(theirs, opts[1], x, eps)), f"call {i}"
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert step.traces == 3
+
+
+@pytest.mark.parametrize("value", [float(torch.tensor(0.1)), -1 / 3, -2.709521821001284e-44,
+                                   5e-324, 1.7976931348623157e308, float("-inf")])
+def test_a_checked_float_reads_back_as_the_same_double(value):
+    """A check's expression travels to the program as text: its floats read
+    back bit for bit (-2.709521821001284e-44 is one that sympy's own reading
+    of its digits rounds to another double)."""
+    from transpiler.capture import decisions
+    u = sympy.Symbol("zuf0")
+    for expr in (sympy.Eq(u, value), u <= value, u >= value):
+        with decisions._exact_floats():
+            text = str(expr)
+        assert decisions._holds(text, ("zuf0",), (value,)), text

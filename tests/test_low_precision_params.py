@@ -1,9 +1,13 @@
-"""Parameters in bfloat16 or float16 (a model cast with .to(torch.bfloat16),
-as pure-bf16 fine-tuning does): the optimizer's update bit for bit as eager's,
-with lr changed before every call and nothing traced again. Kernels of those
-dtypes round a 0-d tensor operand to the tensor's dtype where a Python number
-keeps float32, so these groups read their hyperparameters as numbers
-(capture/optimizers.py)."""
+"""Parameters in bfloat16, float16 or complex64.
+
+bfloat16 or float16 (a model cast with .to(torch.bfloat16), as pure-bf16
+fine-tuning does): the optimizer's update bit for bit as eager's, with lr
+changed before every call and nothing traced again. Kernels of those dtypes
+round a 0-d tensor operand to the tensor's dtype where a Python number keeps
+float32, so these groups read their hyperparameters as numbers
+(capture/optimizers.py). complex64 (a Fourier neural operator): exact with
+SGD, refused with the optimizers that update their state through
+view_as_real."""
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from transpiler import transpile
+from transpiler import TranspileError, transpile
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -115,3 +119,41 @@ def test_equals_ddp_on_2_ranks(opt_name, mode, ranks2):
     for ours, ddp in ranks2.run(rank_vs_ddp, torch.bfloat16, opt_name, mode):
         assert ours.keys() == ddp.keys()
         assert all(torch.equal(ours[k], ddp[k]) for k in ours)
+
+
+class Spectral(nn.Module):
+    """A Fourier neural operator's spectral weights: a complex parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+
+    def forward(self, x):
+        return torch.fft.irfft(torch.fft.rfft(x) * self.w[:x.shape[-1] // 2 + 1], n=x.shape[-1])
+
+
+def spectral_step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_complex_parameters_train_with_sgd_and_are_refused_with_stateful_optimizers():
+    runs = []
+    for transpiled in (True, False):
+        torch.manual_seed(0)
+        model = Spectral()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = transpile(spectral_step) if transpiled else spectral_step
+        for i in range(3):
+            step(model, opt, torch.randn(4, 14, generator=torch.Generator().manual_seed(i)))
+        runs.append((model.w.detach().clone(), opt.state[model.w]["momentum_buffer"].clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    model = Spectral()
+    before = model.w.detach().clone()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TranspileError, match=r"steps AdamW on a complex parameter .*view_as_real"):
+        transpile(spectral_step)(model, opt, torch.randn(4, 14))
+    assert torch.equal(model.w, before) and not opt.state

@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..errors import TranspileError
 from ..program.roles import PARAM, ROLE, Role
 from .optimizer_state import opt_params
+from .optimizers import formulation_of
 from .user_code import step_name, user_line
 
 
@@ -50,8 +51,8 @@ def node_of(t: torch.Tensor) -> fx.Node:
 @contextlib.contextmanager
 def compiling_flag():
     """torch.compiler.is_compiling() True: optimizers keep their step counters
-    as tensors (no .item()). Only while an optimizer steps (optimizer_markers):
-    model code that branches on it takes eager's path."""
+    as tensors (no .item()). Only while a formulated optimizer steps
+    (optimizer_markers): model code that branches on it takes eager's path."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
@@ -182,7 +183,11 @@ def optimizer_markers(markers: Markers, optimizers, modules):
             markers.reduced = dict(markers.grads)
         markers.stepping = opt
         markers.steps.append([last_node(), None])
-        flags.append(compiling_flag())
+        # an optimizer traced as torch wrote it computes as in eager: its step
+        # count read with .item() (is_compiling() would keep it a tensor,
+        # which rounds the bias corrections in float32, not in Python's double)
+        flags.append(compiling_flag() if formulation_of(opt) is not None
+                     else contextlib.nullcontext())
         flags[-1].__enter__()
 
     def post(*_):

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import TranspileError
 from .optimizers import formulation_of
+from .user_code import step_name
 
 # Group options forced while tracing: the foreach path, and capturable=True
 # where it exists, keep every step-dependent quantity a tensor (no .item()).
@@ -41,6 +42,24 @@ def make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tens
     return made
 
 
+def refuse_complex_state(step_fn, optimizers) -> None:
+    """A complex parameter is refused with an optimizer other than SGD: torch's
+    stateful optimizers update its state through view_as_real views of it,
+    which the traced program does not write back (SGD's momentum is updated
+    on the complex tensor itself)."""
+    for opt in optimizers:
+        if isinstance(opt, torch.optim.SGD):
+            continue
+        p = next((p for p in opt_params(opt) if p.is_complex()), None)
+        if p is not None:
+            raise TranspileError(
+                f"{step_name(step_fn)} steps {type(opt).__name__} on a complex parameter "
+                f"({tuple(p.shape)}, {str(p.dtype).replace('torch.', '')}): torch updates its "
+                "state through view_as_real views, which a program would not write back. "
+                "Keep the parameter real (torch.view_as_real(w) as the Parameter, "
+                "torch.view_as_complex in forward), or use torch.optim.SGD")
+
+
 def forget_state(made) -> None:
     for opt, p, key in made:
         del opt.state[p][key]
@@ -55,6 +74,7 @@ def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, di
     """Point an optimizer at traced tensors for the duration of the trace."""
     saved_groups = [dict(g) for g in opt.param_groups]
     saved_state = opt.state
+    formulated = formulation_of(opt) is not None
     try:
         new_state = defaultdict(dict)
         real_of = {id(t): i for i, t in traced.items()}   # stand-in -> id of its tensor
@@ -66,7 +86,7 @@ def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, di
             for i, tp in zip(ids, group["params"]):
                 new_state[tp] = dict(saved_state.get(keys.get(i), {}))
                 new_state[tp].update(state.get(i, {}))
-            for key, value in TRACE_GROUP_OPTIONS.items():
+            for key, value in TRACE_GROUP_OPTIONS.items() if formulated else ():
                 if key in group:
                     group[key] = value
         opt.state = new_state

@@ -50,6 +50,7 @@ from .optimizer_state import (
     forget_state,
     formulated_groups,
     make_first_state,
+    refuse_complex_state,
     opt_params,
     redirect_optimizer,
     state_set_by_step,
@@ -185,6 +186,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         raise TranspileError(
             f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
+    refuse_complex_state(step_fn, step_args.optimizers)
     made = make_first_state(step_args.optimizers)
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
