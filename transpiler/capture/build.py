@@ -100,6 +100,17 @@ def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
             graph.erase_node(node)
         else:
             kept.append((spec, slot))
+    _constants_first(graph)
     graph.lint()
     return (Program("main", graph_module(gm, graph), [s for s, _ in kept], specs),
             [s for _, s in kept], targets)
+
+
+def _constants_first(graph: fx.Graph) -> None:
+    """The constants (get_attr) right after the inputs, where a pass that moves
+    the ops reading them (schedule_updates moves an update to its bucket) finds
+    them defined."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if node is not first:
+            first.prepend(node)

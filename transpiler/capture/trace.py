@@ -227,6 +227,7 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                          "tracing it again with that cache emptied (%s)", step_name(step_fn), exc)
                 continue
             if isinstance(exc, _StoppedAtDecision):
+                _refuse_without_values(step_fn, step_args, exc)
                 log.info("transpiler: %s decides on a tensor value: tracing it again on this "
                          "call's values (%s)", step_name(step_fn), exc)
                 on_values = True
@@ -286,6 +287,22 @@ def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
 
 class _ReadMemoized(TranspileError):
     """A trace met a tensor that a memoizing function computed before it."""
+
+
+def _refuse_without_values(step_fn, step_args: StepArgs, exc: Exception) -> None:
+    """A trace on the call's values reads the parameters: mode fsdp keeps them
+    as shards between steps, with no storage of their own (sharded_params.py).
+    The same on every rank: the decision is where the program's structure
+    needs a value, not where values differ."""
+    released = next((name for m in step_args.modules for name, p in m.named_parameters()
+                     if p.numel() and p.untyped_storage().nbytes() == 0), None)
+    if released is not None:
+        raise TranspileError(
+            f"{step_name(step_fn)} decides on a tensor value in a program traced after its "
+            f"first call, where the parameters ({released}) are kept as shards between the "
+            "steps of mode fsdp and hold no values to trace on; decide with tensor ops "
+            "(torch.where, masking), or use mode 'zero' or 'fuse_all_reduce'. "
+            f"({str(exc).splitlines()[0]})") from exc
 
 
 class _StoppedAtDecision(TranspileError):
