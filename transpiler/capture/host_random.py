@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import TranspileError
+from .observed_arrays import observed
 from .reads import is_library
 from .user_code import step_name, user_line
 
@@ -171,29 +172,20 @@ class _Recording:
         self.draws.draws.append(Draw(bound, args, kwargs, what))
         self.draws.values.append(value)
         if not isinstance(value, (float, int)):   # an array: usable only through torch
-            value = _drawn_array(value, step_name(self.step_fn), what)
+            value = observed(value, functools.partial(_refuse_host_computation,
+                                                      step_name(self.step_fn), what))
         return self.new_input(value, f"draw{len(self.draws.draws) - 1}", what,
                               DrawSlot(self.draws, len(self.draws.draws) - 1))
 
 
-def _drawn_array(value, step: str, what: str):
-    """The array a draw gave, as the step sees it: torch.from_numpy gives its
-    program input (outside.py); any computation with it in numpy, on the host,
-    would be done once, at the trace, and is refused."""
-    numpy = sys.modules["numpy"]
-
-    def refuse(*_, **__):
-        raise TranspileError(
-            f"{step} computes on the host with an array it draws ({what}): that would be "
-            "computed once, while the step is traced, and reused; convert it with "
-            "torch.from_numpy and compute with torch, or draw outside the step and pass the "
-            "result as an argument")
-
-    cls = type("DrawnArray", (numpy.ndarray,), {
-        name: refuse for name in ("__array_ufunc__", "__array_function__", "__bool__",
-                                  "__float__", "__int__", "__index__", "__getitem__", "__iter__",
-                                  "item", "tolist", "astype", "copy")})
-    return value.view(cls)
+def _refuse_host_computation(step: str, what: str):
+    """A drawn array is usable only through torch: any computation with it in
+    numpy, on the host, would be done once, at the trace."""
+    raise TranspileError(
+        f"{step} computes on the host with an array it draws ({what}): that would be "
+        "computed once, while the step is traced, and reused; convert it with "
+        "torch.from_numpy and compute with torch, or draw outside the step and pass the "
+        "result as an argument")
 
 
 def _replayable(value) -> bool:

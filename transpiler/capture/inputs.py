@@ -13,7 +13,7 @@ from ..program.program import Hyper, InputKind, InputSpec, same_layout
 from .scaler import scaler_slots
 from .arguments import StepArgs
 from .optimizer_state import opt_params
-from .outside import is_ndarray
+from .observed_arrays import is_ndarray
 from .numbers import NumberSlot
 from .slots import ArraySlot, DataSlot, GradSlot, HyperSlot, ParamSlot, StateSlot
 

@@ -8,15 +8,16 @@ that already existed: a batch pulled from an iterator inside the step, a tensor
 in a global or a closure, a plain tensor attribute of a module. Those are
 refused, naming the user's line. numpy arrays among the step's arguments are
 batch inputs: while the step is traced, torch.from_numpy, torch.as_tensor,
-torch.asarray and torch.tensor give the traced input for such an array; a
-numpy array that is not among the arguments is refused where it is converted.
+torch.asarray and torch.tensor give the traced input for such an array (the
+step sees a stand-in that holds no values, observed_arrays.py: indexing a
+tensor with it works too); a numpy array that is not among the arguments is
+refused where it is converted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 
 import torch
 import torch.fx as fx
@@ -24,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 
 from ..errors import TranspileError
+from .observed_arrays import is_ndarray, torch_reads
 from .user_code import step_name, user_line
 
 # A constant used only by lift_fresh_copy was made inside the step from Python
@@ -37,11 +39,6 @@ class _Seen:
     line: str
     shape: tuple
     dtype: torch.dtype
-
-
-def is_ndarray(value) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 @contextlib.contextmanager
@@ -86,7 +83,8 @@ def outside_tensors(step_fn, arrays: dict[int, torch.Tensor], guarded: set[int],
     for name, original in saved.items():
         setattr(torch, name, converting(name, original))
     try:
-        yield lambda gm: _check(step_fn, gm, seen, guarded, hint)
+        with torch_reads(arrays):
+            yield lambda gm: _check(step_fn, gm, seen, guarded, hint)
     finally:
         PythonKeyTracer.create_arg = create_arg
         for name, original in saved.items():

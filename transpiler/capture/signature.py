@@ -16,7 +16,7 @@ from .scaler import signature_of as scaler_signature
 from . import ambient
 from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params
-from .outside import is_ndarray
+from .observed_arrays import is_ndarray
 
 # Registering a parameter, buffer or submodule anywhere bumps this epoch, which
 # invalidates the cached list of a module's tensors (walking a deep module tree

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .optimizers import hyper_value
-from .outside import is_ndarray
+from .observed_arrays import is_ndarray
 from .reads import Place, put
 
 

@@ -58,7 +58,8 @@ from .optimizer_state import (
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
 from .memoized import memoized_while_traced
-from .outside import is_ndarray, outside_tensors
+from .observed_arrays import ValuesRead, is_ndarray, observed
+from .outside import outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
 from .recurrent import recurrent_layers_refused
 from .random_layout import drawn_in_place, twin
@@ -160,6 +161,8 @@ class Captured:
     decisions: list[Decision] = dataclasses.field(default_factory=list)
     # dict keys the step removes from its arguments, removed after each run
     arguments_removed: list[Written] = dataclasses.field(default_factory=list)
+    # numpy arguments whose values it read on the host: it serves those values only
+    values_read: ValuesRead | None = None
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -318,6 +321,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     returned: list[Returned] = []
     hosts: list[HostState] = []
     arg_writes = ArgumentChanges()   # what it sets in its arguments' containers
+    values_read: dict[int, str] = {}   # numpy arguments read on the host: leaf -> name
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # ones it gives a gradient without dropping .grad first
@@ -341,7 +345,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 traced[id(slot.param)].grad = value
             elif spec.kind is InputKind.SCALER:
                 scaled[(id(slot.scaler), slot.attr)] = value
-            elif isinstance(slot, ArraySlot):   # the step converts it (outside.py)
+            elif isinstance(slot, ArraySlot):   # converted: its input; read: its values kept
+                leaves[slot.leaf] = observed(leaves[slot.leaf], functools.partial(
+                    values_read.setdefault, slot.leaf, spec.name))
                 arrays[id(leaves[slot.leaf])] = value
             elif isinstance(slot, NumberSlot):
                 leaves[slot.leaf] = read_number(value, spec.name, symbols)
@@ -559,7 +565,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
                         host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions,
-                        arguments_removed=arg_writes.removed)
+                        arguments_removed=arg_writes.removed,
+                        values_read=ValuesRead.of(values_read, step_args.leaves))
     except BaseException:
         host.abandon()
         raise

@@ -21,7 +21,7 @@ from ..capture import Returned, StepArgs, describe_change, grad_signature, signa
 from ..capture.guards import Guards
 from ..capture.host_random import Draws
 from ..capture.numbers import is_number
-from ..capture.outside import is_ndarray
+from ..capture.observed_arrays import ValuesRead, is_ndarray
 from ..capture.rng_plan import RngPlan
 from ..capture.shapes import ShapeGuards
 from ..capture.signature import batch_shapes
@@ -61,14 +61,19 @@ class Built:
     decisions: list = dataclasses.field(default_factory=list)
     # dict keys the step removes from its arguments (capture/argument_writes.py)
     arguments_removed: list = dataclasses.field(default_factory=list)
+    # numpy arguments whose values the trace read on the host (capture/observed_arrays.py)
+    values_read: ValuesRead | None = None
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""
-        return not self.guards.changed() and (self.shape_guards is None
-                                              or self.shape_guards.holds(leaves))
+        return not self.guards.changed() and (
+            self.shape_guards is None or self.shape_guards.holds(leaves)) and (
+            self.values_read is None or self.values_read.holds(leaves))
 
     def misfit(self, leaves) -> str:
         """Why a call does not fit, in one line."""
+        if self.values_read is not None and not self.values_read.holds(leaves):
+            return self.values_read.describe(leaves)
         return self.guards.changed() or self.shape_guards.describe(leaves)
 
 

@@ -565,7 +565,7 @@ class TranspiledStep:
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
-                           captured.arguments_removed)
+                           captured.arguments_removed, captured.values_read)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
