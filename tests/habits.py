@@ -34,7 +34,7 @@ import math
 import random
 from collections import OrderedDict
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -5096,3 +5096,1150 @@ def sam_step(model, optimizer, inputs, targets):
     smooth_crossentropy(model(inputs), targets).mean().backward()
     optimizer.second_step(zero_grad=True)
     return loss.mean()
+
+
+# ================================================================= RL, DP-SGD, GANs, graphs, preference tuning
+# (CleanRL, stable-baselines3, ignite, Opacus, StyleGAN2, PyG, TRL, ...)
+
+# ----------------------------------------------------------------- 1 SB3 DQN + polyak (out=)
+
+class QNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ReplayBufferSamples(NamedTuple):
+    observations: torch.Tensor
+    actions: torch.Tensor
+    next_observations: torch.Tensor
+    dones: torch.Tensor
+    rewards: torch.Tensor
+
+
+def polyak_update(params, target_params, tau):
+    """stable_baselines3/common/utils.py polyak_update"""
+    with torch.no_grad():
+        for param, target_param in zip(params, target_params, strict=True):
+            target_param.data.mul_(1 - tau)
+            torch.add(target_param.data, param.data, alpha=tau, out=target_param.data)
+
+
+def get_parameters_by_name(model, included_names):
+    return [param for name, param in model.state_dict().items()
+            if any(key in name for key in included_names)]
+
+
+class DQNPolicy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_net = QNet()
+        self.q_net_target = QNet()
+        self.q_net_target.load_state_dict(self.q_net.state_dict())
+        self.q_net_target.train(False)
+
+
+@seeded
+def _sb3_dqn_setup():
+    policy = DQNPolicy()
+    opt = torch.optim.Adam(policy.q_net.parameters(), lr=1e-3)
+    return SimpleNamespace(q_net=policy.q_net, q_net_target=policy.q_net_target, opt=opt,
+                           gamma=0.99, tau=0.005, max_grad_norm=10.0)
+
+
+def _replay(d):
+    return ReplayBufferSamples(d.vec(), torch.randint(0, 4, (8, 1), generator=d.g),
+                               d.vec(), (d.uniform(8, 1) > 0.8).float(), d.uniform(8, 1))
+
+
+def _sb3_dqn_ddp(s):
+    s.q_net = nn.parallel.DistributedDataParallel(s.q_net)
+
+
+@habit(id="sb3_dqn_train_polyak_update_out",
+       source="DLR-RM/stable-baselines3 stable_baselines3/dqn/dqn.py DQN.train (target under "
+              "no_grad, th.gather, smooth_l1, clip_grad_norm_) and _on_step -> "
+              "common/utils.py polyak_update (th.add(target.data, param.data, alpha=tau, "
+              "out=target_param.data)), batch_norm_stats polyak with tau=1.0",
+       what="soft target update written through torch.add(..., out=p.data) on target "
+            "parameters and BN running stats; ReplayBufferSamples NamedTuple batch",
+       expect=EQUAL, rule=INPUTS, setup=_sb3_dqn_setup, ranks=True, ddp=_sb3_dqn_ddp,
+       rank_gap="DDP broadcasts the buffers of the model it wraps; the transpiled step those of every module it is given, the target network's BatchNorm statistics too (issue 41: buffers as DDP has them)",
+       call=lambda step, s, i, d: step(SimpleNamespace(q_net=s.q_net, q_net_target=s.q_net_target),
+                                       s.opt, _replay(d), s.gamma, s.tau, s.max_grad_norm))
+def sb3_dqn_step(policy, optimizer, replay_data, gamma, tau, max_grad_norm):
+    with torch.no_grad():
+        next_q_values = policy.q_net_target(replay_data.next_observations)
+        next_q_values, _ = next_q_values.max(dim=1)
+        next_q_values = next_q_values.reshape(-1, 1)
+        target_q_values = replay_data.rewards + (1 - replay_data.dones) * gamma * next_q_values
+    current_q_values = policy.q_net(replay_data.observations)
+    current_q_values = torch.gather(current_q_values, dim=1, index=replay_data.actions.long())
+    loss = F.smooth_l1_loss(current_q_values, target_q_values)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.q_net.parameters(), max_grad_norm)
+    optimizer.step()
+    polyak_update(policy.q_net.parameters(), policy.q_net_target.parameters(), tau)
+    polyak_update(get_parameters_by_name(policy.q_net, ["running_"]),
+                  get_parameters_by_name(policy.q_net_target, ["running_"]), 1.0)
+    return loss
+
+
+# ----------------------------------------------------------------- 2 CleanRL PPO with numpy minibatch indices
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """vwxyzjn/cleanrl cleanrl/ppo.py Agent"""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(layer_init(nn.Linear(16, 32)), nn.Tanh(),
+                                    layer_init(nn.Linear(32, 1), std=1.0))
+        self.actor = nn.Sequential(layer_init(nn.Linear(16, 32)), nn.Tanh(),
+                                   layer_init(nn.Linear(32, 4), std=0.01))
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        logits = self.actor(x)
+        probs = torch.distributions.Categorical(logits=logits)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+def _ppo_args(**over):
+    import argparse
+    a = argparse.Namespace(learning_rate=2.5e-4, num_iterations=10, norm_adv=True,
+                           clip_coef=0.2, clip_vloss=True, ent_coef=0.01, vf_coef=0.5,
+                           max_grad_norm=0.5, minibatch_size=8, batch_size=32, anneal_lr=True)
+    vars(a).update(over)
+    return a
+
+
+@seeded
+def _ppo_setup():
+    agent = Agent()
+    args = _ppo_args()
+    opt = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    g = torch.Generator().manual_seed(5)
+    rollout = SimpleNamespace(
+        b_obs=torch.randn(32, 16, generator=g),
+        b_actions=torch.randint(0, 4, (32,), generator=g).float(),
+        b_logprobs=-torch.rand(32, generator=g) * 1.5,
+        b_advantages=torch.randn(32, generator=g),
+        b_returns=torch.randn(32, generator=g),
+        b_values=torch.randn(32, generator=g))
+    return SimpleNamespace(agent=agent, opt=opt, args=args, rollout=rollout,
+                           b_inds=np.arange(args.batch_size))
+
+
+def _ppo_between(s, i):
+    # iteration loop: lr annealing, then each epoch shuffles b_inds (np.random.shuffle)
+    if s.args.anneal_lr:
+        frac = 1.0 - (i - 1.0) / s.args.num_iterations
+        s.opt.param_groups[0]["lr"] = frac * s.args.learning_rate
+    np.random.shuffle(s.b_inds)
+
+
+def _ppo_call(step, s, i, d):
+    start = (i % 4) * s.args.minibatch_size
+    mb_inds = s.b_inds[start:start + s.args.minibatch_size]
+    r = s.rollout
+    return step(s.agent, s.opt, s.args, r.b_obs, r.b_logprobs, r.b_actions, r.b_advantages,
+                r.b_returns, r.b_values, mb_inds)
+
+
+@habit(id="cleanrl_ppo_numpy_minibatch_indices",
+       source="vwxyzjn/cleanrl cleanrl/ppo.py: b_inds = np.arange(args.batch_size); "
+              "np.random.shuffle(b_inds); mb_inds = b_inds[start:end]; "
+              "agent.get_action_and_value(b_obs[mb_inds], b_actions.long()[mb_inds]); "
+              "norm_adv; clipped value loss; clip_grad_norm_; lr annealed through "
+              "optimizer.param_groups[0]['lr'] = lrnow",
+       what="the whole rollout tensors are arguments and the minibatch is picked inside the "
+            "step by indexing them with a numpy int array argument that changes every call; "
+            "Categorical (validate_args) log_prob/entropy; advantages normalized per minibatch",
+       expect=EQUAL, rule=INPUTS, setup=_ppo_setup, between=_ppo_between,
+       call=_ppo_call)
+def cleanrl_ppo_step(agent, optimizer, args, b_obs, b_logprobs, b_actions, b_advantages,
+                     b_returns, b_values, mb_inds):
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds],
+                                                                  b_actions.long()[mb_inds])
+    logratio = newlogprob - b_logprobs[mb_inds]
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+    mb_advantages = b_advantages[mb_inds]
+    if args.norm_adv:
+        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+    pg_loss1 = -mb_advantages * ratio
+    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    newvalue = newvalue.view(-1)
+    if args.clip_vloss:
+        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+        v_clipped = b_values[mb_inds] + torch.clamp(newvalue - b_values[mb_inds],
+                                                    -args.clip_coef, args.clip_coef)
+        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return loss, old_approx_kl, approx_kl
+
+
+# ----------------------------------------------------------------- 2b the same, clipfracs list
+
+@habit(id="cleanrl_ppo_clipfracs_item_append",
+       source="vwxyzjn/cleanrl cleanrl/ppo.py: clipfracs += [((ratio - 1.0).abs() > "
+              "args.clip_coef).float().mean().item()] inside the minibatch loop",
+       what="a host list grows with a .item() of every minibatch",
+       expect=REFUSED, rule=HOST_WRITE, setup=_ppo_setup, between=_ppo_between,
+       call=lambda step, s, i, d: _ppo_clip_call(step, s, i, d))
+def cleanrl_ppo_clipfrac_step(agent, optimizer, args, b_obs, b_actions, b_logprobs, mb_inds,
+                              clipfracs):
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds],
+                                                                  b_actions.long()[mb_inds])
+    logratio = newlogprob - b_logprobs[mb_inds]
+    ratio = logratio.exp()
+    with torch.no_grad():
+        clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+    loss = -(ratio.mean()) + 0.5 * newvalue.pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _ppo_clip_call(step, s, i, d):
+    return step(s.agent, s.opt, s.args, s.rollout.b_obs, s.rollout.b_actions,
+                s.rollout.b_logprobs, torch.from_numpy(s.b_inds[:8].copy()), [])
+
+
+# ----------------------------------------------------------------- 3 CleanRL DQN: target update decided by global_step
+
+@seeded
+def _cleanrl_dqn_setup():
+    import argparse
+    q = MLP()
+    target = MLP()
+    target.load_state_dict(q.state_dict())
+    args = argparse.Namespace(gamma=0.99, tau=1.0, target_network_frequency=2,
+                              train_frequency=1, learning_starts=0)
+    return SimpleNamespace(q_network=q, target_network=target, args=args,
+                           opt=torch.optim.Adam(q.parameters(), lr=2.5e-4))
+
+
+def _cleanrl_dqn_ddp(s):
+    s.q_network = nn.parallel.DistributedDataParallel(s.q_network)
+
+
+@habit(id="cleanrl_dqn_global_step_target_copy",
+       source="vwxyzjn/cleanrl cleanrl/dqn.py: if global_step > args.learning_starts: if "
+              "global_step % args.train_frequency == 0: ... td_target; F.mse_loss; step; "
+              "if global_step % args.target_network_frequency == 0: "
+              "target_network_param.data.copy_(args.tau * q_network_param.data + (1.0 - "
+              "args.tau) * target_network_param.data)",
+       what="an int global_step argument (new every call) decides whether the target network "
+            "is overwritten inside the step; target network a module that is only read",
+       expect=EQUAL, rule=GUARD, setup=_cleanrl_dqn_setup, ranks=True, ddp=_cleanrl_dqn_ddp,
+       calls=5,
+       call=lambda step, s, i, d: step(s.q_network, s.target_network, s.opt, s.args, i + 1,
+                                       d.vec(), d.cls(), d.vec(), d.uniform(8), 
+                                       (d.uniform(8) > 0.8).float()))
+def cleanrl_dqn_step(q_network, target_network, optimizer, args, global_step, observations,
+                     actions, next_observations, rewards, dones):
+    if global_step > args.learning_starts:
+        if global_step % args.train_frequency == 0:
+            with torch.no_grad():
+                target_max, _ = target_network(next_observations).max(dim=1)
+                td_target = rewards.flatten() + args.gamma * target_max * (1 - dones.flatten())
+            old_val = q_network(observations).gather(1, actions.view(-1, 1)).squeeze()
+            loss = F.mse_loss(td_target, old_val)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if global_step % args.target_network_frequency == 0:
+            for target_network_param, q_network_param in zip(target_network.parameters(),
+                                                             q_network.parameters()):
+                target_network_param.data.copy_(
+                    args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data)
+        return loss
+
+
+# ----------------------------------------------------------------- 4 SWA: AveragedModel + SWALR in step, update_bn between
+
+@seeded
+def _swa_setup():
+    from torch.optim.swa_utils import AveragedModel, SWALR
+    model = ConvBN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    swa_model = AveragedModel(model)
+    swa_scheduler = SWALR(opt, swa_lr=0.05, anneal_epochs=2)
+    return SimpleNamespace(model=model, opt=opt, swa_model=swa_model, swa_scheduler=swa_scheduler)
+
+
+def _swa_between(s, i):
+    if i == 2:   # torch.optim.swa_utils.update_bn(loader, swa_model) at an epoch's end
+        from torch.optim.swa_utils import update_bn
+        g = torch.Generator().manual_seed(11)
+        loader = [torch.randn(8, 3, 8, 8, generator=g) for _ in range(2)]
+        update_bn(loader, s.swa_model)
+
+
+@habit(id="swa_averaged_model_swalr_in_step",
+       source="pytorch/pytorch torch/optim/swa_utils.py docs example: loss.backward(); "
+              "optimizer.step(); swa_model.update_parameters(model); swa_scheduler.step(); "
+              "torch.optim.swa_utils.update_bn(loader, swa_model) at the end",
+       what="AveragedModel.update_parameters (bool(n_averaged == 0) decision, n_averaged += 1 "
+            "buffer, foreach SWA average) and SWALR stepped inside the step; update_bn "
+            "between calls (resets BN momentum/stats on the swa model)",
+       expect=EQUAL, rule=DECISION, setup=_swa_setup, between=_swa_between,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.swa_model, s.swa_scheduler, d.img(),
+                                       d.cls()))
+def swa_step(model, optimizer, swa_model, swa_scheduler, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    swa_model.update_parameters(model)
+    swa_scheduler.step()
+    return loss
+
+
+# ----------------------------------------------------------------- 5 ReduceLROnPlateau stepped with the batch loss
+
+@seeded
+def _plateau_setup():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0)
+    return SimpleNamespace(model=model, opt=opt, sched=sched)
+
+
+@habit(id="reduce_lr_on_plateau_step_loss_in_step",
+       source="pytorch/pytorch torch/optim/lr_scheduler.py ReduceLROnPlateau.step(metrics) "
+              "(current = float(metrics); num_bad_epochs; _reduce_lr), called per batch "
+              "with the training loss in many scripts: scheduler.step(loss)",
+       what="a plateau scheduler stepped inside the step with the loss tensor: float() of a "
+            "tensor, a counter and best value written on the host, lr written to the group",
+       expect=REFUSED, rule=HOST_WRITE, setup=_plateau_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.sched, d.vec(), d.cls()))
+def plateau_step(model, optimizer, scheduler, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    scheduler.step(loss)
+    return loss
+
+
+# ----------------------------------------------------------------- 6 OneCycleLR with AdamW (cycles betas) in step
+
+@seeded
+def _onecycle_setup():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
+                                                pct_start=0.3, cycle_momentum=True,
+                                                base_momentum=0.85, max_momentum=0.95)
+    return SimpleNamespace(model=model, opt=opt, sched=sched)
+
+
+@habit(id="onecycle_adamw_cycle_momentum_in_step",
+       source="pytorch/pytorch torch/optim/lr_scheduler.py OneCycleLR (cycle_momentum with "
+              "Adam-family: group['betas'] = (computed_momentum, *group['betas'][1:])); "
+              "fastai fit_one_cycle / docs example: optimizer.step(); scheduler.step() per batch",
+       what="OneCycleLR stepped inside the step rewrites lr and betas[0] of AdamW every call",
+       expect=EQUAL, rule=INPUTS, setup=_onecycle_setup, calls=5,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.sched, d.vec(), d.cls()))
+def onecycle_step(model, optimizer, scheduler, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss
+
+
+# ----------------------------------------------------------------- 7 ignite supervised_training_step (closure, .item())
+
+def _prepare_batch(batch, device=None, non_blocking=False):
+    x, y = batch
+    return x, y
+
+
+def supervised_training_step(model, optimizer, loss_fn, device=None, non_blocking=False,
+                             prepare_batch=_prepare_batch, model_transform=lambda output: output,
+                             output_transform=lambda x, y, y_pred, loss: loss.item(),
+                             gradient_accumulation_steps=1, model_fn=lambda model, x: model(x)):
+    """pytorch/ignite ignite/engine/__init__.py supervised_training_step"""
+    if gradient_accumulation_steps <= 0:
+        raise ValueError("Gradient_accumulation_steps must be strictly positive.")
+
+    def update(engine, batch):
+        if (engine.state.iteration - 1) % gradient_accumulation_steps == 0:
+            optimizer.zero_grad()
+        model.train()
+        x, y = prepare_batch(batch, device=device, non_blocking=non_blocking)
+        output = model_fn(model, x)
+        y_pred = model_transform(output)
+        loss = loss_fn(y_pred, y)
+        if gradient_accumulation_steps > 1:
+            loss = loss / gradient_accumulation_steps
+        loss.backward()
+        if engine.state.iteration % gradient_accumulation_steps == 0:
+            optimizer.step()
+        return output_transform(x, y, y_pred, loss)
+
+    return update
+
+
+class _EngineState:
+    def __init__(self):
+        self.iteration = 0
+        self.epoch = 0
+        self.output = None
+
+
+class Engine:
+    def __init__(self, process_function):
+        self._process_function = process_function
+        self.state = _EngineState()
+
+
+def _ignite_setup(**kw):
+    @seeded
+    def setup():
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        update = supervised_training_step(model, opt, nn.CrossEntropyLoss(), **kw)
+        return SimpleNamespace(model=model, opt=opt, engine=Engine(update))
+    return setup
+
+
+def _ignite_between(s, i):
+    s.engine.state.iteration += 1                       # Engine._run_once_on_dataset_as_gen
+
+
+def _ignite_call(step, s, i, d):
+    s.engine.state.output = step(s.engine, (d.vec(), d.cls()))
+    return s.engine.state.output
+
+
+@habit(id="ignite_supervised_step_returns_item",
+       source="pytorch/ignite ignite/engine/__init__.py create_supervised_trainer -> "
+              "supervised_training_step.update (output_transform default: loss.item())",
+       what="the step is a closure over model, optimizer and loss_fn; returns a Python float",
+       expect=REFUSED, rule=HOST_WRITE, setup=_ignite_setup(),
+       bind=lambda s: s.engine._process_function, call=_ignite_call, between=_ignite_between)
+def _ignite_unused(*a):
+    raise AssertionError
+
+
+@habit(id="ignite_supervised_step_grad_accumulation",
+       source="pytorch/ignite ignite/engine/__init__.py supervised_training_step with "
+              "gradient_accumulation_steps=2 and output_transform=lambda x, y, y_pred, loss: "
+              "(y_pred, loss)",
+       what="closure step; engine.state.iteration (incremented by the engine outside) decides "
+            "zero_grad and optimizer.step; the loss divided by the accumulation steps",
+       expect=EQUAL, rule=GUARD,
+       setup=_ignite_setup(gradient_accumulation_steps=2,
+                           output_transform=lambda x, y, y_pred, loss: (y_pred, loss)),
+       bind=lambda s: s.engine._process_function, call=_ignite_call, calls=5,
+       between=_ignite_between)
+def _ignite_unused2(*a):
+    raise AssertionError
+
+
+# ----------------------------------------------------------------- 8 DANN gradient reversal (custom autograd.Function, float alpha)
+
+class ReverseLayerF(torch.autograd.Function):
+    """fungtion/DANN models/functions.py"""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        output = grad_output.neg() * ctx.alpha
+        return output, None
+
+
+class DANNModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.feature = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.class_classifier = nn.Sequential(nn.Linear(32, 4), nn.LogSoftmax(dim=1))
+        self.domain_classifier = nn.Sequential(nn.Linear(32, 2), nn.LogSoftmax(dim=1))
+
+    def forward(self, input_data, alpha):
+        feature = self.feature(input_data)
+        reverse_feature = ReverseLayerF.apply(feature, alpha)
+        return self.class_classifier(feature), self.domain_classifier(reverse_feature)
+
+
+@seeded
+def _dann_setup():
+    net = DANNModel()
+    return SimpleNamespace(model=net, opt=torch.optim.Adam(net.parameters(), lr=1e-3),
+                           loss_class=nn.NLLLoss(), loss_domain=nn.NLLLoss())
+
+
+def _dann_call(step, s, i, d, n_epoch=2, len_dataloader=3):
+    epoch, it = divmod(i, len_dataloader)
+    p = float(it + epoch * len_dataloader) / n_epoch / len_dataloader
+    alpha = 2. / (1. + np.exp(-10 * p)) - 1
+    return step(s.model, s.opt, s.loss_class, s.loss_domain, d.vec(), d.cls(), d.vec(), alpha)
+
+
+@habit(id="dann_gradient_reversal_alpha",
+       source="fungtion/DANN main.py (p = float(i + epoch * len_dataloader) / n_epoch / "
+              "len_dataloader; alpha = 2. / (1. + np.exp(-10 * p)) - 1) and "
+              "models/functions.py ReverseLayerF (ctx.alpha; grad_output.neg() * ctx.alpha)",
+       what="a custom autograd.Function keeps a float argument (new every call, a numpy "
+            "float64) in ctx and uses it in its backward",
+       expect=EQUAL, rule=INPUTS, setup=_dann_setup, call=_dann_call, calls=5, ranks=True)
+def dann_step(my_net, optimizer, loss_class, loss_domain, s_img, s_label, t_img, alpha):
+    my_net.zero_grad()
+    batch_size = len(s_label)
+    domain_label = torch.zeros(batch_size).long()
+    class_output, domain_output = my_net(input_data=s_img, alpha=alpha)
+    err_s_label = loss_class(class_output, s_label)
+    err_s_domain = loss_domain(domain_output, domain_label)
+    domain_label = torch.ones(batch_size).long()
+    _, domain_output = my_net(input_data=t_img, alpha=alpha)
+    err_t_domain = loss_domain(domain_output, domain_label)
+    err = err_t_domain + err_s_domain + err_s_label
+    err.backward()
+    optimizer.step()
+    return err
+
+
+# ----------------------------------------------------------------- 9 Opacus grad sample hooks + DP optimizer
+
+class GradSampleLinear(nn.Module):
+    """opacus GradSampleModule in miniature: a forward hook keeps the activations, a full
+    backward hook computes per-sample gradients into p.grad_sample (opacus/grad_sample/linear.py
+    compute_linear_grad_sample: einsum('n...i,n...j->nij', backprops, activations))."""
+
+    def __init__(self, m):
+        super().__init__()
+        self._module = m
+        for mod in m.modules():
+            if isinstance(mod, nn.Linear):
+                mod.register_forward_hook(self.capture_activations_hook)
+                mod.register_full_backward_hook(self.capture_backprops_hook)
+
+    def forward(self, x):
+        return self._module(x)
+
+    def capture_activations_hook(self, module, forward_input, _forward_output):
+        if not hasattr(module, "activations"):
+            module.activations = []
+        module.activations.append([t.detach() for t in forward_input])
+
+    def capture_backprops_hook(self, module, _forward_input, forward_output):
+        backprops = forward_output[0].detach()
+        activations = module.activations.pop()[0]
+        gs = {module.weight: torch.einsum("n...i,n...j->nij", backprops, activations),
+              module.bias: torch.einsum("n...k->nk", backprops)}
+        for param, gsample in gs.items():
+            if param.requires_grad:
+                if getattr(param, "grad_sample", None) is None:
+                    param.grad_sample = gsample
+                else:
+                    param.grad_sample += gsample
+
+
+class DPOptimizer:
+    """opacus/optimizers/optimizer.py DPOptimizer (clip_and_accumulate, add_noise, scale_grad)"""
+
+    def __init__(self, optimizer, noise_multiplier, max_grad_norm, expected_batch_size):
+        self.original_optimizer = optimizer
+        self.noise_multiplier, self.max_grad_norm = noise_multiplier, max_grad_norm
+        self.expected_batch_size = expected_batch_size
+        self.step_skip_queue = []
+
+    @property
+    def params(self):
+        return [p for g in self.original_optimizer.param_groups for p in g["params"]
+                if p.requires_grad]
+
+    def zero_grad(self, set_to_none=False):
+        for p in self.params:
+            p.grad_sample = None
+            p.summed_grad = None
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def clip_and_accumulate(self):
+        per_param_norms = [g.reshape(len(g), -1).norm(2, dim=-1)
+                           for g in (p.grad_sample for p in self.params)]
+        per_sample_norms = torch.stack(per_param_norms, dim=1).norm(2, dim=1)
+        per_sample_clip_factor = (self.max_grad_norm / (per_sample_norms + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            grad = torch.einsum("i,i...", per_sample_clip_factor, p.grad_sample)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+
+    def add_noise(self):
+        for p in self.params:
+            noise = torch.normal(mean=0, std=self.noise_multiplier * self.max_grad_norm,
+                                 size=p.summed_grad.shape, device=p.summed_grad.device)
+            p.grad = (p.summed_grad + noise).view_as(p)
+
+    def scale_grad(self):
+        for p in self.params:
+            p.grad /= self.expected_batch_size
+
+    def step(self):
+        self.clip_and_accumulate()
+        self.add_noise()
+        self.scale_grad()
+        return self.original_optimizer.step()
+
+
+@seeded
+def _opacus_setup():
+    model = GradSampleLinear(MLP())
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                      max_grad_norm=1.0, expected_batch_size=8)
+    for p in opt.params:
+        p.grad_sample = None
+        p.summed_grad = None
+    return SimpleNamespace(model=model, opt=opt)
+
+
+@habit(id="opacus_grad_sample_hooks_dp_optimizer",
+       source="pytorch/opacus opacus/grad_sample/grad_sample_module.py (capture_activations_hook, "
+              "capture_backprops_hook -> p.grad_sample) and opacus/optimizers/optimizer.py "
+              "DPOptimizer.pre_step (clip_and_accumulate, add_noise with torch.normal, "
+              "scale_grad); examples/mnist.py train loop",
+       what="module hooks store per-sample gradients as tensor attributes of parameters "
+            "(p.grad_sample), a wrapper optimizer clips them per sample, adds Gaussian noise "
+            "and assigns p.grad itself",
+       expect=EQUAL, rule=HOOKS, setup=_opacus_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls()))
+def opacus_step(model, optimizer, data, target):
+    optimizer.zero_grad()
+    output = model(data)
+    loss = F.cross_entropy(output, target)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+# ----------------------------------------------------------------- 10 torch.func per-sample grads (no backward)
+
+@seeded
+def _func_setup():
+    model = MLP()
+    return SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@habit(id="torch_func_vmap_grad_per_sample_clip",
+       source="pytorch/tutorials intermediate_source/per_sample_grads.py (functional_call, "
+              "vmap(grad(compute_loss), in_dims=(None, None, 0, 0))) used for DP-SGD: clip "
+              "per sample, add noise, p.grad = ..., optimizer.step()",
+       what="gradients computed with torch.func (no loss.backward()), clipped per sample and "
+            "written to p.grad before optimizer.step()",
+       expect=REFUSED, rule=INPUTS, setup=_func_setup, match="backward",
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls()))
+def func_dp_step(model, optimizer, data, targets, max_norm=1.0, sigma=0.5):
+    from torch.func import functional_call, grad, vmap
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def compute_loss(params, buffers, sample, target):
+        batch = sample.unsqueeze(0)
+        targets = target.unsqueeze(0)
+        predictions = functional_call(model, (params, buffers), (batch,))
+        return F.cross_entropy(predictions, targets)
+
+    ft_per_sample_grads = vmap(grad(compute_loss), in_dims=(None, None, 0, 0))(
+        params, buffers, data, targets)
+    norms = torch.stack([g.reshape(len(g), -1).norm(dim=1) for g in ft_per_sample_grads.values()],
+                        dim=1).norm(dim=1)
+    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for name, p in model.named_parameters():
+        g = torch.einsum("i,i...", factor, ft_per_sample_grads[name])
+        p.grad = (g + torch.randn_like(g) * sigma * max_norm) / len(data)
+    optimizer.step()
+    return norms
+
+
+# ----------------------------------------------------------------- 11 StyleGAN2 R1: requires_grad set on the batch
+
+class TinyD(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(F.leaky_relu(self.conv(x), 0.2).mean((2, 3)))
+
+
+def d_r1_loss(real_pred, real_img):
+    grad_real, = torch.autograd.grad(outputs=real_pred.sum(), inputs=real_img, create_graph=True)
+    return grad_real.pow(2).reshape(grad_real.shape[0], -1).sum(1).mean()
+
+
+@seeded
+def _r1_setup():
+    import argparse
+    d = TinyD()
+    return SimpleNamespace(model=d, opt=torch.optim.Adam(d.parameters(), lr=2e-3, betas=(0.0, 0.99)),
+                           args=argparse.Namespace(r1=10.0, d_reg_every=16), real_img=None)
+
+
+def _r1_call(step, s, i, d):
+    s.real_img = d.img()
+    return step(s.model, s.opt, s.real_img, s.args)
+
+
+@habit(id="stylegan2_r1_requires_grad_on_batch",
+       source="rosinality/stylegan2-pytorch train.py (d_regularize: real_img.requires_grad = "
+              "True; real_pred = discriminator(real_img); r1_loss = d_r1_loss(real_pred, "
+              "real_img); (args.r1 / 2 * r1_loss * args.d_reg_every + 0 * real_pred[0])"
+              ".backward(); d_optim.step())",
+       what="the step flips requires_grad on its batch tensor and differentiates with respect "
+            "to it (autograd.grad, create_graph) before backward",
+       expect=EQUAL, rule=INPUTS, setup=_r1_setup, call=_r1_call, ranks=True)
+def r1_step(discriminator, d_optim, real_img, args):
+    real_img.requires_grad = True
+    real_pred = discriminator(real_img)
+    r1_loss = d_r1_loss(real_pred, real_img)
+    discriminator.zero_grad()
+    (args.r1 / 2 * r1_loss * args.d_reg_every + 0 * real_pred[0]).backward()
+    d_optim.step()
+    return r1_loss
+
+
+# ----------------------------------------------------------------- 12 PyG-style graph batch object, index_add_ message passing
+
+class GraphData:
+    """torch_geometric.data.Data in miniature: tensors as attributes of a plain object."""
+
+    def __init__(self, x, edge_index, y, train_mask):
+        self.x, self.edge_index, self.y, self.train_mask = x, edge_index, y, train_mask
+
+    @property
+    def num_nodes(self):
+        return self.x.size(0)
+
+
+class GCNConv(nn.Module):
+    """torch_geometric/nn/conv/gcn_conv.py gcn_norm + propagate (scatter sum) in miniature"""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.lin = nn.Linear(i, o, bias=False)
+        self.bias = nn.Parameter(torch.zeros(o))
+
+    def forward(self, x, edge_index):
+        n = x.size(0)
+        loops = torch.arange(n, device=x.device)
+        edge_index = torch.cat([edge_index, torch.stack([loops, loops])], dim=1)
+        row, col = edge_index[0], edge_index[1]
+        edge_weight = torch.ones(edge_index.size(1), device=x.device)
+        deg = torch.zeros(n, device=x.device).scatter_add_(0, col, edge_weight)
+        deg_inv_sqrt = deg.pow_(-0.5)
+        deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float("inf"), 0)
+        norm = deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col]
+        x = self.lin(x)
+        msg = norm.view(-1, 1) * x.index_select(0, row)
+        out = torch.zeros_like(x).index_add_(0, col, msg)
+        return out + self.bias
+
+
+class GCN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = GCNConv(16, 16)
+        self.conv2 = GCNConv(16, 4)
+
+    def forward(self, x, edge_index):
+        x = F.dropout(x, p=0.5, training=self.training)
+        x = self.conv1(x, edge_index).relu()
+        x = F.dropout(x, p=0.5, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+@seeded
+def _gcn_setup():
+    model = GCN()
+    return SimpleNamespace(model=model,
+                           opt=torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4))
+
+
+def _graph(d, i):
+    n = 10 + (i % 2) * 3           # NeighborLoader subgraphs: node and edge counts vary
+    e = 2 * n
+    return GraphData(torch.randn(n, 16, generator=d.g),
+                     torch.randint(0, n, (2, e), generator=d.g),
+                     torch.randint(0, 4, (n,), generator=d.g),
+                     torch.rand(n, generator=d.g) > 0.3)
+
+
+@habit(id="pyg_gcn_data_object_index_add",
+       source="pyg-team/pytorch_geometric examples/gcn.py train(): out = model(data.x, "
+              "data.edge_index, data.edge_attr); loss = F.cross_entropy(out[data.train_mask], "
+              "data.y[data.train_mask]); torch_geometric/nn/conv/gcn_conv.py gcn_norm "
+              "(scatter, deg.pow_(-0.5), masked_fill_ inf)",
+       what="the batch is a plain object holding tensors as attributes (a new one each call, "
+            "node counts varying); scatter_add_/index_add_ message passing; boolean-mask loss",
+       expect=EQUAL, rule=INPUTS, setup=_gcn_setup, ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.opt, _graph(d, i)))
+def gcn_step(model, optimizer, data):
+    model.train()
+    optimizer.zero_grad()
+    out = model(data.x, data.edge_index)
+    loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+# ----------------------------------------------------------------- 13 tutorial train_model: set_grad_enabled(phase == 'train')
+
+@seeded
+def _tl_setup():
+    model = ConvBN()
+    return SimpleNamespace(model=model, criterion=nn.CrossEntropyLoss(),
+                           opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+
+def _tl_call(step, s, i, d):
+    phase = "train"
+    if phase == "train":
+        s.model.train()
+    return step(s.model, s.criterion, s.opt, d.img(), d.cls(), phase)
+
+
+@habit(id="tutorial_transfer_learning_set_grad_enabled",
+       source="pytorch/tutorials beginner_source/transfer_learning_tutorial.py train_model: "
+              "optimizer.zero_grad(); with torch.set_grad_enabled(phase == 'train'): outputs = "
+              "model(inputs); _, preds = torch.max(outputs, 1); loss = criterion(outputs, "
+              "labels); if phase == 'train': loss.backward(); optimizer.step(); "
+              "torch.sum(preds == labels.data)",
+       what="grad mode decided inside the step from a string argument, labels.data on a batch "
+            "tensor, corrects as a tensor",
+       expect=EQUAL, rule=AMBIENT, setup=_tl_setup, call=_tl_call, ranks=True)
+def tl_step(model, criterion, optimizer, inputs, labels, phase):
+    optimizer.zero_grad()
+    with torch.set_grad_enabled(phase == "train"):
+        outputs = model(inputs)
+        _, preds = torch.max(outputs, 1)
+        loss = criterion(outputs, labels)
+        if phase == "train":
+            loss.backward()
+            optimizer.step()
+    running_loss = loss * inputs.size(0)
+    running_corrects = torch.sum(preds == labels.data)
+    return running_loss, running_corrects
+
+
+# ----------------------------------------------------------------- 14 MuZero: register_hook on hidden state, PER weights
+
+class MuZeroNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.repr = nn.Linear(16, 16)
+        self.dyn = nn.Linear(16 + 4, 16)
+        self.value = nn.Linear(16, 1)
+        self.policy = nn.Linear(16, 4)
+        self.reward = nn.Linear(16, 1)
+
+    def initial_inference(self, obs):
+        h = torch.tanh(self.repr(obs))
+        return self.value(h), torch.zeros(obs.size(0), 1), self.policy(h), h
+
+    def recurrent_inference(self, h, action):
+        a = F.one_hot(action, 4).float()
+        h = torch.tanh(self.dyn(torch.cat([h, a], dim=1)))
+        return self.value(h), self.reward(h), self.policy(h), h
+
+
+@seeded
+def _muzero_setup():
+    m = MuZeroNet()
+    return SimpleNamespace(model=m, opt=torch.optim.Adam(m.parameters(), lr=1e-3,
+                                                         weight_decay=1e-4))
+
+
+def _muzero_call(step, s, i, d, K=3):
+    obs = d.vec()
+    actions = torch.randint(0, 4, (8, K + 1), generator=d.g)
+    target_value = d.uniform(8, K + 1)
+    target_reward = d.uniform(8, K + 1)
+    target_policy = F.softmax(torch.randn(8, K + 1, 4, generator=d.g), -1)
+    weight_batch = d.uniform(8) + 0.5
+    return step(s.model, s.opt, obs, actions, target_value, target_reward, target_policy,
+                weight_batch)
+
+
+@habit(id="muzero_register_hook_scale_hidden_grad",
+       source="werner-duvaud/muzero-general trainer.py update_weights: for i in range(1, "
+              "action_batch.shape[1]): value, reward, policy_logits, hidden_state = "
+              "model.recurrent_inference(hidden_state, action_batch[:, i]); "
+              "hidden_state.register_hook(lambda grad: grad * 0.5); loss *= weight_batch; "
+              "priorities from |pred_value - target_value|",
+       what="a hook registered inside the step on intermediate tensors (every unroll step) "
+            "scales their gradient; per-sample PER weights; priorities returned",
+       expect=EQUAL, rule=HOOKS, setup=_muzero_setup, call=_muzero_call)
+def muzero_step(model, optimizer, observation_batch, action_batch, target_value, target_reward,
+                target_policy, weight_batch):
+    value, reward, policy_logits, hidden_state = model.initial_inference(observation_batch)
+    predictions = [(value, reward, policy_logits)]
+    for i in range(1, action_batch.shape[1]):
+        value, reward, policy_logits, hidden_state = model.recurrent_inference(
+            hidden_state, action_batch[:, i])
+        hidden_state.register_hook(lambda grad: grad * 0.5)
+        predictions.append((value, reward, policy_logits))
+    value_loss, reward_loss, policy_loss = 0, 0, 0
+    priorities = []
+    for i, (value, reward, policy_logits) in enumerate(predictions):
+        cur_v = ((value.squeeze(-1) - target_value[:, i]) ** 2)
+        cur_r = ((reward.squeeze(-1) - target_reward[:, i]) ** 2)
+        cur_p = (-target_policy[:, i] * F.log_softmax(policy_logits, 1)).sum(1)
+        if i > 0:
+            cur_v.register_hook(lambda grad: grad / (action_batch.shape[1] - 1))
+        value_loss = value_loss + cur_v
+        reward_loss = reward_loss + (cur_r if i > 0 else 0)
+        policy_loss = policy_loss + cur_p
+        priorities.append((value.squeeze(-1).detach() - target_value[:, i]).abs() ** 1.0)
+    loss = value_loss * 0.25 + reward_loss + policy_loss
+    loss *= weight_batch
+    loss = loss.mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss, torch.stack(priorities, 1)
+
+
+# ----------------------------------------------------------------- 15 TRL DPO with reference model
+
+@seeded
+def _dpo_setup():
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return SimpleNamespace(model=model, ref_model=ref,
+                           opt=torch.optim.AdamW(model.parameters(), lr=5e-4),
+                           beta=0.1, label_smoothing=0.0)
+
+
+def get_batch_logps(logits, labels, label_pad_token_id=-100):
+    """huggingface/trl trl/trainer/dpo_trainer.py get_batch_logps (older releases)"""
+    labels = labels[:, 1:].clone()
+    logits = logits[:, :-1, :]
+    loss_mask = labels != label_pad_token_id
+    labels[labels == label_pad_token_id] = 0
+    per_token_logps = torch.gather(logits.log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
+    return (per_token_logps * loss_mask).sum(-1), loss_mask.sum(-1)
+
+
+def concatenated_forward(model, batch):
+    input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]], 0)
+    attn = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], 0)
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]], 0)
+    logits = model(input_ids, attention_mask=attn).logits.to(torch.float32)
+    logps, _ = get_batch_logps(logits, labels)
+    n = batch["chosen_input_ids"].shape[0]
+    return logps[:n], logps[n:], logits[:n], logits[n:]
+
+
+def _dpo_batch(d):
+    ids_c, ids_r = d.tok(2, 8, 64), d.tok(2, 8, 64)
+    lab_c, lab_r = ids_c.clone(), ids_r.clone()
+    lab_c[:, :3] = -100
+    lab_r[:, :3] = -100
+    return {"chosen_input_ids": ids_c, "rejected_input_ids": ids_r,
+            "chosen_attention_mask": torch.ones_like(ids_c),
+            "rejected_attention_mask": torch.ones_like(ids_r),
+            "chosen_labels": lab_c, "rejected_labels": lab_r}
+
+
+@habit(id="trl_dpo_reference_model_no_grad",
+       source="huggingface/trl trl/trainer/dpo_trainer.py get_batch_loss_metrics: "
+              "concatenated_forward (get_batch_logps: labels[labels == -100] = 0 on a clone), "
+              "reference logps with torch.no_grad(), dpo_loss (sigmoid, label_smoothing), "
+              "metrics dict of rewards/chosen, rewards/accuracies, logps",
+       what="a frozen reference model (found in the setup, not an argument) scored under "
+            "no_grad; a dict batch; metrics returned as a dict of detached tensors",
+       expect=EQUAL, rule=PATH, setup=_dpo_setup, ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.ref_model, s.opt, _dpo_batch(d), s.beta,
+                                       s.label_smoothing))
+def dpo_step(model, ref_model, optimizer, batch, beta, label_smoothing):
+    policy_chosen_logps, policy_rejected_logps, chosen_logits, rejected_logits = \
+        concatenated_forward(model, batch)
+    with torch.no_grad():
+        reference_chosen_logps, reference_rejected_logps, _, _ = concatenated_forward(ref_model, batch)
+    pi_logratios = policy_chosen_logps - policy_rejected_logps
+    ref_logratios = reference_chosen_logps - reference_rejected_logps
+    logits = pi_logratios - ref_logratios
+    losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+              - F.logsigmoid(-beta * logits) * label_smoothing)
+    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()
+    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
+    reward_accuracies = (chosen_rewards > rejected_rewards).float()
+    loss = losses.mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    prefix = ""
+    metrics = {}
+    metrics[f"{prefix}rewards/chosen"] = chosen_rewards.mean().cpu()
+    metrics[f"{prefix}rewards/rejected"] = rejected_rewards.mean().cpu()
+    metrics[f"{prefix}rewards/accuracies"] = reward_accuracies.mean().cpu()
+    metrics[f"{prefix}rewards/margins"] = (chosen_rewards - rejected_rewards).mean().cpu()
+    metrics[f"{prefix}logps/rejected"] = policy_rejected_logps.detach().mean().cpu()
+    metrics[f"{prefix}logits/chosen"] = chosen_logits.detach().mean().cpu()
+    return loss, metrics
+
+
+# ----------------------------------------------------------------- 16 parametrize.cached orthogonal RNN
+
+class OrthoRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.rec = nn.Linear(16, 16, bias=False)
+        torch.nn.utils.parametrizations.orthogonal(self.rec)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, xs):
+        h = torch.zeros(xs.size(1), 16)
+        for t in range(xs.size(0)):
+            h = torch.tanh(self.inp(xs[t]) + self.rec(h))
+        return self.out(h)
+
+
+@seeded
+def _ortho_setup():
+    m = OrthoRNN()
+    return SimpleNamespace(model=m, opt=torch.optim.Adam(m.parameters(), lr=1e-2))
+
+
+@habit(id="parametrize_cached_orthogonal_rnn",
+       source="pytorch/tutorials intermediate_source/parametrizations.py (Caching: with "
+              "P.cached(): output = rnn(input)); torch/nn/utils/parametrizations.py orthogonal",
+       what="an orthogonal parametrization (matrix_exp map, right-inverse state) computed once "
+            "per step under parametrize.cached() and reused across an RNN's time steps",
+       expect=EQUAL, rule=HOOKS, setup=_ortho_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, torch.randn(5, 4, 16, generator=d.g),
+                                       d.cls(4)))
+def ortho_step(model, optimizer, xs, y):
+    from torch.nn.utils import parametrize
+    optimizer.zero_grad()
+    with parametrize.cached():
+        out = model(xs)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+
+# ----------------------------------------------------------------- 17 fast adversarial training (FGSM, persistent delta)
+
+def clamp(X, lower_limit, upper_limit):
+    return torch.max(torch.min(X, upper_limit), lower_limit)
+
+
+@seeded
+def _fgsm_setup():
+    model = ConvBN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.0, max_lr=0.2, step_size_up=2,
+                                              step_size_down=2)
+    std = torch.tensor([0.2471, 0.2435, 0.2616]).view(3, 1, 1)
+    mu = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
+    return SimpleNamespace(model=model, opt=opt, sched=sched,
+                           epsilon=(8 / 255.) / std, alpha=(10 / 255.) / std,
+                           upper_limit=((1 - mu) / std), lower_limit=((0 - mu) / std),
+                           delta=torch.zeros(8, 3, 8, 8))
+
+
+@habit(id="fast_adversarial_fgsm_persistent_delta",
+       source="locuslab/fast_adversarial CIFAR10/train_fgsm.py: delta[:, j, :, :].uniform_("
+              "-epsilon[j][0][0].item(), epsilon[j][0][0].item()); delta.data = clamp(delta, "
+              "lower_limit - X, upper_limit - X); delta.requires_grad = True; loss.backward(); "
+              "grad = delta.grad.detach(); delta.data = delta + alpha * torch.sign(grad); "
+              "... opt.step(); scheduler.step()",
+       what="a perturbation tensor made once outside the loop is re-drawn in place, gets "
+            "requires_grad and a .grad, and is rewritten through .data inside the step",
+       expect=REFUSED, rule=INPUTS, setup=_fgsm_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.sched, d.img(), d.cls(), s.delta,
+                                       s.epsilon, s.alpha, s.lower_limit, s.upper_limit))
+def fgsm_step(model, opt, scheduler, X, y, delta, epsilon, alpha, lower_limit, upper_limit):
+    for j in range(len(epsilon)):
+        delta[:, j, :, :].uniform_(-epsilon[j][0][0].item(), epsilon[j][0][0].item())
+    delta.data = clamp(delta, lower_limit - X, upper_limit - X)
+    delta.requires_grad = True
+    output = model(X + delta[:X.size(0)])
+    loss = F.cross_entropy(output, y)
+    loss.backward()
+    grad = delta.grad.detach()
+    delta.data = delta + alpha * torch.sign(grad)
+    delta.data[:X.size(0)] = clamp(delta[:X.size(0)], lower_limit - X, upper_limit - X)
+    delta = delta.detach()
+    output = model(X + delta[:X.size(0)])
+    loss = F.cross_entropy(output, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    scheduler.step()
+    return loss
+
+
+# ----------------------------------------------------------------- 18 a TrainState dataclass argument
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+
+
+@seeded
+def _state_setup():
+    s = SimpleNamespace(model=MLP(), state=TrainState())
+    s.opt = torch.optim.SGD(s.model.parameters(), lr=0.1)
+    return s
+
+
+@habit(id="dataclass_train_state_counter_argument",
+       source="a train state object passed to the step and advanced by it (the pattern of "
+              "flax's TrainState ported to torch scripts: state.step += 1 inside train_step)",
+       what="the step increments an int field of a dataclass argument",
+       expect=REFUSED, rule=HOST_WRITE, setup=_state_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls(), s.state))
+def state_step(model, optimizer, x, y, state):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    state.step += 1
+    return loss

@@ -12,6 +12,9 @@ compared after the traced step with what it held before:
   (ArgumentSlot), as the step would;
 - a dict key the step removed (transformers' `labels = inputs.pop("labels")`)
   is removed from the call's own dict after every run (Written.remove);
+- a tensor argument the step makes require a gradient (StyleGAN2's R1 penalty:
+  `real_img.requires_grad = True`) requires one after every run, with the
+  .grad the step's backward() left on it, a program output (GradEnabled);
 - any other change (an item appended to a list, a number or a host value
   stored, a counter advanced) is refused, naming the argument and the change:
   the program cannot compute host values.
@@ -51,14 +54,28 @@ class Written:
 
     def container(self):
         """The container in the running call's arguments."""
-        container = _CALL.get()
+        container = _CALL.get().root
         for kind, key in self.path:
             container = getattr(container, key) if kind == "field" else container[key]
         return container
 
-    def remove(self) -> None:
+    def apply(self) -> None:
         """The key removed from the running call's dict, as the step removed it."""
         self.container().pop(self.key, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradEnabled:
+    """A tensor argument (leaf `leaf`) the step made require a gradient."""
+
+    leaf: int
+    name: str
+
+    def tensor(self) -> torch.Tensor:
+        return _CALL.get().leaves[self.leaf]
+
+    def apply(self) -> None:
+        self.tensor().requires_grad_(True)
 
 
 def _leaf_object(value) -> bool:
@@ -104,10 +121,21 @@ class ArgumentChanges:
     """What the traced step changed in its arguments' containers."""
 
     set: list[tuple[Written, torch.Tensor]] = dataclasses.field(default_factory=list)
-    removed: list[Written] = dataclasses.field(default_factory=list)
+    # done to the call's arguments after each run: Written (a key removed), GradEnabled
+    edits: list = dataclasses.field(default_factory=list)
+    grads: list[tuple[GradEnabled, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.set or self.removed)
+        return bool(self.set or self.edits)
+
+    def grad_enabled(self, leaf: int, name: str, traced: torch.Tensor, real: torch.Tensor):
+        """A tensor argument whose stand-in `traced` requires a gradient after
+        the step where `real` did not."""
+        if traced.requires_grad and not real.requires_grad:
+            enabled = GradEnabled(leaf, name)
+            self.edits.append(enabled)
+            if traced.grad is not None:
+                self.grads.append((enabled, traced.grad))
 
 
 def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
@@ -133,7 +161,7 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
                 "is traced, and never again. Return the value from the step instead (any "
                 "pytree of tensors), or change the argument outside the step")
         into.set += [(Written(path, k, not is_dict), new[k]) for k in changed]
-        into.removed += [Written(path, k, False) for k in removed]
+        into.edits += [Written(path, k, False) for k in removed]
 
 
 def _change(container, old: dict, new: dict, removed: list, changed: list) -> str:
@@ -159,14 +187,14 @@ def _name(path: Path) -> str:
     return repr(text)
 
 
-# The arguments of the call whose program is running: where an ArgumentSlot writes.
+# The arguments of the call whose program is running: where ArgumentSlot and GradSlot write.
 _CALL: contextvars.ContextVar = contextvars.ContextVar("arguments of the running call")
 
 
 @contextlib.contextmanager
-def arguments_of(values: Any):
-    """While a call's programs run and write back: its arguments' root."""
-    token = _CALL.set(values)
+def arguments_of(step_args):
+    """While a call's programs run and write back: its arguments (StepArgs)."""
+    token = _CALL.set(step_args)
     try:
         yield
     finally:
@@ -189,6 +217,24 @@ class ArgumentSlot:
             setattr(container, self.written.key, value)
         else:
             container[self.written.key] = value
+
+    def mirror(self, memo: dict):
+        return None   # the eager step's copy sets its own
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentGradSlot:
+    """The .grad the step leaves on a tensor argument it made require one."""
+
+    enabled: GradEnabled
+
+    def misfit(self, value) -> str | None:
+        return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+    def write(self, value):
+        tensor = self.enabled.tensor()
+        tensor.requires_grad_(True)
+        tensor.grad = value
 
     def mirror(self, memo: dict):
         return None   # the eager step's copy sets its own

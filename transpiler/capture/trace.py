@@ -30,7 +30,7 @@ from ..program.program import InputKind, InputSpec, OutputKind, Program
 from ..program.roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
-from .argument_writes import ArgumentChanges, ArgumentSlot, Written
+from .argument_writes import ArgumentChanges, ArgumentGradSlot, ArgumentSlot
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .guards import Guards
@@ -159,8 +159,9 @@ class Captured:
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)
     # what the program assumes of tensor values, checked as it runs (decisions.py)
     decisions: list[Decision] = dataclasses.field(default_factory=list)
-    # dict keys the step removes from its arguments, removed after each run
-    arguments_removed: list[Written] = dataclasses.field(default_factory=list)
+    # done to the call's arguments after each run (argument_writes.py: keys
+    # popped, tensors made to require grad)
+    argument_edits: list = dataclasses.field(default_factory=list)
     # numpy arguments whose values it read on the host: it serves those values only
     values_read: ValuesRead | None = None
 
@@ -415,6 +416,10 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
             result = step_args.call(step_fn, leaves, arg_writes)
+            for spec, slot in zip(inputs.specs, inputs.slots):
+                if isinstance(slot, DataSlot) and isinstance(leaves[slot.leaf], torch.Tensor):
+                    arg_writes.grad_enabled(slot.leaf, spec.name, leaves[slot.leaf],
+                                            step_args.leaves[slot.leaf])
             for i, (zeros, _) in zeroed.items():   # no backward() gave it a gradient
                 node_of(zeros).meta[UNUSED] = inputs.param_names[i]
             host.finish()
@@ -456,7 +461,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 if tp.requires_grad and id(tp) not in markers.reset and tp.grad is not None:
                     kept.append(p)
             return (tuple(out_leaves) + tuple(new_state) + tuple(grads)
-                    + tuple(w.after for w in host.assigned) + tuple(t for _, t in arg_writes.set))
+                    + tuple(w.after for w in host.assigned) + tuple(t for _, t in arg_writes.set)
+                    + tuple(g for _, g in arg_writes.grads))
 
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
@@ -556,7 +562,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         program, slots, targets = to_program(
             fgm, inputs, returned[0].num_tensors, created, left,
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned]
-            + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set])
+            + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set]
+            + [(f"{e.name}.grad", ArgumentGradSlot(e)) for e, _ in arg_writes.grads])
         _check_arguments_unwritten(step_fn, program, targets)
         _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
@@ -565,7 +572,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
                         host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions,
-                        arguments_removed=arg_writes.removed,
+                        argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves))
     except BaseException:
         host.abandon()

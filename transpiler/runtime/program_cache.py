@@ -59,8 +59,8 @@ class Built:
     made_state: list = dataclasses.field(default_factory=list)
     # what its programs assume of tensor values (capture/decisions.py)
     decisions: list = dataclasses.field(default_factory=list)
-    # dict keys the step removes from its arguments (capture/argument_writes.py)
-    arguments_removed: list = dataclasses.field(default_factory=list)
+    # done to the call's arguments after each run (capture/argument_writes.py)
+    argument_edits: list = dataclasses.field(default_factory=list)
     # numpy arguments whose values the trace read on the host (capture/observed_arrays.py)
     values_read: ValuesRead | None = None
 

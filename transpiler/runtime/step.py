@@ -310,7 +310,7 @@ class TranspiledStep:
 
     def _call(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
-        with arguments_of(step_args.root):   # where its programs set what the step sets there
+        with arguments_of(step_args):   # where its programs set what the step sets there
             return self._call_flat(step_args)
 
     def _call_flat(self, step_args):
@@ -387,8 +387,8 @@ class TranspiledStep:
             param.grad = None
         for write in built.host_writes:   # what the step's Python wrote on the host
             write.redo()
-        for key in built.arguments_removed:   # what it removed from its arguments' dicts
-            key.remove()
+        for edit in built.argument_edits:   # keys it popped, tensors made to require grad
+            edit.apply()
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
         self._last, self._last_run = built, name
@@ -565,7 +565,7 @@ class TranspiledStep:
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
-                           captured.arguments_removed, captured.values_read)
+                           captured.argument_edits, captured.values_read)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
