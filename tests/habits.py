@@ -2462,7 +2462,6 @@ habit(id="fairseq_update_freq_no_sync",
       what="accumulation over a list of samples with DDP's no_sync on all but the last, "
            "the summed host int normalising the gradients",
       expect=EQUAL, rule=INPUTS, setup=_fairseq_setup, ranks=True,
-      rank_gap="OPEN silent difference: with several backward() calls in one step, an in-place edit of p.grad.data (multiply_grads) is lost on 2 ranks (p.grad.mul_ is not); found by this bank, not fixed yet",
       call=lambda step, s, i, d: step([_sample(d), _sample(d), _sample(d)], s.model,
                                       s.criterion, s.opt))(fairseq_train_step)
 

@@ -176,3 +176,32 @@ def test_a_view_read_after_its_base_changes_is_refused():
     with pytest.raises(functionalize.Unsupported, match="is read after"):
         functionalize.rewrite(gm.graph)
     assert str(gm.graph) == before    # untouched
+
+
+def test_a_view_that_is_the_only_use_of_its_base_is_written_as_a_tensor():
+    """autograd's gradient of a Linear weight is t(t(mm)): a later backward()
+    accumulates into it in place, and fairseq's multiply_grads scales it
+    through p.grad.data. Nothing else reads mm, so the rewrite applies (the
+    re-trace lost the gradient's mark: it was not averaged on 2 ranks)."""
+    def step(a, b, c):
+        g = torch.mm(a, b).t().t()
+        g.add_(c)
+        g.detach().mul_(0.5)
+        return g
+
+    a, b, c = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
+    gm = _rewritten(step, a, b, c)
+    assert not any(n.target in (aten.add_.Tensor, aten.mul_.Tensor) for n in gm.graph.nodes)
+    assert torch.equal(gm(a, b, c), step(a, b, c))
+
+
+def test_a_write_through_a_view_of_a_base_read_elsewhere_is_refused():
+    def step(a, b):
+        m = torch.mm(a, b)
+        g = m.t()
+        g.add_(1.0)
+        return m.sum()
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(3, 4), torch.randn(4, 5))
+    with pytest.raises(functionalize.Unsupported, match="writes through a view"):
+        functionalize.rewrite(gm.graph)

@@ -135,6 +135,8 @@ def _plan(graph: fx.Graph) -> _Plan:
         twins[node] = twin
         for tensor in first_tensors(node):
             r = root[tensor]
+            if r in base and _sole_view(r, base[r]):
+                del base[r]   # nothing else sees its base: a tensor of its own
             if r in base:
                 raise Unsupported(f"{node.name} ({target}) writes through a view")
             mutations.setdefault(r, []).append(position[node])
@@ -150,6 +152,21 @@ def _plan(graph: fx.Graph) -> _Plan:
         if any(position[view] < p < end for p in mutations.get(b, ())):
             raise Unsupported(f"{view.name}, a view, is read after {b.name} is mutated")
     return _Plan(root, twins)
+
+
+def _sole_view(view: fx.Node, b: fx.Node) -> bool:
+    """Whether `view` is the only use of the intermediate `b` it views, through
+    a chain of views each the only use of the one before (a gradient that
+    autograd transposed or reshaped, accumulated into by a later backward()
+    or written through p.grad.data): writing it changes nothing another
+    alias reads."""
+    node = view
+    while node is not b:
+        parent = node.args[0] if node.args else None
+        if not isinstance(parent, fx.Node) or list(parent.users) != [node]:
+            return False
+        node = parent
+    return b.op == "call_function"
 
 
 def rewrite(graph: fx.Graph) -> None:
