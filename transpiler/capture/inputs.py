@@ -73,9 +73,12 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
                                state_stand_in(p, value) if state_stand_in else value)
         form = formulation_of(opt)
         for gi, group in enumerate(opt.param_groups if form else ()):
-            # float64 where .item() must give eager's double (reads_numbers)
-            wide = any(p.dtype == torch.float64 for p in group["params"]) or reads_numbers(group)
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            # read as numbers (reads_numbers): float64, so .item() gives eager's
+            # double, and on the host, so reading it does not wait for a device
+            numbers = reads_numbers(group)
+            wide = numbers or any(p.dtype == torch.float64 for p in group["params"])
+            device = group["params"][0].device if group["params"] and not numbers \
+                else torch.device("cpu")
             for key in form.lifted(form.terms(group)):
                 slot = HyperSlot(opt, gi, key, torch.float64 if wide else torch.float32, device)
                 spec = InputSpec(InputKind.HYPER, f"{oname}{key}[{gi}]", hyper=Hyper(key, gi, oi))
