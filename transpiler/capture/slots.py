@@ -160,7 +160,9 @@ class HyperSlot:
     group: int
     key: str
     dtype: torch.dtype
-    device: torch.device   # the group's: a compiled device graph reads no host tensor
+    # the group's (a compiled device graph reads no host tensor); the host for a
+    # group read as numbers (optimizers.reads_numbers)
+    device: torch.device
     ahead: int = 0         # Hyper.ahead
 
     def read(self, leaves):
