@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from transpiler import TranspileError
-from transpiler.bench import bench, cli, launch, shapes as bench_shapes
+from transpiler.bench import bench, cli, launch, shapes as bench_shapes, timeline
 from transpiler.bench.report import Row, Table, markdown, text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -381,3 +381,17 @@ def test_ranks_return_their_results_by_rank():
     out = launch.run_ranks(_Job(), 2, _fails, timeout_s=60)
     assert [r["rank"] for r in out] == [0, 1]
     assert torch.equal(out[1]["t"], torch.ones(2))
+
+
+@pytest.mark.slow
+def test_the_timeline_finds_each_all_reduce_of_one_step():
+    """deep's 1.02 MB of gradients in DDP's two buckets, and in the
+    transpiler's, each matched with gloo's run of it (and the program's wait)."""
+    for config in ("ddp", "fuse_all_reduce"):
+        run = launch.run_ranks(bench.Job("deep", config, 0, 1), 2, timeline.one_step,
+                               timeout_s=300)[0]
+        sizes = [c["mb"] for c in run["collectives"]]
+        assert len(sizes) == 2 and sum(sizes) == pytest.approx(1.02, abs=0.01), (config, sizes)
+        assert all(c["ran_ms"] is not None for c in run["collectives"])
+        waited = [c["waited_ms"] is not None for c in run["collectives"]]
+        assert all(waited) if config == "fuse_all_reduce" else not any(waited)

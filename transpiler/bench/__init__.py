@@ -4,5 +4,6 @@ ZeroRedundancyOptimizer, torch.compile and the no-communication limit
 
 bench.py: the models, configurations and tables; launch.py: the rank
 processes and the cause of a failure; report.py: the Markdown report;
-shapes.py: the varying-shapes workload. The bench sits
+shapes.py: the varying-shapes workload; timeline.py: when one step's
+all-reduces are issued, run and waited for. The bench sits
 above every other layer: it may import anything; nothing imports it."""

@@ -610,24 +610,33 @@ def _between_barriers(fn, *args) -> tuple[Any, float]:
     return result, elapsed
 
 
-def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
-    """Run one configuration on this rank; its own times, not yet combined."""
+def job_setup(job: Job, rank: int, world_size: int, calls: int):
+    """This rank's model, optimizer, `calls` batches (each with the scaler
+    first where the model's step takes one) and the configuration's step,
+    not yet called."""
     spec = MODELS[job.model]
     torch.manual_seed(SEED_WEIGHTS)
     model = spec.build().to(job.device)
     optimizer = (spec.optimizer or functools.partial(_optimizer, job.optimizer))(model)
     batches = [tuple(t.to(job.device) for t in batch)
-               for batch in rank_batches(spec, 1 + job.warmup + job.steps, rank, world_size)]
-    base_rss = _rss_mb()
-
+               for batch in rank_batches(spec, calls, rank, world_size)]
     if spec.step is not None:   # the scaler, between the optimizer and the batch
         scaler = spec.scaler(job.device)
         batches = [(scaler, *batch) for batch in batches]
+    step_fn = spec.step or (STEPS[job.device] if job.micro_batches == 1
+                            else accumulating(job.micro_batches, job.device))
+    return model, optimizer, batches, functools.partial(CONFIGS[job.config], step_fn, model,
+                                                        optimizer)
+
+
+def measure(job: Job, rank: int, world_size: int) -> dict[str, Any]:
+    """Run one configuration on this rank; its own times, not yet combined."""
+    model, optimizer, batches, make_step = job_setup(job, rank, world_size,
+                                                     1 + job.warmup + job.steps)
+    base_rss = _rss_mb()
 
     def build_and_first_call():
-        step_fn = spec.step or (STEPS[job.device] if job.micro_batches == 1
-                                else accumulating(job.micro_batches, job.device))
-        step = CONFIGS[job.config](step_fn, model, optimizer)
+        step = make_step()
         step(*batches[0])
         _synchronize(job.device)
         return step
@@ -1067,6 +1076,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the models run (default cpu); cuda: a GPU per rank on nccl, "
                         "or ranks sharing GPUs on gloo, the forward pass under bf16 autocast, "
                         f"and the configs {', '.join(CUDA_ONLY)}")
+    p.add_argument("--timeline", metavar="MODEL",
+                   help="when each all-reduce of one step is issued, run and waited for, on "
+                        "MODEL, for --configs (default ddp,fuse_all_reduce): "
+                        "transpiler/bench/timeline.py")
     p.add_argument("--varying-shapes", action="store_true",
                    help="run the varying-shapes workload instead (transpiler/bench/shapes.py: "
                         "a 2-layer LM, 12 calls over 10 batch shapes; traces, compiles, setup "
