@@ -220,6 +220,27 @@ def test_recurrent_layers_equal_eager_or_are_refused(layer):
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
+def _packed_rnn_step(model, opt, x, lengths):
+    """The classic NLP habit: the padded batch packed by its lengths."""
+    opt.zero_grad()
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                               enforce_sorted=False)
+    out, _ = model(packed)
+    nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0].square().mean().backward()
+    opt.step()
+
+
+def test_a_batch_packed_by_its_lengths_is_refused_at_the_users_line():
+    torch.manual_seed(0)
+    model = nn.RNN(8, 20, batch_first=True)
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TranspileError, match=rf"pack_padded_sequence sizes .* at "
+                                             rf"{re.escape(__file__)}.*pad the batch"):
+        transpile(_packed_rnn_step)(model, opt, torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2]))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 class _FrozenBackbone(nn.Module):
     """A backbone in eval mode with frozen BatchNorm statistics (fine-tuning a
     head) before a trained head."""
