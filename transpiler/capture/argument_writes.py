@@ -11,7 +11,7 @@ compared after the traced step with what it held before:
   written into the same place of the call's own arguments after every run
   (ArgumentSlot), as the step would;
 - a dict key the step removed (transformers' `labels = inputs.pop("labels")`)
-  is removed from the call's own dict after every run (Written.remove);
+  is removed from the call's own dict after every run (KeyRemoved);
 - a tensor argument the step makes require a gradient (StyleGAN2's R1 penalty:
   `real_img.requires_grad = True`) requires one after every run, with the
   .grad the step's backward() left on it, a program output (GradEnabled);
@@ -41,8 +41,8 @@ Path = tuple[tuple[str, Any], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """A tensor the step set in a container of its arguments: container[key]
-    (an attribute for a dataclass), the container at `path`."""
+    """A place in a container of the step's arguments: container[key] (an
+    attribute for a dataclass), the container at `path`."""
 
     path: Path
     key: Any
@@ -59,9 +59,16 @@ class Written:
             container = getattr(container, key) if kind == "field" else container[key]
         return container
 
+
+@dataclasses.dataclass(frozen=True)
+class KeyRemoved:
+    """A dict key the step removed from its arguments."""
+
+    written: Written
+
     def apply(self) -> None:
         """The key removed from the running call's dict, as the step removed it."""
-        self.container().pop(self.key, None)
+        self.written.container().pop(self.written.key, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +128,7 @@ class ArgumentChanges:
     """What the traced step changed in its arguments' containers."""
 
     set: list[tuple[Written, torch.Tensor]] = dataclasses.field(default_factory=list)
-    # done to the call's arguments after each run: Written (a key removed), GradEnabled
+    # done to the call's arguments after each run: KeyRemoved, GradEnabled
     edits: list = dataclasses.field(default_factory=list)
     grads: list[tuple[GradEnabled, torch.Tensor]] = dataclasses.field(default_factory=list)
 
@@ -161,7 +168,7 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
                 "is traced, and never again. Return the value from the step instead (any "
                 "pytree of tensors), or change the argument outside the step")
         into.set += [(Written(path, k, not is_dict), new[k]) for k in changed]
-        into.edits += [Written(path, k, False) for k in removed]
+        into.edits += [KeyRemoved(Written(path, k, False)) for k in removed]
 
 
 def _change(container, old: dict, new: dict, removed: list, changed: list) -> str:
