@@ -52,6 +52,12 @@ def weights_new_tensor(model, opt, w):
     return _update(opt, (F.cross_entropy(model(X), Y, reduction="none") * X.new_tensor(w)).mean())
 
 
+def weights_of_a_view(model, opt, w):
+    """A view of the argument reaches torch: its values read, as values."""
+    return _update(opt, (F.cross_entropy(model(X), Y, reduction="none")
+                         * torch.FloatTensor(w.reshape(4, 4)).flatten()).mean())
+
+
 def index_list(model, opt, idx):
     idx = idx.tolist()
     return _update(opt, F.cross_entropy(model(X[idx]), Y[idx]))
@@ -70,6 +76,7 @@ def _args(fn, i):
             weights_tensor: lambda: (r.rand(16),),
             weights_float_tensor: lambda: (r.rand(16),),
             weights_new_tensor: lambda: (r.rand(16),),
+            weights_of_a_view: lambda: (r.rand(16),),
             index_list: lambda: (r.permutation(16)[:4],),
             schedule: lambda: (np.linspace(0.9, 1.0, 4), i)}[fn]()
 
@@ -78,7 +85,8 @@ def _args(fn, i):
     (index_array, 1), (mask, 1), (weights_tensor, 1), (weights_float_tensor, 1),
     (weights_new_tensor, 1),
     # read on the host: a program per values
-    (index_list, 4), (schedule, 4)], ids=lambda v: getattr(v, "__name__", str(v)))
+    (index_list, 4), (schedule, 4), (weights_of_a_view, 4)],
+    ids=lambda v: getattr(v, "__name__", str(v)))
 def test_each_call_uses_its_own_arrays_values_as_eager(fn, builds):
     ours, eager = _setup(), _setup()
     step = transpile(fn)

@@ -136,8 +136,10 @@ def torch_reads(arrays: dict[int, torch.Tensor]):
     legacy typed constructors; numpy's copies of it (np.asarray) are reads."""
 
     def traced(value):
+        """The program input for an array torch is given; an observed array
+        that is not one (a view of one) read as values; anything else as is."""
         t = arrays.get(id(value)) if is_ndarray(value) else None
-        if t is None and is_observed(value):   # a view of one: torch reads its values
+        if t is None and is_observed(value):
             value._on_read()
             return _plain(value)
         return value if t is None else t
@@ -151,22 +153,20 @@ def torch_reads(arrays: dict[int, torch.Tensor]):
     new_tensor = torch.Tensor.new_tensor
     own_new = vars(torch.Tensor).get("__new__")
 
-    def given(args) -> bool:
-        return len(args) == 1 and is_ndarray(args[0]) and traced(args[0]) is not args[0]
-
-    def tensor_new(cls, *args, **kwargs):
-        if given(args):
-            return traced(args[0]).to(torch.get_default_dtype()).clone()
-        return torch._C.TensorBase.__new__(cls, *args, **kwargs)
-
-    def legacy(name, dtype):
-        original = getattr(torch, name)
-
+    def constructor(original, dtype_of):
+        """A constructor that makes a tensor of dtype_of(...) from one array."""
         def construct(*args, **kwargs):
-            if given(args):
-                return traced(args[0]).to(dtype).clone()
+            if len(args) == 1 and is_ndarray(args[0]):
+                value = traced(args[0])
+                if isinstance(value, torch.Tensor):
+                    return value.to(dtype_of(*args, **kwargs)).clone()
+                args = (value,)
             return original(*args, **kwargs)
         return construct
+
+    def tensor_new(cls, *args, **kwargs):
+        return constructor(lambda *a, **k: torch._C.TensorBase.__new__(cls, *a, **k),
+                           lambda *_, **__: torch.get_default_dtype())(*args, **kwargs)
 
     numpy = sys.modules.get("numpy")
     copies = {name: getattr(numpy, name) for name in _NUMPY_COPIES} if numpy else {}
@@ -181,13 +181,13 @@ def torch_reads(arrays: dict[int, torch.Tensor]):
     saved = {name: getattr(torch, name) for name in _LEGACY}
     torch.Tensor.__getitem__ = lambda self, key: getitem(self, index(key))
     torch.Tensor.__setitem__ = lambda self, key, value: setitem(self, index(key), traced(value))
-    torch.Tensor.new_tensor = lambda self, data, *args, **kwargs: (
-        traced(data).to(dtype=kwargs.get("dtype") or self.dtype,
-                        device=kwargs.get("device") or self.device).clone()
-        if given((data,)) else new_tensor(self, data, *args, **kwargs))
+    torch.Tensor.new_tensor = lambda self, data, *args, **kwargs: constructor(
+        functools.partial(new_tensor, self),
+        lambda *_, **k: k.get("dtype") or self.dtype)(data, *args, **kwargs).to(
+            kwargs.get("device") or self.device)
     torch.Tensor.__new__ = tensor_new
     for name, dtype in _LEGACY.items():
-        setattr(torch, name, legacy(name, dtype))
+        setattr(torch, name, constructor(saved[name], lambda *_, dtype=dtype, **__: dtype))
     for name, original in copies.items():
         setattr(numpy, name, numpy_copy(original))
     try:
