@@ -300,3 +300,30 @@ def test_early_averages_plan():
         program = trace_step(fn, flatten_args(fn, (model, opt, x, y), {})).program
         planned[name] = {b: len(nodes) for b, nodes in early_averages(program).items()}
     assert planned == {"sam": {1: 6}, "norm_between_micro_batches": {1: 6}, "accumulate": {}}
+
+
+def rank_ddp_wrapped_given_to_the_step(mode):
+    """Code written for DDP: the wrapped model is what the step gets (its
+    forward broadcasts buffers; the program does that itself)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("bn", STEPS, BATCH)]
+    runs = []
+    for transpiled in (True, False):
+        model = M.make("bn", seed=0)
+        opt = M.make_optimizer("sgd", model)
+        step = transpile(M.classify_step, mode=mode) if transpiled else M.classify_step
+        net = DDP(model)
+        for batch in batches:
+            step(net, opt, *batch)
+        evaluated = M.evaluated(net, batches[0][0] + 1)   # through the wrapper: rank 0's buffers
+        runs.append((_state(model, opt), evaluated))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_a_ddp_wrapped_model_with_buffers_given_to_the_step_equals_ddp(mode, ranks2):
+    for (ours, evaluated), (ddp, ddp_evaluated) in ranks2.run(
+            rank_ddp_wrapped_given_to_the_step, mode):
+        M.assert_states_equal(ours, ddp)
+        assert torch.equal(evaluated, ddp_evaluated)

@@ -31,6 +31,7 @@ from ..program.roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY,
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .argument_writes import ArgumentChanges, ArgumentGradSlot, ArgumentSlot
+from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .guards import Guards
@@ -164,6 +165,8 @@ class Captured:
     argument_edits: list = dataclasses.field(default_factory=list)
     # numpy arguments whose values it read on the host: it serves those values only
     values_read: ValuesRead | None = None
+    # whether it steps an optimizer (one that does not accumulates for a later call)
+    steps: bool = True
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -400,6 +403,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(_seen_as_in_eager())
             stack.enter_context(recurrent_layers_refused())
             stack.enter_context(synced_batch_norms())
+            stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
@@ -573,7 +577,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         rolled=(step_args.start, step_args.per) if watches else None,
                         host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions,
                         argument_edits=arg_writes.edits,
-                        values_read=ValuesRead.of(values_read, step_args.leaves))
+                        values_read=ValuesRead.of(values_read, step_args.leaves),
+                        steps=bool(markers.steps))
     except BaseException:
         host.abandon()
         raise

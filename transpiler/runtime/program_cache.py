@@ -63,6 +63,7 @@ class Built:
     argument_edits: list = dataclasses.field(default_factory=list)
     # numpy arguments whose values the trace read on the host (capture/observed_arrays.py)
     values_read: ValuesRead | None = None
+    steps: bool = True   # whether it steps an optimizer (unreduced.py)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

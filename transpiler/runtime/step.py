@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from . import agreement, divergence, micro_loop, rebuild, replica_average, sharded_params, verify
+from . import (agreement, divergence, micro_loop, rebuild, replica_average, sharded_params,
+               unreduced, verify)
 from ..lowering import powersgd, reduce_groups
 from . import schedule as schedules
 from ..backends.compile import check_process_group, device_of, resolve
@@ -35,6 +36,7 @@ from ..capture.found import discover
 from ..capture.argument_writes import arguments_of
 from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
+from ..capture.user_code import step_name
 from ..errors import DivergenceError, TranspileError
 from .executor import Executor
 from .runnable import MicroLeaves, Runnable
@@ -310,7 +312,8 @@ class TranspiledStep:
 
     def _call(self, *args, **kwargs):
         step_args = flatten_args(self.step_fn, args, kwargs)
-        with arguments_of(step_args):   # where its programs set what the step sets there
+        # arguments_of: where its programs set what the step sets there
+        with arguments_of(step_args), unreduced.inside_a_step():
             return self._call_flat(step_args)
 
     def _call_flat(self, step_args):
@@ -389,6 +392,11 @@ class TranspiledStep:
             write.redo()
         for edit in built.argument_edits:   # keys it popped, tensors made to require grad
             edit.apply()
+        if world()[0] > 1:   # a step of its optimizers outside it is refused until one inside
+            if built.steps:
+                unreduced.reduced(step_args.optimizers)
+            else:
+                unreduced.leave_unreduced(step_name(self.step_fn), step_args.optimizers)
         for scheduler in built.schedulers:   # what the step did after optimizer.step()
             scheduler.step()
         self._last, self._last_run = built, name
@@ -565,7 +573,7 @@ class TranspiledStep:
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
-                           captured.argument_edits, captured.values_read)
+                           captured.argument_edits, captured.values_read, captured.steps)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
