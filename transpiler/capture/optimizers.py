@@ -260,7 +260,7 @@ def _eager_foreach(group: dict) -> bool:
     `foreach`, by default where torch's foreach kernels run): a term of a
     group that reads numbers, whose update follows that path (their roundings
     differ: an in-place foreach op is a loop of in-place ops)."""
-    if not reads_numbers(group):
+    if not _reduced(group):
         return False
     if group.get("foreach") is not None:
         return bool(group["foreach"])
@@ -449,10 +449,33 @@ _ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_l
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
+# Whether the programs being traced run as eager's ops (backend eager): a
+# compiler (inductor) decomposes lerp by a branch on its weight, which a number
+# read in the program cannot take; it reads 0-d tensors, within its tolerance.
+_NUMBERS = [True]
+
+
+@contextlib.contextmanager
+def numbers_where_reduced(enabled: bool):
+    """While a step is traced: whether its bfloat16 or float16 groups read
+    their hyperparameters as numbers (exact as eager, for backend eager)."""
+    before = _NUMBERS[0]
+    _NUMBERS[0] = enabled
+    try:
+        yield
+    finally:
+        _NUMBERS[0] = before
+
+
+def _reduced(group: dict) -> bool:
+    return any(p.dtype in _REDUCED for p in group["params"])
+
+
 def reads_numbers(group: dict) -> bool:
     """Whether a group's update reads its hyperparameters as Python numbers
-    (a bfloat16 or float16 parameter: see the module's docstring)."""
-    return any(p.dtype in _REDUCED for p in group["params"])
+    (a bfloat16 or float16 parameter, traced for backend eager: see the
+    module's docstring)."""
+    return _NUMBERS[0] and _reduced(group)
 
 
 def as_numbers(h: dict[str, torch.Tensor]) -> dict:
