@@ -18,9 +18,9 @@ decay) are derived here on the host in double precision, so they round as
 eager's do, and where torch fuses a scalar into a kernel (`add(g, p, alpha=wd)`,
 one rounding) the program uses addcmul by the 0-d tensor, which rounds once too.
 
-A group with a bfloat16 or float16 parameter reads its values as Python
-numbers instead (`numbers`: each 0-d input's .item(), traced as a symbolic
-number): kernels of those dtypes round a 0-d tensor operand to the tensor's
+A group with a bfloat16 or float16 parameter, traced for backend eager, reads
+its values as Python numbers instead (`as_numbers`: each 0-d input's .item(),
+traced as a symbolic number): kernels of those dtypes round a 0-d tensor operand to the tensor's
 dtype (0.1 becomes 0.10009765625 in bfloat16) where a Python number is kept in
 float32, and `add` rounds its Python scalar to the tensor's dtype, so only
 torch's own calls with Python numbers round as eager's. Its update is then
