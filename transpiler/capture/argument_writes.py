@@ -33,6 +33,7 @@ import torch
 from ..errors import TranspileError
 from .reads import MISSING, shown
 from .scaler import GradScaler
+from .slots import not_a_tensor
 from .user_code import step_name
 
 # (kind, key) steps from the arguments' root to a container
@@ -216,7 +217,7 @@ class ArgumentSlot:
     written: Written
 
     def misfit(self, value) -> str | None:
-        return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        return not_a_tensor(value)
 
     def write(self, value):
         container = self.written.container()
@@ -236,7 +237,7 @@ class ArgumentGradSlot:
     enabled: GradEnabled
 
     def misfit(self, value) -> str | None:
-        return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        return not_a_tensor(value)
 
     def write(self, value):
         tensor = self.enabled.tensor()

@@ -50,7 +50,7 @@ class StateSlot:
         return self.optimizer.state[self.param][self.key]
 
     def misfit(self, value) -> str | None:
-        return _not_a_tensor(value)
+        return not_a_tensor(value)
 
     def write(self, value):
         _store(self.optimizer.state[self.param], self.key, value)
@@ -73,7 +73,7 @@ class HeldSlot:
         return self.store[self.name]
 
     def misfit(self, value) -> str | None:
-        return _not_a_tensor(value)
+        return not_a_tensor(value)
 
     def write(self, value):
         if self.rebind:
@@ -101,7 +101,7 @@ class GradSlot:
         """Why torch would refuse `value` as the parameter's .grad, or None."""
         p = self.param
         if not isinstance(value, torch.Tensor) or value is p:
-            return _not_a_tensor(value) or "the parameter itself"
+            return not_a_tensor(value) or "the parameter itself"
         if (value.shape != p.shape or value.device != p.device
                 or p.grad_dtype is not None and value.dtype != p.grad_dtype):
             return f"{describe(value)} for a gradient of {describe(p, p.grad_dtype or p.dtype)}"
@@ -118,13 +118,13 @@ def misfit_in(tensor: torch.Tensor, value) -> str | None:
     """Why `value` cannot be copied into `tensor` as the value it holds next
     (copy_ would broadcast its shape, convert its dtype, move it), or None."""
     if not isinstance(value, torch.Tensor):
-        return _not_a_tensor(value)
+        return not_a_tensor(value)
     if value.shape != tensor.shape or value.dtype != tensor.dtype or value.device != tensor.device:
         return f"{describe(value)} for a tensor of {describe(tensor)}"
     return None
 
 
-def _not_a_tensor(value) -> str | None:
+def not_a_tensor(value) -> str | None:
     return None if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
@@ -212,7 +212,7 @@ class AssignSlot:
     key: Any
 
     def misfit(self, value) -> str | None:
-        return _not_a_tensor(value)   # rebound, as the step rebinds it
+        return not_a_tensor(value)   # rebound, as the step rebinds it
 
     def write(self, value):
         put(self.holder, self.key, value)
