@@ -1,8 +1,9 @@
 """On a CUDA device (skipped without one): the whole step as one CUDA graph
 (backend="cudagraphs") captures every program of fuse_all_reduce, zero and
 local SGD on nccl and equals the same programs compiled by inductor without a
-graph; CUDA tensors on gloo (several ranks on
-one GPU) equal torch DDP; teardown after captured nccl work does not hang."""
+graph; the eager backend equals eager in one process with every model and
+optimizer; CUDA tensors on gloo (several ranks on one GPU) equal torch DDP;
+teardown after captured nccl work does not hang."""
 
 import logging
 import multiprocessing
@@ -74,6 +75,25 @@ def test_cudagraphs_captures_every_program_and_equals_inductor(mode, opt_name, o
     assert M.max_rel_error(dict(enumerate(graphed_losses)), dict(enumerate(losses))) <= 1e-6
 
 
+@pytest.mark.parametrize("foreach", [None, False], ids=["default", "single_tensor"])
+@pytest.mark.parametrize("opt_name", ["sgd", "nesterov", "adam", "adamw"])
+@pytest.mark.parametrize("model_name", ["mlp", "tied", "bn", "mixed"])
+def test_the_eager_backend_equals_eager_on_cuda(model_name, opt_name, foreach):
+    """One process, each hyperparameter changed after every call: bit for bit
+    as eager on CUDA, whose kernels round otherwise than the CPU's (the update
+    reads Python numbers there: capture/optimizers.py)."""
+    runs = []
+    for transpiled in (True, False):
+        model = M.make(model_name).cuda()
+        opt = M.make_optimizer(opt_name, model, foreach=foreach)
+        step = transpile(M.step_fn(model_name)) if transpiled else M.step_fn(model_name)
+        for batch in M.batches(model_name, 4, 8):
+            step(model, opt, *(t.cuda() for t in batch))
+            M.change_every_hyperparameter(opt)
+        runs.append(M.state_of(model, opt))
+    M.assert_states_equal(*runs)
+
+
 def test_a_replaced_state_tensor_is_captured_again(nccl, caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
         graphed, _, step = _train("cudagraphs", "fuse_all_reduce", "sgd", {}, replace_state_at=3)
@@ -100,12 +120,12 @@ def test_destroying_the_process_group_after_captured_nccl_work_returns(tmp_path)
     assert not hung and process.exitcode == 0
 
 
-def rank_cuda_on_gloo_vs_ddp(mode):
+def rank_cuda_on_gloo_vs_ddp(mode, opt_name):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     states = {}
     for name in ("ddp", mode, "cudagraphs"):
         model = M.make("mlp", seed=rank).cuda()   # the broadcast at the start makes them agree
-        opt = M.make_optimizer("sgd", model)
+        opt = M.make_optimizer(opt_name, model)
         if name == "ddp":
             def step(model, opt, *batch, ddp=DDP(model)):
                 return M.classify_step(ddp, opt, *batch)
@@ -120,8 +140,9 @@ def rank_cuda_on_gloo_vs_ddp(mode):
     return states
 
 
-def test_cuda_tensors_on_gloo_equal_ddp(ranks2):
-    for states in ranks2.run(rank_cuda_on_gloo_vs_ddp, "fuse_all_reduce"):
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_cuda_tensors_on_gloo_equal_ddp(opt_name, ranks2):
+    for states in ranks2.run(rank_cuda_on_gloo_vs_ddp, "fuse_all_reduce", opt_name):
         for name in states["ddp"]:
             assert torch.equal(states["fuse_all_reduce"][name], states["ddp"][name]), name
         assert all("run on 'gloo'" in why for why in states["why_not"].values())

@@ -30,12 +30,12 @@ def scaled_step(model, opt, scaler, x, y):
     return x.sum()
 
 
-def _setup(init_scale=2.0 ** 16):
+def _setup(init_scale=2.0 ** 16, device="cpu"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
+    x, y = torch.randn(6, 4, device=device), torch.randint(0, 3, (6,), device=device)
     scaled_step(model, opt, scaler, x, y)   # momentum buffers made: the steady-state program
     return model, opt, scaler, x, y
 
@@ -84,15 +84,18 @@ def test_an_update_that_feeds_a_collective_keeps_its_select(passes):
     assert plan(program) is None
 
 
-def test_an_overflowing_step_is_skipped_and_the_others_equal_eager():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA device"))])
+def test_an_overflowing_step_is_skipped_and_the_others_equal_eager(device):
     """One process, scales that overflow and scales that do not: bit for bit
     with eager at every call."""
     for init_scale in (2.0 ** 127, 2.0 ** 8):
-        ours = _setup(init_scale)
+        ours = _setup(init_scale, device)
         theirs = copy.deepcopy(ours)
         step = transpile(scaled_step)
         for i in range(4):
-            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(i))
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(i)).to(device)
             step(*ours[:3], x, ours[4])
             scaled_step(*theirs[:3], x, theirs[4])
             for p, q in zip(ours[0].parameters(), theirs[0].parameters()):

@@ -18,13 +18,16 @@ decay) are derived here on the host in double precision, so they round as
 eager's do, and where torch fuses a scalar into a kernel (`add(g, p, alpha=wd)`,
 one rounding) the program uses addcmul by the 0-d tensor, which rounds once too.
 
-A group with a bfloat16 or float16 parameter, traced for backend eager, reads
-its values as Python numbers instead (`as_numbers`: each 0-d input's .item(),
-traced as a symbolic number): kernels of those dtypes round a 0-d tensor operand to the tensor's
-dtype (0.1 becomes 0.10009765625 in bfloat16) where a Python number is kept in
-float32, and `add` rounds its Python scalar to the tensor's dtype, so only
-torch's own calls with Python numbers round as eager's. Its update is then
-torch's multi-tensor code with the terms fixed (`_sgd_update_numbers`,
+A group traced for backend eager reads its values as Python numbers instead
+(`as_numbers`: each 0-d input's .item(), traced as a symbolic number) where
+the arithmetic above is not eager's: a bfloat16 or float16 parameter, whose
+kernels round a 0-d tensor operand to the tensor's dtype (0.1 becomes
+0.10009765625 in bfloat16) where a Python number is kept in float32, and
+whose `add` rounds its Python scalar to the tensor's dtype; and a parameter
+off the CPU, whose kernels group their operands otherwise (CUDA's addcdiv is
+self + value * (t1 / t2), the CPU's self + value * t1 / t2). Only torch's own
+calls with Python numbers round as eager's there. Its update is then torch's
+single- or multi-tensor code with the terms fixed (`_sgd_update_numbers`,
 `_adam_update_numbers`); the inputs are float64, so .item() gives the double
 eager passes, and nothing traces again when a value changes.
 
@@ -214,6 +217,17 @@ def _sgd_update_numbers(group, h, terms, params, grads, momentum_buffer_list):
                 grad = grad.add(buf, alpha=momentum) if nesterov else buf
             param.add_(grad, alpha=-lr)
         return
+    for members in _by_device_and_dtype(params):
+        bufs = [momentum_buffer_list[i] for i in members]
+        _sgd_foreach_numbers(maximize, nesterov, lr, wd, momentum, undamped,
+                             [params[i] for i in members], [grads[i] for i in members], bufs)
+        for i, buf in zip(members, bufs):
+            momentum_buffer_list[i] = buf
+
+
+def _sgd_foreach_numbers(maximize, nesterov, lr, wd, momentum, undamped, params, grads, bufs):
+    """_multi_tensor_sgd's update of one group of tensors of a device and dtype;
+    a buffer it creates is set in `bufs`."""
     if maximize:
         grads = torch._foreach_neg(grads)
     if wd is not None:
@@ -222,7 +236,6 @@ def _sgd_update_numbers(group, h, terms, params, grads, momentum_buffer_list):
         else:
             grads = torch._foreach_add(grads, params, alpha=wd)
     if momentum is not None:
-        bufs = momentum_buffer_list
         if all(b is not None for b in bufs):
             _foreach_mul_number_(bufs, momentum)
             torch._foreach_add_(bufs, grads, alpha=undamped)
@@ -237,6 +250,17 @@ def _sgd_update_numbers(group, h, terms, params, grads, momentum_buffer_list):
         else:
             grads = bufs
     torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _by_device_and_dtype(params) -> list[list[int]]:
+    """The positions of the parameters of each device and dtype, as torch's
+    multi-tensor updates group them (_group_tensors_by_device_and_dtype): each
+    foreach op runs once per group, and on a list of mixed dtypes it takes
+    another kernel (on CUDA, one op per tensor) that rounds otherwise."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    return list(groups.values())
 
 
 def _foreach_mul_number_(xs, number) -> None:
@@ -260,7 +284,7 @@ def _eager_foreach(group: dict) -> bool:
     `foreach`, by default where torch's foreach kernels run): a term of a
     group that reads numbers, whose update follows that path (their roundings
     differ: an in-place foreach op is a loop of in-place ops)."""
-    if not _reduced(group):
+    if not _needs_numbers(group):
         return False
     if group.get("foreach") is not None:
         return bool(group["foreach"])
@@ -359,20 +383,31 @@ def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
             denom = (exp_avg_sq.sqrt() / bc2_sqrt[i]).add_(h["eps"])
             param.addcdiv_(exp_avg, denom, value=neg_step_size[i])
         return
-    if maximize:
+    for members in _by_device_and_dtype(params):
+        lists = [[xs[i] for i in members] for xs in (
+            params, grads, exp_avgs, exp_avg_sqs, state_steps, bc2_sqrt, neg_step_size)]
+        maxima = [max_exp_avg_sqs[i] for i in members] if amsgrad else None
+        _adam_foreach_numbers(group, h, terms, *lists[:4], maxima, *lists[4:])
+
+
+def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
+                          max_exp_avg_sqs, state_steps, bc2_sqrt, neg_step_size):
+    """_multi_tensor_adam's default update of one group of tensors of a device
+    and dtype."""
+    if group["maximize"]:
         grads = torch._foreach_neg(grads)
     torch._foreach_add_(state_steps, 1)
     if "decoupled_weight_decay" in terms:
         _foreach_mul_number_(params, h["one_minus_lr_weight_decay"])
     if "weight_decay" in terms:
-        if maximize:
+        if group["maximize"]:
             torch._foreach_add_(grads, params, alpha=h["weight_decay"])
         else:
             grads = torch._foreach_add(grads, params, alpha=h["weight_decay"])
     torch._foreach_lerp_(exp_avgs, grads, h["one_minus_beta1"])
     _foreach_mul_number_(exp_avg_sqs, h["beta2"])
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, h["one_minus_beta2"])
-    if amsgrad:
+    if max_exp_avg_sqs is not None:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
     else:
@@ -456,9 +491,10 @@ _NUMBERS = [True]
 
 
 @contextlib.contextmanager
-def numbers_where_reduced(enabled: bool):
-    """While a step is traced: whether its bfloat16 or float16 groups read
-    their hyperparameters as numbers (exact as eager, for backend eager)."""
+def numbers_where_needed(enabled: bool):
+    """While a step is traced: whether its groups that need them
+    (_needs_numbers) read their hyperparameters as numbers (exact as eager,
+    for backend eager)."""
     before = _NUMBERS[0]
     _NUMBERS[0] = enabled
     try:
@@ -467,15 +503,17 @@ def numbers_where_reduced(enabled: bool):
         _NUMBERS[0] = before
 
 
-def _reduced(group: dict) -> bool:
-    return any(p.dtype in _REDUCED for p in group["params"])
+def _needs_numbers(group: dict) -> bool:
+    """Whether only Python numbers give the group eager's roundings: a
+    bfloat16 or float16 parameter, or one off the CPU (module docstring)."""
+    return any(p.dtype in _REDUCED or p.device.type != "cpu" for p in group["params"])
 
 
 def reads_numbers(group: dict) -> bool:
     """Whether a group's update reads its hyperparameters as Python numbers
-    (a bfloat16 or float16 parameter, traced for backend eager: see the
-    module's docstring)."""
-    return _NUMBERS[0] and _reduced(group)
+    (a bfloat16 or float16 parameter, or one off the CPU, traced for backend
+    eager: see the module's docstring)."""
+    return _NUMBERS[0] and _needs_numbers(group)
 
 
 def as_numbers(h: dict[str, torch.Tensor]) -> dict:

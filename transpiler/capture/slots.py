@@ -152,9 +152,9 @@ class HyperSlot:
     float64 if the group has a float64 parameter, else float32.
     Kernels compute a float32 tensor op in float32 whatever the scalar's
     width, so this rounds exactly as eager's Python-float alpha, and saves a
-    conversion per tensor. A group with a bfloat16 or float16 parameter reads
-    its values as Python numbers (optimizers.reads_numbers): float64, so that
-    each is eager's double."""
+    conversion per tensor. A group that reads its values as Python numbers
+    (optimizers.reads_numbers: a bfloat16 or float16 parameter, or one off the
+    CPU, with backend eager) reads float64, so that each is eager's double."""
 
     optimizer: torch.optim.Optimizer
     group: int

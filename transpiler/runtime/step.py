@@ -36,7 +36,7 @@ from ..capture.found import discover
 from ..capture.argument_writes import arguments_of
 from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
-from ..capture.optimizers import numbers_where_reduced
+from ..capture.optimizers import numbers_where_needed
 from ..capture.user_code import step_name
 from ..errors import DivergenceError, TranspileError
 from .executor import Executor
@@ -704,7 +704,7 @@ class TranspiledStep:
         fn_name = getattr(self.step_fn, "__name__", "step")
         refuse_untraceable(self.step_fn, snapshot())
         start = time.perf_counter()
-        with self._timed("trace"), numbers_where_reduced(self.backend == "eager"):
+        with self._timed("trace"), numbers_where_needed(self.backend == "eager"):
             captured = trace_step(self.step_fn, step_args,
                                   self._sharded.stand_in if self._sharded else None,
                                   on_values=self._decides,
