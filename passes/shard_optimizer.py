@@ -75,6 +75,9 @@ _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.defaul
 _FLAT_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
 _NOT_ELEMENTWISE_FOREACH = {"_foreach_norm", "_foreach_max"}
+# torch's fused optimizer kernels (their functional forms): elementwise on
+# every tensor of their lists
+_FUSED_UPDATES = {aten._fused_adam.tensor_lr, aten._fused_adamw.tensor_lr}
 # GradScaler's unscale: elementwise on the gradients, and a flag set where any
 # is not finite, which over shards is this rank's flag (completed by a max).
 _UNSCALE = aten._amp_foreach_non_finite_check_and_unscale.default
@@ -281,6 +284,9 @@ class _Rewrite:
             ok = node.args[0] in self.shard and node.args[0].meta["val"].is_contiguous()
         elif name.startswith("_foreach_"):
             ok = name not in _NOT_ELEMENTWISE_FOREACH
+        elif node.target in _FUSED_UPDATES:
+            self._check_fused(node)
+            ok = True
         else:
             ok = node.target in _LIKE or (isinstance(node.target, torch._ops.OpOverload)
                                          and torch.Tag.pointwise in node.target.tags)
@@ -292,6 +298,18 @@ class _Rewrite:
             raise PassError(f"{node.name} ({node.format_node()}) cannot run on shards of the "
                             f"gradients and parameters: {why}. Mode zero shards the update; "
                             "use fuse_all_reduce for this step")
+
+    def _check_fused(self, node: fx.Node) -> None:
+        """torch's fused CPU kernel computes the last elements of each tensor
+        (those past its last full vector) on a scalar path that rounds
+        otherwise: on a shard, other elements are last, and the update would
+        not be eager's."""
+        if node.args[0][0].meta["val"].device.type == "cpu":
+            raise PassError(
+                f"{node.name} is torch's fused optimizer update on the CPU, which rounds the "
+                "last elements of each tensor otherwise than the rest: on this rank's shards it "
+                "would not update as eager does. Use fused=False (torch's foreach update, the "
+                "default) on the CPU, or mode fuse_all_reduce")
 
     def _unscale(self, node: fx.Node) -> None:
         """GradScaler's unscale on shards: its gradients are the shards of the

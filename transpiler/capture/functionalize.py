@@ -31,12 +31,16 @@ aten = torch.ops.aten
 _SAME = {aten.detach.default, aten.alias.default}
 
 
+def written_arguments(target) -> list[int]:
+    """The positions of the arguments an op writes to."""
+    return [i for i, a in enumerate(target._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
 def mutated_index(target) -> int | None:
     """The position of the one argument an op writes to, or None if it writes
     to none; -1 where it writes to several or to one that is not its first."""
-    schema = target._schema
-    written = [i for i, a in enumerate(schema.arguments)
-               if a.alias_info is not None and a.alias_info.is_write]
+    written = written_arguments(target)
     if not written:
         return None
     return 0 if written == [0] else -1
@@ -84,6 +88,7 @@ def _with_defaults(node: fx.Node) -> dict:
 class _Plan:
     root: dict[fx.Node, fx.Node]        # node -> the tensor it is (itself, or what it aliases whole)
     twins: dict[fx.Node, object]        # in-place node -> its out-of-place overload
+    written: dict[fx.Node, list[int]]   # in-place node -> the positions of what it writes
 
 
 class Unsupported(Exception):
@@ -95,10 +100,10 @@ def _plan(graph: fx.Graph) -> _Plan:
     root: dict[fx.Node, fx.Node] = {}
     base: dict[fx.Node, fx.Node] = {}     # view -> the tensor it views
     twins: dict[fx.Node, object] = {}
+    written_by: dict[fx.Node, list[int]] = {}
     mutations: dict[fx.Node, list[int]] = {}   # tensor -> positions where it is mutated
 
-    def first_tensors(node: fx.Node) -> list[fx.Node]:
-        arg = node.args[0]
+    def tensors(arg) -> list[fx.Node]:
         return list(arg) if isinstance(arg, (list, tuple)) else [arg]
 
     for node in graph.nodes:
@@ -115,10 +120,8 @@ def _plan(graph: fx.Graph) -> _Plan:
             if not any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
                 continue   # arithmetic on sizes and values (a decision's check: capture/decisions.py)
             raise Unsupported(f"{node.name} calls {target}, not an aten op")
-        written = mutated_index(target)
-        if written == -1:
-            raise Unsupported(f"{node.name} ({target}) writes to several arguments")
-        if written is None:
+        written = written_arguments(target)
+        if not written:
             if target in _SAME:
                 root[node] = root[node.args[0]]
             elif _is_view(target):
@@ -128,19 +131,22 @@ def _plan(graph: fx.Graph) -> _Plan:
         twin = _twin(target)
         if twin is None:
             raise Unsupported(f"{node.name} ({target}) has no out-of-place twin")
+        if written != [0] and not _returns_each(node, twin, written):
+            raise Unsupported(f"{node.name} ({target}) writes to several arguments, "
+                              "not each one its twin returns")
         if draws_random(node) and not node.args[0].meta["val"].is_contiguous():
             # the twin allocates by a rule of its own: drawn on the target's
             # layout by the functionalizing trace (capture/random_layout.py)
             raise Unsupported(f"{node.name} ({target}) draws into a tensor that is not contiguous")
-        twins[node] = twin
-        for tensor in first_tensors(node):
+        twins[node], written_by[node] = twin, written
+        for tensor in (t for i in written for t in tensors(node.args[i])):
             r = root[tensor]
             if r in base and _sole_view(r, base[r]):
                 del base[r]   # nothing else sees its base: a tensor of its own
             if r in base:
                 raise Unsupported(f"{node.name} ({target}) writes through a view")
             mutations.setdefault(r, []).append(position[node])
-        if not isinstance(node.args[0], (list, tuple)):
+        if written[0] == 0 and not isinstance(node.args[0], (list, tuple)):
             root[node] = root[node.args[0]]   # add_ returns its (now new) self
     last_read: dict[fx.Node, int] = {}
     for node in graph.nodes:
@@ -151,7 +157,21 @@ def _plan(graph: fx.Graph) -> _Plan:
         end = last_read.get(root[view], -1)
         if any(position[view] < p < end for p in mutations.get(b, ())):
             raise Unsupported(f"{view.name}, a view, is read after {b.name} is mutated")
-    return _Plan(root, twins)
+    return _Plan(root, twins, written_by)
+
+
+def _returns_each(node: fx.Node, twin, written: list[int]) -> bool:
+    """Whether an op that writes to several arguments (torch's fused
+    optimizer kernels: the parameters, gradients and state; GradScaler's
+    unscale: the gradients and found_inf) writes tensors or lists of them given
+    positionally, each of which its twin returns anew, in their order."""
+    def returned(arg, r) -> bool:
+        if isinstance(arg, (list, tuple)):
+            return str(r.type) == "List[Tensor]"
+        return isinstance(arg, fx.Node) and str(r.type) == "Tensor"
+    return len(twin._schema.returns) == len(written) and all(
+        i < len(node.args) and returned(node.args[i], r)
+        for i, r in zip(written, twin._schema.returns))
 
 
 def _sole_view(view: fx.Node, b: fx.Node) -> bool:
@@ -186,7 +206,8 @@ def rewrite(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op not in ("call_function", "output"):
             continue
-        mutated = node.args[0] if node.args else None   # before it reads the latest values
+        written = plan.written.get(node, [0])
+        mutated = [node.args[i] for i in written] if node.args else None   # before the latest values
         node.args = fx.node.map_arg(node.args, latest)
         node.kwargs = fx.node.map_arg(node.kwargs, latest)
         twin = plan.twins.get(node)
@@ -198,8 +219,18 @@ def rewrite(graph: fx.Graph) -> None:
             kwargs = _with_defaults(node) if node.target in _RENAMED else dict(node.kwargs)
             new = new_node(graph, twin, node.args, role, kwargs, **meta)
             new._rename(twin.overloadpacket.__name__)   # as make_fx names it: _foreach_mul
-            if isinstance(mutated, (list, tuple)):
-                for i, tensor in enumerate(mutated):
+            if len(written) > 1:   # a result (a list of them) per argument written
+                if node in plan.root and plan.root[node] is not node:
+                    plan.root[new] = plan.root[node]   # _amp_update_scale_ returns its self
+                for k, arg in enumerate(mutated):
+                    results = new_node(graph, operator.getitem, (new, k), role)
+                    if not isinstance(arg, (list, tuple)):
+                        current[plan.root[arg]] = results
+                    for i, tensor in enumerate(arg if isinstance(arg, (list, tuple)) else ()):
+                        item = new_node(graph, operator.getitem, (results, i), role)
+                        current[plan.root[tensor]] = item
+            elif isinstance(mutated[0], (list, tuple)):
+                for i, tensor in enumerate(mutated[0]):
                     item = new_node(graph, operator.getitem, (new, i), role)
                     current[plan.root[tensor]] = item
             else:

@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import TranspileError
-from .optimizers import formulation_of
+from .optimizers import formulation_of, reads_numbers
 from .user_code import step_name
 
 # Group options forced while tracing: the foreach path, and capturable=True
@@ -60,6 +60,22 @@ def refuse_complex_state(step_fn, optimizers) -> None:
                 "torch.view_as_complex in forward), or use torch.optim.SGD")
 
 
+def refuse_fused_without_kernel(step_fn, optimizers) -> None:
+    """A fused group read as numbers (backend eager) runs torch's fused kernel
+    (Formulation.update_fused); an optimizer whose kernel a program cannot
+    run (SGD's has no fake implementation to trace) is refused."""
+    for opt in optimizers:
+        form = formulation_of(opt)
+        if form is None or form.update_fused is not None:
+            continue
+        if any(group.get("fused") and reads_numbers(group) for group in opt.param_groups):
+            raise TranspileError(
+                f"{step_name(step_fn)} steps {type(opt).__name__}(fused=True): torch's fused "
+                "kernel cannot be traced into a program, and no other update rounds as it "
+                "does. Use fused=False (torch's foreach update, the default), or "
+                "backend='inductor', which compiles the update within its tolerance")
+
+
 def forget_state(made) -> None:
     for opt, p, key in made:
         del opt.state[p][key]
@@ -101,7 +117,9 @@ def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, di
 def formulated_groups(optimizers, traced: dict[int, torch.Tensor],
                        hypers: dict[tuple, torch.Tensor]) -> dict[int, tuple]:
     """id of a traced parameter -> (formulation, group, terms, {name: hyper
-    input}) for the groups whose update takes its hyperparameters as inputs."""
+    input}, whether it reads them as numbers) for the groups whose update takes
+    its hyperparameters as inputs; each decided from the user's group options,
+    before the trace forces its own (TRACE_GROUP_OPTIONS)."""
     groups = {}
     for opt in optimizers:
         form = formulation_of(opt)
@@ -109,7 +127,7 @@ def formulated_groups(optimizers, traced: dict[int, torch.Tensor],
             terms = form.terms(group)
             h = {key: hypers[(id(opt), gi, key)] for key in form.lifted(terms)}
             for p in group["params"]:
-                groups[id(traced[id(p)])] = (form, group, terms, h)
+                groups[id(traced[id(p)])] = (form, group, terms, h, reads_numbers(group))
     return groups
 
 

@@ -125,7 +125,8 @@ class Formulation:
     functionals: (module, name) of the functions step() calls per group.
     update(group, h, terms, params, grads, *state lists): the update, h the
     lifted values as 0-d tensors; update_on_numbers: the same, h as Python
-    numbers (reads_numbers).
+    numbers (reads_numbers); update_fused: torch's fused kernel, for a fused
+    group that reads numbers (with a GradScaler's grad_scale and found_inf).
     initial_state(group, p): the state torch's first step creates for p, made
     now, when starting the update from it gives the first step's results
     exactly; None when it does not (SGD's dampening: torch's first step takes
@@ -138,6 +139,13 @@ class Formulation:
     update: Callable
     update_on_numbers: Callable   # the same with Python numbers (a bf16/fp16 group)
     initial_state: Callable[[dict, torch.Tensor], dict | None]
+    # torch's fused kernel, for a fused group read as numbers; None: refused
+    update_fused: Callable | None = None
+
+    def keys_lifted(self, group: dict) -> tuple[str, ...]:
+        """The group's entries that leave the signature: group_keys, or lr
+        alone for a fused group, whose kernel takes the others as constants."""
+        return ("lr",) if group.get("fused") else self.group_keys
 
 
 def _nonzero(group: dict, keys) -> tuple[str, ...]:
@@ -148,7 +156,7 @@ def _nonzero(group: dict, keys) -> tuple[str, ...]:
 
 def _sgd_terms(group):
     return _nonzero(group, ("weight_decay", "momentum")) + (
-        ("foreach",) if _eager_foreach(group) else ())
+        ("fused",) if group.get("fused") else ("foreach",) if _eager_foreach(group) else ())
 
 
 def _sgd_lifted(terms):
@@ -284,7 +292,7 @@ def _eager_foreach(group: dict) -> bool:
     `foreach`, by default where torch's foreach kernels run): a term of a
     group that reads numbers, whose update follows that path (their roundings
     differ: an in-place foreach op is a loop of in-place ops)."""
-    if not _needs_numbers(group):
+    if not _needs_numbers(group) or group.get("fused"):
         return False
     if group.get("foreach") is not None:
         return bool(group["foreach"])
@@ -309,7 +317,7 @@ def _adam_terms(group):
         terms += ("decoupled_weight_decay" if group.get("decoupled_weight_decay")
                   else "weight_decay",)
     if group.get("capturable") or group.get("fused"):
-        terms += ("capturable",)
+        terms += ("capturable",) + (("fused",) if group.get("fused") else ())
     elif _eager_foreach(group):
         terms += ("foreach",)
     return terms
@@ -357,7 +365,7 @@ def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
                          max_exp_avg_sqs, state_steps):
     """torch.optim.adam's default update (neither capturable nor fused) with
     Python numbers, line for line, on the path eager takes (_eager_foreach):
-    _multi_tensor_adam or _single_tensor_adam. A capturable or fused group computes on
+    _multi_tensor_adam or _single_tensor_adam. A capturable group computes on
     0-d tensors, as torch's capturable branch does (_adam_update)."""
     if "capturable" in terms:
         return _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
@@ -415,6 +423,29 @@ def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
     torch._foreach_div_(exp_avg_sq_sqrt, bc2_sqrt)
     torch._foreach_add_(exp_avg_sq_sqrt, h["eps"])
     torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, neg_step_size)
+
+
+def _adam_fused(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                state_steps, grad_scale=None, found_inf=None):
+    """torch.optim.adam._fused_adam: torch's fused kernel, per device and dtype,
+    lr its 0-d float64 host tensor (which the kernel reads as the double
+    eager passes), the other values constants of the program (Formulation.keys_lifted)."""
+    kernel = torch.ops.aten._fused_adamw_.tensor_lr if group.get("decoupled_weight_decay") \
+        else torch.ops.aten._fused_adam_.tensor_lr
+    beta1, beta2 = group["betas"]
+    for members in _by_device_and_dtype(params):
+        device = params[members[0]].device
+        steps = [state_steps[i] for i in members]
+        found = None if found_inf is None else found_inf.to(device)
+        torch._foreach_add_(steps, 1)
+        kernel([params[i] for i in members], [grads[i] for i in members],
+               [exp_avgs[i] for i in members], [exp_avg_sqs[i] for i in members],
+               [max_exp_avg_sqs[i] for i in members] if group["amsgrad"] else [], steps,
+               amsgrad=group["amsgrad"], lr=h["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+               grad_scale=None if grad_scale is None else grad_scale.to(device), found_inf=found)
+        if found is not None:
+            torch._foreach_sub_(steps, [found] * len(steps))
 
 
 def _positions(group, params) -> list[int]:
@@ -480,7 +511,7 @@ _SGD = Formulation(("lr", "momentum", "dampening", "weight_decay"), _sgd_terms, 
                    _sgd_initial_state)
 _ADAM = Formulation(("lr", "betas", "eps", "weight_decay"), _adam_terms, _adam_lifted,
                     (("torch.optim.adam", "adam"), ("torch.optim.adamw", "adamw")), _adam_update,
-                    _adam_update_numbers, _adam_initial_state)
+                    _adam_update_numbers, _adam_initial_state, _adam_fused)
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -505,8 +536,10 @@ def numbers_where_needed(enabled: bool):
 
 def _needs_numbers(group: dict) -> bool:
     """Whether only Python numbers give the group eager's roundings: a
-    bfloat16 or float16 parameter, or one off the CPU (module docstring)."""
-    return any(p.dtype in _REDUCED or p.device.type != "cpu" for p in group["params"])
+    bfloat16 or float16 parameter, one off the CPU, or torch's fused kernel,
+    which reads them as numbers (module docstring)."""
+    return bool(group.get("fused")) or any(p.dtype in _REDUCED or p.device.type != "cpu"
+                                           for p in group["params"])
 
 
 def reads_numbers(group: dict) -> bool:
@@ -547,8 +580,8 @@ def formulation_of(opt: torch.optim.Optimizer) -> Formulation | None:
 @contextlib.contextmanager
 def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
     """While tracing, route the functional updates of the groups in `groups`
-    (id of a traced parameter -> (formulation, group, terms, {name: tensor}))
-    to the formulations. Groups of other optimizers take torch's own path."""
+    (id of a traced parameter -> (formulation, group, terms, {name: tensor},
+    numbers), optimizer_state.formulated_groups) to the formulations. Groups of other optimizers take torch's own path."""
     patched = []
 
     def route(original):
@@ -556,12 +589,16 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             target = groups.get(id(params[0])) if params else None
             if target is None:
                 return original(params, grads, *lists, **kwargs)
-            form, group, terms, h = target
-            update = form.update
-            if reads_numbers(group):
+            form, group, terms, h, numbers = target
+            update, scaling = form.update, {}
+            if numbers and "fused" in terms:   # (refuse_fused_without_kernel)
+                # the kernel takes a GradScaler's scale and found_inf itself
+                update = form.update_fused
+                scaling = {k: kwargs.get(k) for k in ("grad_scale", "found_inf")}
+            elif numbers:
                 update, h = form.update_on_numbers, as_numbers(h)
-            if kwargs.get("has_sparse_grad") or kwargs.get("grad_scale") is not None \
-                    or kwargs.get("found_inf") is not None:
+            if kwargs.get("has_sparse_grad") or not scaling and (
+                    kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None):
                 raise TranspileError(
                     "sparse gradients and GradScaler's grad_scale/found_inf cannot be captured "
                     "in a program's optimizer update; use dense gradients and unscale outside "
@@ -570,7 +607,7 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             # Each foreach op of the update lists every parameter: fake tensors'
             # cache would hash them all and never hit.
             with disable_fake_tensor_cache(fake_mode) if fake_mode else contextlib.nullcontext():
-                update(group, h, terms, params, grads, *lists)
+                update(group, h, terms, params, grads, *lists, **scaling)
         return functional
 
     modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}

@@ -93,8 +93,8 @@ def signature(step_args: StepArgs) -> tuple:
         sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))
     for oi, opt in enumerate(step_args.optimizers):
         form = formulation_of(opt)
-        lifted = form.group_keys if form else ()
         for gi, group in enumerate(opt.param_groups):
+            lifted = form.keys_lifted(group) if form else ()
             sig.append((("optimizer", oi, "group", gi, "params"), tuple(map(id, group["params"]))))
             if form:
                 sig.append((("optimizer", oi, "group", gi, "terms"), form.terms(group)))

@@ -52,6 +52,7 @@ from .optimizer_state import (
     formulated_groups,
     make_first_state,
     refuse_complex_state,
+    refuse_fused_without_kernel,
     opt_params,
     redirect_optimizer,
     state_set_by_step,
@@ -194,6 +195,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
     refuse_complex_state(step_fn, step_args.optimizers)
+    refuse_fused_without_kernel(step_fn, step_args.optimizers)
     made = make_first_state(step_args.optimizers)
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
