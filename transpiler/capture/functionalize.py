@@ -8,7 +8,9 @@ as the first trace. Most steps need much less: where no other alias of a
 mutated tensor (a view of it, or the view it is) is read after the mutation,
 each in-place op is its out-of-place twin, whose result stands for the tensor
 in every later use, and a mutated input is written back (copy_) at the end, as
-functionalization writes it.
+functionalization writes it. An op that writes several arguments (torch's
+fused optimizer kernels, GradScaler's unscale and scale update) has a twin
+that returns each of them anew, in order.
 
 `rewrite` checks that on the whole graph first (plan) and edits it only then;
 where it does not hold it leaves the graph untouched and says why, and the
