@@ -2,7 +2,8 @@
 them: bias corrections and step size on the host, in double precision, from
 each parameter's step count. Bit for bit against the eager step and against
 torch DDP with its default optimizer on 2 gloo ranks; a capturable optimizer
-keeps torch's capturable formulation, bit for bit too."""
+keeps torch's capturable formulation (multi- or single-tensor), bit for bit
+too."""
 
 import contextlib
 import copy
@@ -119,13 +120,16 @@ def test_parameters_of_one_group_at_different_step_counts():
     assert [float(runs[0][f"opt.{name}.step"]) for name in names[:4]] == [10.0, 5.0, 5.0, 43.0]
 
 
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "single_tensor"])
 @pytest.mark.parametrize("opt_name", ["adam_l2_amsgrad", "adamw"])
-def test_a_capturable_optimizer_keeps_the_capturable_formulation(opt_name):
+def test_a_capturable_optimizer_keeps_the_capturable_formulation(opt_name, foreach):
+    """torch's capturable update, multi-tensor or single-tensor (whose
+    arithmetic differs), line for line with Python numbers."""
     runs = []
     for transpiled in (True, False):
         with contextlib.nullcontext() if transpiled else compiling_flag():
             model, opt = _train(opt_name, transpile(M.classify_step) if transpiled
-                                else M.classify_step, capturable=True, foreach=True)
+                                else M.classify_step, capturable=True, foreach=foreach)
         runs.append(M.state_of(model, opt))
     assert _equal(*runs)
     # ... which rounds differently from the default one.

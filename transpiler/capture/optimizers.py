@@ -318,7 +318,7 @@ def _adam_terms(group):
                   else "weight_decay",)
     if group.get("capturable") or group.get("fused"):
         terms += ("capturable",) + (("fused",) if group.get("fused") else ())
-    elif _eager_foreach(group):
+    if _eager_foreach(group):
         terms += ("foreach",)
     return terms
 
@@ -363,17 +363,16 @@ def _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_
 
 def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
                          max_exp_avg_sqs, state_steps):
-    """torch.optim.adam's default update (neither capturable nor fused) with
-    Python numbers, line for line, on the path eager takes (_eager_foreach):
-    _multi_tensor_adam or _single_tensor_adam. A capturable group computes on
-    0-d tensors, as torch's capturable branch does (_adam_update)."""
-    if "capturable" in terms:
-        return _adam_update(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
-                            max_exp_avg_sqs, state_steps)
+    """torch.optim.adam's update (not fused) with Python numbers, line for
+    line, on the path eager takes (_eager_foreach): _multi_tensor_adam or
+    _single_tensor_adam, each with its default bias corrections (from the
+    host, _PER_STEP) or its capturable ones (from the step counts on the
+    device)."""
     maximize, amsgrad = group["maximize"], group["amsgrad"]
+    capturable = "capturable" in terms
     at = _positions(group, params)
-    bc2_sqrt = [h["bias_correction2_sqrt"][i] for i in at]
-    neg_step_size = [h["neg_step_size"][i] for i in at]
+    bc2_sqrt = None if capturable else [h["bias_correction2_sqrt"][i] for i in at]
+    neg_step_size = None if capturable else [h["neg_step_size"][i] for i in at]
     if "foreach" not in terms:
         for i, param in enumerate(params):
             grad = grads[i] if not maximize else -grads[i]
@@ -385,6 +384,17 @@ def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
                 grad = grad.add(param, alpha=h["weight_decay"])
             exp_avg.lerp_(grad, h["one_minus_beta1"])
             exp_avg_sq.mul_(h["beta2"]).addcmul_(grad, grad, value=h["one_minus_beta2"])
+            if capturable:
+                step = state_steps[i]
+                step_size_neg = (h["lr"] / (1 - h["beta1"] ** step)).neg()
+                bias_correction2_sqrt = (1 - h["beta2"] ** step).sqrt()
+                if amsgrad:
+                    max_exp_avg_sqs[i].copy_(torch.maximum(max_exp_avg_sqs[i], exp_avg_sq))
+                    exp_avg_sq = max_exp_avg_sqs[i]
+                denom = (exp_avg_sq.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(
+                    h["eps"] / step_size_neg)
+                param.addcdiv_(exp_avg, denom)
+                continue
             if amsgrad:
                 torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
                 exp_avg_sq = max_exp_avg_sqs[i]
@@ -392,16 +402,17 @@ def _adam_update_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
             param.addcdiv_(exp_avg, denom, value=neg_step_size[i])
         return
     for members in _by_device_and_dtype(params):
-        lists = [[xs[i] for i in members] for xs in (
-            params, grads, exp_avgs, exp_avg_sqs, state_steps, bc2_sqrt, neg_step_size)]
-        maxima = [max_exp_avg_sqs[i] for i in members] if amsgrad else None
-        _adam_foreach_numbers(group, h, terms, *lists[:4], maxima, *lists[4:])
+        def part(xs):
+            return None if xs is None else [xs[i] for i in members]
+        _adam_foreach_numbers(group, h, terms, part(params), part(grads), part(exp_avgs),
+                              part(exp_avg_sqs), part(max_exp_avg_sqs) if amsgrad else None,
+                              part(state_steps), part(bc2_sqrt), part(neg_step_size))
 
 
 def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
                           max_exp_avg_sqs, state_steps, bc2_sqrt, neg_step_size):
-    """_multi_tensor_adam's default update of one group of tensors of a device
-    and dtype."""
+    """_multi_tensor_adam's update of one group of tensors of a device and
+    dtype."""
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
     torch._foreach_add_(state_steps, 1)
@@ -415,6 +426,15 @@ def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
     torch._foreach_lerp_(exp_avgs, grads, h["one_minus_beta1"])
     _foreach_mul_number_(exp_avg_sqs, h["beta2"])
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, h["one_minus_beta2"])
+    if "capturable" in terms:
+        neg_step_size = torch._foreach_pow(h["beta1"], state_steps)
+        bc2_sqrt = torch._foreach_pow(h["beta2"], state_steps)
+        torch._foreach_sub_(neg_step_size, 1)
+        torch._foreach_sub_(bc2_sqrt, 1)
+        torch._foreach_neg_(bc2_sqrt)
+        torch._foreach_div_(neg_step_size, h["lr"])
+        torch._foreach_reciprocal_(neg_step_size)
+        torch._foreach_sqrt_(bc2_sqrt)
     if max_exp_avg_sqs is not None:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
@@ -422,7 +442,11 @@ def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
         exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(exp_avg_sq_sqrt, bc2_sqrt)
     torch._foreach_add_(exp_avg_sq_sqrt, h["eps"])
-    torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, neg_step_size)
+    if "capturable" in terms:
+        torch._foreach_div_(exp_avg_sq_sqrt, neg_step_size)
+        torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt)
+    else:
+        torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, neg_step_size)
 
 
 def _adam_fused(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
@@ -536,10 +560,11 @@ def numbers_where_needed(enabled: bool):
 
 def _needs_numbers(group: dict) -> bool:
     """Whether only Python numbers give the group eager's roundings: a
-    bfloat16 or float16 parameter, one off the CPU, or torch's fused kernel,
-    which reads them as numbers (module docstring)."""
-    return bool(group.get("fused")) or any(p.dtype in _REDUCED or p.device.type != "cpu"
-                                           for p in group["params"])
+    bfloat16 or float16 parameter, one off the CPU, torch's fused kernel,
+    which reads them as numbers, or its capturable update, whose single-tensor
+    form differs from the multi-tensor one (module docstring)."""
+    return bool(group.get("fused") or group.get("capturable")) or any(
+        p.dtype in _REDUCED or p.device.type != "cpu" for p in group["params"])
 
 
 def reads_numbers(group: dict) -> bool:
