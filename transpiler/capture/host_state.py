@@ -40,8 +40,14 @@ from .user_code import step_name
 log = logging.getLogger("transpiler")
 
 
-def _group_values(optimizers) -> dict[str, Any]:
-    return {f"optimizer {oi} param_groups[{gi}][{key!r}]": value
+def _group_values(optimizers, inputs: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """Each param group's values by name; a traced stand-in of a tensor among
+    them (`inputs`: optimizer_state.group_tensors_as_inputs) as that tensor."""
+    def real(value):
+        if isinstance(value, tuple):
+            return tuple(inputs.get(id(v), v) for v in value)
+        return inputs.get(id(value), value)
+    return {f"optimizer {oi} param_groups[{gi}][{key!r}]": real(value)
             for oi, opt in enumerate(optimizers) for gi, group in enumerate(opt.param_groups)
             for key, value in group.items() if key != "params" and key not in TRACE_GROUP_OPTIONS}
 
@@ -60,7 +66,8 @@ class HostState:
                       for t in [traced.get(id(real))] if t is not None}
         self.step_fn = step_fn
         self.modules, self.optimizers = modules, optimizers
-        self.groups = _group_values(optimizers)
+        self.group_inputs: dict[int, torch.Tensor] = {}   # stand-in id -> a group's tensor
+        self.groups = _group_values(optimizers, self.group_inputs)
         self.registrations = registrations()
         self.structure = _structure(modules)
         self.guards = None
@@ -103,7 +110,7 @@ class HostState:
                 f"{name} registers a parameter, a buffer or a submodule while it runs: a "
                 "transpiled step's state is fixed when it is traced; create them before the "
                 "first call (for a lazy module, run one forward pass first)")
-        groups = _group_values(self.optimizers)
+        groups = _group_values(self.optimizers, self.group_inputs)
         changed = [(n, v) for n, v in self.groups.items() if repr(groups.get(n)) != repr(v)]
         if changed:
             first, old = changed[0]

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import TranspileError
 from .optimizers import formulation_of, reads_numbers
+from .reads import Place
 from .user_code import step_name
 
 # Group options forced while tracing: the foreach path, and capturable=True
@@ -74,6 +75,36 @@ def refuse_fused_without_kernel(step_fn, optimizers) -> None:
                 "kernel cannot be traced into a program, and no other update rounds as it "
                 "does. Use fused=False (torch's foreach update, the default), or "
                 "backend='inductor', which compiles the update within its tolerance")
+
+
+def group_tensors_as_inputs(optimizers, stand_in) -> dict[int, torch.Tensor]:
+    """A tensor among a param group's values (`lr=torch.tensor(0.01)`, as
+    torch.compile's optimizer recipes set it; betas as tensors) is read by the
+    traced update as any tensor the step reaches is (reads.py): a program
+    input read from the group on every call, whose layout alone is in the
+    signature. The group, redirected while traced (redirect_optimizer), holds
+    the traced stand-in until it is restored. Returns id of each stand-in ->
+    the tensor it stands for."""
+    reals = {}
+
+    def input_of(value, name, place):
+        stand = stand_in(value, name, place)
+        reals[id(stand)] = value
+        return stand
+
+    for oi, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for key, value in list(group.items()):
+                name = f"optimizer{oi}.param_groups[{gi}][{key!r}]"
+                if key == "params":
+                    continue
+                if isinstance(value, torch.Tensor):
+                    group[key] = input_of(value, name, Place(group, key))
+                elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+                    group[key] = tuple(
+                        input_of(v, f"{name}[{i}]", Place(group, key, (i,)))
+                        if isinstance(v, torch.Tensor) else v for i, v in enumerate(value))
+    return reals
 
 
 def forget_state(made) -> None:

@@ -100,7 +100,7 @@ def signature(step_args: StepArgs) -> tuple:
                 sig.append((("optimizer", oi, "group", gi, "terms"), form.terms(group)))
             for key, value in group.items():
                 if key != "params" and key not in lifted:
-                    sig.append((("optimizer", oi, "group", gi, key), _hashable(value)))
+                    sig.append((("optimizer", oi, "group", gi, key), _group_value(value)))
         for pi, p in enumerate(opt_params(opt)):
             for key, value in opt.state.get(p, {}).items():
                 sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
@@ -158,6 +158,16 @@ def _sized(v) -> tuple | None:
 
 def _is_tensor_sig(v) -> bool:
     return isinstance(v, tuple) and len(v) == 4 and isinstance(v[1], torch.dtype)
+
+
+def _group_value(value):
+    """A param group's value as the signature sees it: a tensor (in a tuple,
+    too) by its layout, being a program input (optimizer_state.group_tensors_as_inputs)."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_sig(value)
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_group_value(v) for v in value)
+    return _hashable(value)
 
 
 def _hashable(value):

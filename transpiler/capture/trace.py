@@ -50,6 +50,7 @@ from .markers import (
 from .optimizer_state import (
     forget_state,
     formulated_groups,
+    group_tensors_as_inputs,
     make_first_state,
     refuse_complex_state,
     refuse_fused_without_kernel,
@@ -397,6 +398,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                                   {id(t) for t in traced.values()}))
             for opt in optimizers:
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
+            host.group_inputs.update(group_tensors_as_inputs(optimizers, late.stand_in))
             stack.enter_context(updates_with_lifted_hyperparameters(formulated))
             # make_fx turns autocast's cache of casts off; eager casts a
             # parameter used twice in one autocast region once (both uses' gradients
