@@ -82,12 +82,25 @@ def scaled_step(model, opt, scaler, x, y):
     return x.sum()
 
 
+def clipped_step(model, opt, scaler, x, y):
+    """nanoGPT's step with float16: unscale_, clip, then step."""
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(opt)
+    scaler.update()
+    return x.sum()
+
+
+@pytest.mark.parametrize("step_fn", [scaled_step, clipped_step], ids=["scaled", "unscaled_first"])
 @pytest.mark.parametrize("init_scale", [2.0 ** 127, 2.0 ** 8], ids=["overflowing", "finite"])
-def test_a_grad_scaler_hands_the_kernel_its_scale(init_scale):
-    """GradScaler.step gives a fused optimizer grad_scale and found_inf
-    instead of unscaling: the kernel unscales and skips an overflowing step."""
+def test_a_grad_scaler_hands_the_kernel_its_scale(init_scale, step_fn):
+    """GradScaler.step gives a fused optimizer grad_scale (none once unscaled)
+    and found_inf instead of unscaling: the kernel unscales and skips an
+    overflowing step."""
     runs = []
-    for step in (transpile(scaled_step), scaled_step):
+    for step in (transpile(step_fn), step_fn):
         model = _model(torch.float32, "cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
@@ -111,7 +124,7 @@ def test_fused_sgd_is_refused_with_nothing_changed():
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
 
-def rank_vs_ddp(mode, config):
+def rank_vs_ddp(mode, config, scaled):
     rank = dist.get_rank()
     runs = []
     for transpiled in (True, False):
@@ -119,19 +132,22 @@ def rank_vs_ddp(mode, config):
         cls, options = CONFIGS[config]
         opt = cls(model.parameters(), fused=True, **options)
         net = model if transpiled else DDP(model)
-        step = transpile(M.classify_step, mode=mode) if transpiled else M.classify_step
+        fn = clipped_step if scaled else M.classify_step
+        step = transpile(fn, mode=mode) if transpiled else fn
+        extra = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 8),) if scaled else ()
         for x, y in M.batches("mlp", 3, 8):
-            step(net, opt, *M.shard((x, y), rank, 2))
+            step(net, opt, *extra, *M.shard((x, y), rank, 2))
             opt.param_groups[0]["lr"] *= 0.7
         runs.append(M.state_of(model, opt))
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["adam_l2_amsgrad", "adamw"])
+@pytest.mark.parametrize("config,scaled", [("adam_l2_amsgrad", False), ("adamw", False),
+                                           ("adamw", True)])
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "grad_allreduce"])
-def test_equals_ddp_on_2_ranks(mode, config, ranks2):
-    for ours, ddp in ranks2.run(rank_vs_ddp, mode, config):
+def test_equals_ddp_on_2_ranks(mode, config, scaled, ranks2):
+    for ours, ddp in ranks2.run(rank_vs_ddp, mode, config, scaled):
         M.assert_states_equal(ours, ddp)
 
 
