@@ -17,6 +17,13 @@ where its values are computed: the forward). Every node has role COMM. With
 one rank it does not apply. The first step starts from rank 0's buffers
 through the startup program (broadcast_params).
 
+Inside the step, where a DDP wrapper would broadcast too (a forward of a
+module after one of its forwards with grad enabled and an optimizer step: a
+validation forward after the update), capture marked each of the module's
+buffers with a copy of itself (BUFFER_SYNC, capture/buffer_sync.py): the
+copies of each point are broadcast there from rank 0 the same way, bucket by
+bucket, and later reads see the received values.
+
 Buffers the program never writes (a causal mask, a frozen table) are skipped:
 the startup program broadcast them once and no program changes them, so every
 rank holds rank 0's value at every step and a broadcast would copy each rank's
@@ -34,12 +41,13 @@ do not; transpile(broadcast_buffers=False) drops it, as DDP's option does.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from passes.coalesce_tensors import MB, GradInfo, pack, plan_buckets, unpack
 from transpiler.program.collectives import BROADCAST, WAIT
 from transpiler.lowering.context import PassContext
 from transpiler.program.program import CommInfo, InputKind, OutputKind, Program, new_node
-from transpiler.program.roles import COMM, INPUT, Role
+from transpiler.program.roles import BUFFER_SYNC, COMM, INPUT, Role
 
 aten = torch.ops.aten
 
@@ -65,23 +73,55 @@ def broadcast_buffers(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     graph, out = program.graph, program.output_node
+    for point in plan_sync_points(program, ctx):
+        sent = [node.args[1] for node in point]
+        names = [node.meta[BUFFER_SYNC][1] for node in point]
+        with graph.inserting_before(point[0]):
+            views = _broadcast(graph, sent, names, ctx)
+        for node, view in zip(point, views):
+            node.replace_all_uses_with(view)
+            graph.erase_node(node)
     values = list(out.args[0])
     for bucket in plan_broadcast(program, ctx):
-        written = [values[k] for _, k in bucket]
-        over = ctx.over(bucket[0][0])
-        dtype = written[0].meta["val"].dtype
         with graph.inserting_before(out):
-            # One buffer is sent through an alias: a collective never reads a
-            # value that is also an output as it is.
-            flat = pack(graph, written, dtype, Role.COMM) if len(written) > 1 else \
-                new_node(graph, aten.alias.default, (written[0],), Role.COMM)
-            comm = CommInfo("broadcast", ring=0, over=over, nbytes=flat.meta["val"].nbytes,
-                            params=tuple(name for name, _ in bucket))
-            # src is the rank within the group
-            sent = new_node(graph, BROADCAST, (flat, 0, ctx.mesh.ring(over)), Role.COMM,
-                            **{COMM: comm})
-            received = new_node(graph, WAIT, (sent,), Role.COMM, **{COMM: comm})
-            views = unpack(graph, received, written) if len(written) > 1 else [received]
+            views = _broadcast(graph, [values[k] for _, k in bucket],
+                               [name for name, _ in bucket], ctx)
         for (_, k), view in zip(bucket, views):
             values[k] = view
     out.args = (tuple(values),)
+
+
+def plan_sync_points(program: Program, ctx: PassContext) -> list[list[fx.Node]]:
+    """The copies marked BUFFER_SYNC (capture/buffer_sync.py), one list per
+    bucket of a point: by point, then as plan_buckets puts the buffers of one
+    dtype and group together, in the order the trace wrote them."""
+    points: dict[int, list[fx.Node]] = {}
+    for node in program.graph.nodes:
+        if BUFFER_SYNC in node.meta:
+            points.setdefault(node.meta[BUFFER_SYNC][0], []).append(node)
+    cap = int(ctx.bucket_mb * MB)
+    buckets = []
+    for _, nodes in sorted(points.items()):
+        by_name = {node.meta[BUFFER_SYNC][1]: node for node in nodes}
+        infos = [GradInfo(name, node.meta["val"].dtype, node.meta["val"].nbytes,
+                          over=ctx.over(name)) for name, node in by_name.items()]
+        buckets += [[by_name[name] for name in bucket] for bucket in plan_buckets(infos, cap, cap)]
+    return buckets
+
+
+def _broadcast(graph: fx.Graph, sent: list[fx.Node], names: list[str],
+               ctx: PassContext) -> list[fx.Node]:
+    """Rank 0's values of `sent` (one dtype, one group), packed into one
+    buffer and broadcast: a view of the received buffer for each."""
+    over = ctx.over(names[0])
+    dtype = sent[0].meta["val"].dtype
+    # One buffer is sent through an alias: a collective never reads a value
+    # that is also an output as it is.
+    flat = pack(graph, sent, dtype, Role.COMM) if len(sent) > 1 else \
+        new_node(graph, aten.alias.default, (sent[0],), Role.COMM)
+    comm = CommInfo("broadcast", ring=0, over=over, nbytes=flat.meta["val"].nbytes,
+                    params=tuple(names))
+    # src is the rank within the group
+    issued = new_node(graph, BROADCAST, (flat, 0, ctx.mesh.ring(over)), Role.COMM, **{COMM: comm})
+    received = new_node(graph, WAIT, (issued,), Role.COMM, **{COMM: comm})
+    return unpack(graph, received, sent) if len(sent) > 1 else [received]

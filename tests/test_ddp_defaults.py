@@ -359,10 +359,10 @@ def rank_validates_after_its_update():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="OPEN silent difference: DDP broadcasts rank 0's "
-                   "buffers before every forward that follows one with grad enabled, a second "
-                   "forward inside the step too; the transpiled step broadcasts them once, at "
-                   "its end, so rank 1 validates with its own BatchNorm statistics")
 def test_a_validation_forward_after_the_update_inside_the_step_equals_ddp(ranks2):
+    """DDP broadcasts rank 0's buffers before every forward that follows one
+    with grad enabled, a second forward inside the step too
+    (capture/buffer_sync.py): rank 1 validates with rank 0's BatchNorm
+    statistics."""
     for ours, ddp in ranks2.run(rank_validates_after_its_update):
         assert all(torch.equal(a, b) for a, b in zip(ours, ddp))

@@ -27,7 +27,8 @@ from ..program.averaging import mark_backward_ends
 from ..errors import TranspileError
 from .optimizers import updates_with_lifted_hyperparameters
 from ..program.program import InputKind, InputSpec, OutputKind, Program
-from ..program.roles import CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE, UNUSED, Role
+from ..program.roles import (BUFFER_SYNC, CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE,
+                             UNUSED, Role)
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs
 from .argument_writes import ArgumentChanges, ArgumentGradSlot, ArgumentSlot
@@ -70,6 +71,7 @@ from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .reads import Recorder, Write
+from .buffer_sync import buffer_sync_points
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
@@ -414,6 +416,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(rng.recording(on_values))
             stack.enter_context(backward_marker(markers, step_fn, grads_now, zero_unused_grads))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
+            stack.enter_context(buffer_sync_points(markers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
                                                step_name(step_fn)))
@@ -907,7 +910,7 @@ def _drop_profiler_nodes(graph: fx.Graph):
 
 
 
-_CARRIED = (PARAM, READY, SKIPS, GRAD_AT, CARRY, UNUSED, COMM)   # meta on the node of a value
+_CARRIED = (PARAM, READY, SKIPS, GRAD_AT, CARRY, UNUSED, COMM, BUFFER_SYNC)   # meta on a value's node
 
 
 class _RoleCarrier(fx.Interpreter):

@@ -59,3 +59,7 @@ DECISION = "decision"
 # update's old value unless ok, where the update may be skipped by a host read
 # instead (skipped_update.py)
 SKIPPABLE = "skippable"
+# capture/buffer_sync.py: (point, buffer name) on a copy of a buffer onto
+# itself where a DDP wrapper would broadcast rank 0's buffers inside the step
+# (broadcast_buffers makes each point's copies a broadcast)
+BUFFER_SYNC = "buffer_sync"
