@@ -25,11 +25,20 @@ kernels round a 0-d tensor operand to the tensor's dtype (0.1 becomes
 0.10009765625 in bfloat16) where a Python number is kept in float32, and
 whose `add` rounds its Python scalar to the tensor's dtype; and a parameter
 off the CPU, whose kernels group their operands otherwise (CUDA's addcdiv is
-self + value * (t1 / t2), the CPU's self + value * t1 / t2). Only torch's own
-calls with Python numbers round as eager's there. Its update is then torch's
-single- or multi-tensor code with the terms fixed (`_sgd_update_numbers`,
-`_adam_update_numbers`); the inputs are float64, so .item() gives the double
-eager passes, and nothing traces again when a value changes.
+self + value * (t1 / t2), the CPU's self + value * t1 / t2); and a capturable
+group, whose single-tensor update computes otherwise than the multi-tensor
+one. Only torch's own calls with Python numbers round as eager's there. Its
+update is then torch's single- or multi-tensor code with the terms fixed
+(`_sgd_update_numbers`, `_adam_update_numbers`), each foreach op once per
+device and dtype as torch groups them; the inputs are float64, so .item()
+gives the double eager passes, and nothing traces again when a value changes.
+
+A fused group (Adam and AdamW with fused=True) traced for backend eager runs
+torch's fused kernel itself (`_adam_fused`), which reads lr from its float64
+host tensor as eager's double; the kernel takes the other values as numbers
+that a program holds as constants, so they stay in the signature (a change
+traces again: Formulation.keys_lifted). SGD's fused kernel cannot be traced
+(no fake implementation): SGD(fused=True) is refused there.
 
 Adam's bias corrections are computed as torch's default (neither capturable
 nor fused) Adam computes them: on the host, in double precision, from each
