@@ -32,7 +32,7 @@ import torch
 from ..errors import TranspileError
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .constants import realize
-from .guards import saved
+from .guards import saved, snapshot
 from .reads import MISSING, Recorder, Write, is_traced, put, recording
 from .signature import registrations
 from .user_code import step_name
@@ -40,16 +40,39 @@ from .user_code import step_name
 log = logging.getLogger("transpiler")
 
 
-def _group_values(optimizers, inputs: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """Each param group's values by name; a traced stand-in of a tensor among
-    them (`inputs`: optimizer_state.group_tensors_as_inputs) as that tensor."""
+# Set on an optimizer by an LR scheduler's wrapper of its step() when it runs.
+_SCHEDULER_FLAG = "_opt_called"
+
+
+def _optimizer_values(optimizers, inputs: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """What an optimizer's step() could change on the host, by name: each
+    param group's values (a traced stand-in of a tensor among them, `inputs`:
+    optimizer_state.group_tensors_as_inputs, as that tensor), its defaults,
+    and its attributes that hold plain values (a custom optimizer's counter,
+    `self.global_step`)."""
     def real(value):
         if isinstance(value, tuple):
             return tuple(inputs.get(id(v), v) for v in value)
         return inputs.get(id(value), value)
-    return {f"optimizer {oi} param_groups[{gi}][{key!r}]": real(value)
-            for oi, opt in enumerate(optimizers) for gi, group in enumerate(opt.param_groups)
-            for key, value in group.items() if key != "params" and key not in TRACE_GROUP_OPTIONS}
+    values = {}
+    for oi, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key != "params" and key not in TRACE_GROUP_OPTIONS:
+                    values[f"optimizer {oi} param_groups[{gi}][{key!r}]"] = real(value)
+        for key, value in getattr(opt, "defaults", {}).items():
+            values[f"optimizer {oi} defaults[{key!r}]"] = value
+        for key, value in vars(opt).items():
+            if key != _SCHEDULER_FLAG and _plain(value):
+                values[f"optimizer {oi} .{key}"] = value
+    return values
+
+
+def _plain(value) -> bool:
+    """A number, string, bool or None, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (int, float, str))
 
 
 class HostState:
@@ -67,7 +90,11 @@ class HostState:
         self.step_fn = step_fn
         self.modules, self.optimizers = modules, optimizers
         self.group_inputs: dict[int, torch.Tensor] = {}   # stand-in id -> a group's tensor
-        self.groups = _group_values(optimizers, self.group_inputs)
+        self.optimizer_values = _optimizer_values(optimizers, self.group_inputs)
+        # what a refusal puts back (their groups, redirect_optimizer does)
+        self.optimizer_saved = [({k: v for k, v in vars(opt).items() if _plain(v)},
+                                 dict(getattr(opt, "defaults", {}))) for opt in optimizers]
+        self.traced = {id(t) for t in traced.values()}
         self.registrations = registrations()
         self.structure = _structure(modules)
         self.guards = None
@@ -110,17 +137,44 @@ class HostState:
                 f"{name} registers a parameter, a buffer or a submodule while it runs: a "
                 "transpiled step's state is fixed when it is traced; create them before the "
                 "first call (for a lazy module, run one forward pass first)")
-        groups = _group_values(self.optimizers, self.group_inputs)
-        changed = [(n, v) for n, v in self.groups.items() if repr(groups.get(n)) != repr(v)]
+        return self._optimizer_changed(name)
+
+    def _restore_optimizers(self) -> None:
+        """Each optimizer's attributes and defaults as they were (a refused
+        step changes nothing)."""
+        for opt, (attributes, defaults) in zip(self.optimizers, self.optimizer_saved):
+            for key in [k for k, v in vars(opt).items() if k not in attributes and _plain(v)]:
+                delattr(opt, key)
+            vars(opt).update(attributes)
+            if hasattr(opt, "defaults"):
+                opt.defaults.clear()
+                opt.defaults.update(defaults)
+
+    def _optimizer_changed(self, name: str) -> TranspileError | None:
+        """A change to an optimizer's groups, defaults or plain attributes, or
+        optimizer state kept under a key that is not a parameter: refused."""
+        now = _optimizer_values(self.optimizers, self.group_inputs)
+        before = self.optimizer_values
+        changed = [n for n in before if repr(now.get(n, MISSING)) != repr(before[n])]
+        changed += [n for n in now if n not in before]
         if changed:
-            first, old = changed[0]
+            first = changed[0]
+            old, new = before.get(first, "absent"), now.get(first, "deleted")
+            self._restore_optimizers()
             return TranspileError(
-                f"{name} changes host-side state: {first} {old!r} -> "
-                f"{groups.get(first, 'deleted')!r}. The program runs without the step's Python, "
-                "so this change would happen once, while the step is traced, and never again: "
-                "set hyperparameters outside the step, or step a torch.optim.lr_scheduler after "
-                "optimizer.step() inside it (the transpiled step runs it on the host after every "
-                "call)")
+                f"{name} changes host-side state: {first} {old!r} -> {new!r}. The program runs "
+                "without the step's Python, so this change would happen once, while the step "
+                "is traced, and never again: set hyperparameters outside the step, or step a "
+                "torch.optim.lr_scheduler after optimizer.step() inside it (the transpiled step "
+                "runs it on the host after every call); an optimizer of your own keeps a count "
+                "in a tensor of optimizer.state[p], as torch's do")
+        for oi, opt in enumerate(self.optimizers):
+            key = next((k for k in opt.state if id(k) not in self.traced), None)
+            if key is not None:
+                return TranspileError(
+                    f"{name} steps {type(opt).__name__}, which keeps state under "
+                    f"{_shown_key(key)}, not under a parameter: the program carries an "
+                    "optimizer's state per parameter (optimizer.state[p]); keep it there")
         return None
 
     def abandon(self) -> None:
@@ -211,3 +265,7 @@ def refuse_repeated(step_fn, first: list[Write], again: list[Write]) -> Transpil
         "once, while the step is traced, and never again: change such values outside the step; "
         "keep a counter or a value forward computes in a tensor buffer (register_buffer) "
         "that the step updates, or return it from the step")
+
+
+def _shown_key(key) -> str:
+    return repr(key) if snapshot(key) is not MISSING else f"a {type(key).__name__}"

@@ -61,6 +61,19 @@ def refuse_complex_state(step_fn, optimizers) -> None:
                 "torch.view_as_complex in forward), or use torch.optim.SGD")
 
 
+def refuse_uninitialized(step_fn, optimizers) -> None:
+    """An optimizer whose __init__ skipped torch.optim.Optimizer's (a wrapper of
+    another, as timm's Lookahead) has none of the step hooks the trace marks
+    its step() with: refused."""
+    for opt in optimizers:
+        if not hasattr(opt, "_optimizer_step_pre_hooks"):
+            raise TranspileError(
+                f"{step_name(step_fn)} steps {type(opt).__name__}, whose __init__ does not run "
+                "torch.optim.Optimizer.__init__ (it wraps another optimizer?): its step() "
+                "cannot be traced. Step the optimizer it wraps in the step, and do the "
+                "wrapper's own work outside it")
+
+
 def refuse_fused_without_kernel(step_fn, optimizers) -> None:
     """A fused group read as numbers (backend eager) runs torch's fused kernel
     (Formulation.update_fused); an optimizer whose kernel a program cannot

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import operator
 from collections import defaultdict
@@ -55,6 +56,7 @@ from .optimizer_state import (
     make_first_state,
     refuse_complex_state,
     refuse_fused_without_kernel,
+    refuse_uninitialized,
     opt_params,
     redirect_optimizer,
     state_set_by_step,
@@ -197,6 +199,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         raise TranspileError(
             f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
+    refuse_uninitialized(step_fn, step_args.optimizers)
     refuse_complex_state(step_fn, step_args.optimizers)
     refuse_fused_without_kernel(step_fn, step_args.optimizers)
     made = make_first_state(step_args.optimizers)
@@ -463,6 +466,12 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             grads = []
             for p in inputs.params:
                 tp = traced[id(p)]
+                if tp.grad is not None and tp.grad.layout is not torch.strided:
+                    raise TranspileError(
+                        f"{step_name(step_fn)} gives {inputs.param_names[id(p)]} a sparse "
+                        "gradient (nn.Embedding(sparse=True), F.embedding(sparse=True)): a "
+                        "program carries dense tensors only; use sparse=False (an optimizer "
+                        "such as SparseAdam then takes dense Adam's place)")
                 if tp.grad is not None:
                     left.append(p)
                     grads.append(tp.grad)
@@ -717,6 +726,10 @@ def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
     for name, leaf in zip(step_args.names, step_args.leaves):
         recorder.reach(leaf, name)
     recorder.reach(step_fn, step_name(step_fn))
+    for oi, opt in enumerate(step_args.optimizers):
+        # an optimizer's own values are the signature's and inputs; the globals
+        # its step() reads (and writes) are the step's, like any code it runs
+        recorder.reach(inspect.unwrap(type(opt).step), f"{type(opt).__name__}.step")
 
 
 @contextlib.contextmanager

@@ -240,8 +240,11 @@ def guard(optimizer: torch.optim.Optimizer) -> None:
     with before it had them."""
     if optimizer not in _hooked:
         _check_held(optimizer)
-        optimizer.register_state_dict_pre_hook(_refuse_shards)
-        optimizer.register_load_state_dict_pre_hook(_refuse_unfit)
+        # an optimizer that skipped Optimizer.__init__ (timm's Lookahead, which
+        # wraps another) has no hooks of its own to take them
+        if hasattr(optimizer, "_optimizer_state_dict_pre_hooks"):
+            optimizer.register_state_dict_pre_hook(_refuse_shards)
+            optimizer.register_load_state_dict_pre_hook(_refuse_unfit)
         _hooked.add(optimizer)
 
 
