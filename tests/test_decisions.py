@@ -332,3 +332,46 @@ def test_a_checked_float_reads_back_as_the_same_double(value):
         with decisions._exact_floats():
             text = str(expr)
         assert decisions._holds(text, ("zuf0",), (value,)), text
+
+
+def _float_decision_step(model, opt, x, t):
+    """A branch on a float read from a tensor, and a number derived from one
+    by max() (ASGD's 1 / max(1, step - t0))."""
+    opt.zero_grad()
+    scale = 3.0 if t.item() > 3 else 1.0
+    floor = max(1, t.item() - 2)
+    loss = (model(x) * scale).pow(2).mean() / floor
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_bound_on_a_float_is_checked():
+    """torch drops a check `u <= 3.0` on an unbacked float as redundant with a
+    range it keeps for integers only: the program held the first call's
+    branch silently (decisions._keep_float_bounds)."""
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_float_decision_step)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, t in enumerate([1.0, 5.0, 2.5, 6.0, 7.5]):
+        t = torch.tensor(t)
+        assert torch.equal(step(ours, opts[0], x, t), _float_decision_step(theirs, opts[1], x, t)), i
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    assert step.traces == 2   # t <= 3 (and t - 2 <= 1): 1.0, 2.5; t > 3 (and t - 2 > 1): the rest
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_asgd_averages_as_eager(foreach):
+    """ASGD's mu = 1 / max(1, step - t0), a decision on its step count."""
+    runs = []
+    for transpiled in (True, False):
+        model = M.make("mlp")
+        opt = torch.optim.ASGD(model.parameters(), lr=1e-2, t0=2, foreach=foreach)
+        fn = transpile(M.classify_step) if transpiled else M.classify_step
+        for batch in M.batches("mlp", 5, 8):
+            fn(model, opt, *batch)
+        runs.append(M.state_of(model, opt))
+    M.assert_states_equal(*runs)

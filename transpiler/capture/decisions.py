@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch._subclasses import fake_utils
 from torch.fx.experimental.symbolic_shapes import (CallMethodKey, GuardOnDataDependentSymNode,
                                                    ShapeEnv, _has_uninterpretable_sympy_function)
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.utils._pytree import SequenceKey
 from torch.utils._sympy import functions as sympy_functions
@@ -104,6 +105,7 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     check (DECISION on its node's meta), where the values it reads are
     computed; returns them in the graph's order."""
     _pin_uninterpretable(shape_env, step_fn)
+    _keep_float_bounds(shape_env)
     with _exact_floats():   # the checks' expressions are read from these strings
         by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
                    for ra in ras}
@@ -136,6 +138,28 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
         decisions.append(decision)
     gm.recompile()
     return decisions
+
+
+def _keep_float_bounds(shape_env: ShapeEnv) -> None:
+    """torch's insert_deferred_runtime_asserts drops a bound of one symbol by a
+    number (`zuf0 <= 3.0`) as redundant, since it constrains the symbol's range
+    instead, which it does for integers only: a decision on a float
+    (`if t.item() > 3:`, `max(1, step - t0)`) kept no check, and the program
+    held the first call's branch. Each such bound on a float is stated as
+    `zuf0 - 3.0 <= 0`, which it keeps (for doubles x - c <= 0 exactly when
+    x <= c: a difference of two finite doubles is 0 only when they are equal)."""
+    for symbol, asserts in shape_env.deferred_runtime_asserts.items():
+        for i, ra in enumerate(asserts):
+            expr = ra.expr
+            if expr.func not in (sympy.LessThan, sympy.GreaterThan) or len(expr.args) != 2:
+                continue
+            lhs, rhs = expr.args
+            if isinstance(lhs, sympy.Number):
+                lhs, rhs = rhs, lhs
+                expr = expr.reversed
+            if isinstance(lhs, sympy.Symbol) and isinstance(rhs, sympy.Number) \
+                    and symbol_is_type(lhs, SymT.UNBACKED_FLOAT):
+                asserts[i] = dataclasses.replace(ra, expr=expr.func(lhs - rhs, 0))
 
 
 def _exact_floats():
