@@ -6,7 +6,8 @@ test session: spawning ranks costs seconds, so tests share them.
 
 `fn` must be a module-level function; an exception on any rank is raised here
 with that rank's traceback; a rank that does not answer within the timeout
-fails the call and the pool is torn down (no test waits forever).
+fails the call, with its threads' stacks, and the pool is torn down (no test
+waits forever).
 `RankPool(2, pg_timeout_s=5)` gives the process group that timeout.
 """
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -22,11 +25,20 @@ import torch.multiprocessing as mp
 _TIMEOUT_S = 180
 
 
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks{rank}"
+
+
 def _worker(rank, world_size, store_path, tasks, results, pg_timeout_s):
     import datetime
+    import faulthandler
 
     import torch
     import torch.distributed as dist
+
+    # a rank that does not answer is asked for its threads' stacks (RankPool.run)
+    stacks = open(_stacks_path(store_path, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     torch.set_num_threads(1)
     timeout = None if pg_timeout_s is None else datetime.timedelta(seconds=pg_timeout_s)
@@ -53,7 +65,7 @@ class RankPool:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory()
-        store = os.path.join(self._dir.name, "store")
+        store = self._store = os.path.join(self._dir.name, "store")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
@@ -78,14 +90,28 @@ class RankPool:
                 rank, ok, value = self._results.get(timeout=timeout)
                 got[rank] = (ok, value)
         except queue.Empty:
+            silent = sorted(waited - set(got))
+            stacks = self._stacks(silent)
             self.close(kill=True)
-            raise RankFailure(f"ranks {sorted(waited - set(got))} did not "
-                              f"answer {fn.__name__} within {timeout}s") from None
+            raise RankFailure(f"ranks {silent} did not answer {fn.__name__} within {timeout}s"
+                              f"{stacks}") from None
         errors = {r: v for r, (ok, v) in got.items() if not ok and r in waited}
         if errors:
             rank = min(errors)
             raise RankFailure(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
         return [got[r][1] for r in sorted(waited)]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """The threads' stacks of each rank in `ranks`, as faulthandler dumps them."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(2)
+        out = ""
+        for r in ranks:
+            with open(_stacks_path(self._store, r)) as f:
+                out += f"\n--- rank {r}'s threads ---\n{f.read()}"
+        return out
 
     @property
     def alive(self) -> bool:
