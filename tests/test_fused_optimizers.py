@@ -5,8 +5,9 @@ adamw_torch_fused).
 With backend eager a fused group's update is torch's own kernel
 (capture/optimizers.py, _adam_fused): lr read from a host tensor, the other
 values constants of the program. Bit for bit as eager with lr changed every
-call and traced once; another beta or eps traces again. A GradScaler hands the
-kernel its scale and found-inf flag, as eager's does. SGD(fused=True), whose
+call and traced once; another beta or eps traces again. With a GradScaler,
+whose scale is a power of two, the scaler unscales the gradients before the
+kernel (as exact as the kernel's own unscaling) and skips an overflowing step. SGD(fused=True), whose
 kernel cannot be traced, is refused; so are shards of a fused update on the
 CPU (modes zero and fsdp), whose kernel rounds the last elements of a tensor
 on a path of their own."""
@@ -95,10 +96,10 @@ def clipped_step(model, opt, scaler, x, y):
 
 @pytest.mark.parametrize("step_fn", [scaled_step, clipped_step], ids=["scaled", "unscaled_first"])
 @pytest.mark.parametrize("init_scale", [2.0 ** 127, 2.0 ** 8], ids=["overflowing", "finite"])
-def test_a_grad_scaler_hands_the_kernel_its_scale(init_scale, step_fn):
-    """GradScaler.step gives a fused optimizer grad_scale (none once unscaled)
-    and found_inf instead of unscaling: the kernel unscales and skips an
-    overflowing step."""
+def test_a_grad_scaler_with_a_fused_optimizer_equals_eager(init_scale, step_fn):
+    """Eager's GradScaler.step gives a fused optimizer grad_scale (none once
+    unscaled) and found_inf, and the kernel unscales and skips; the program's
+    scaler unscales first and skips on the host: the same values."""
     runs = []
     for step in (transpile(step_fn), step_fn):
         model = _model(torch.float32, "cpu")

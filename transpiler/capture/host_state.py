@@ -40,8 +40,10 @@ from .user_code import step_name
 log = logging.getLogger("transpiler")
 
 
-# Set on an optimizer by an LR scheduler's wrapper of its step() when it runs.
-_SCHEDULER_FLAG = "_opt_called"
+# An optimizer's attributes that are no value of its step: set by an LR
+# scheduler's wrapper of step() when it runs, and turned off while traced
+# (scaler.traced_scalers: the scaler unscales a fused optimizer's gradients).
+_NOT_STEP_VALUES = frozenset({"_opt_called", "_step_supports_amp_scaling"})
 
 
 def _optimizer_values(optimizers, inputs: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -63,7 +65,7 @@ def _optimizer_values(optimizers, inputs: dict[int, torch.Tensor]) -> dict[str, 
         for key, value in getattr(opt, "defaults", {}).items():
             values[f"optimizer {oi} defaults[{key!r}]"] = value
         for key, value in vars(opt).items():
-            if key != _SCHEDULER_FLAG and _plain(value):
+            if key not in _NOT_STEP_VALUES and _plain(value):
                 values[f"optimizer {oi} .{key}"] = value
     return values
 

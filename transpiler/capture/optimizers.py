@@ -135,7 +135,7 @@ class Formulation:
     update(group, h, terms, params, grads, *state lists): the update, h the
     lifted values as 0-d tensors; update_on_numbers: the same, h as Python
     numbers (reads_numbers); update_fused: torch's fused kernel, for a fused
-    group that reads numbers (with a GradScaler's grad_scale and found_inf).
+    group that reads numbers.
     initial_state(group, p): the state torch's first step creates for p, made
     now, when starting the update from it gives the first step's results
     exactly; None when it does not (SGD's dampening: torch's first step takes
@@ -459,26 +459,24 @@ def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
 
 
 def _adam_fused(group, h, terms, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                state_steps, grad_scale=None, found_inf=None):
+                state_steps):
     """torch.optim.adam._fused_adam: torch's fused kernel, per device and dtype,
     lr its 0-d float64 host tensor (which the kernel reads as the double
-    eager passes), the other values constants of the program (Formulation.keys_lifted)."""
+    eager passes), the other values constants of the program
+    (Formulation.keys_lifted). A GradScaler unscales the gradients before it
+    (scaler.traced_scalers), by a power of two: as exact as the kernel's own
+    unscaling."""
     kernel = torch.ops.aten._fused_adamw_.tensor_lr if group.get("decoupled_weight_decay") \
         else torch.ops.aten._fused_adam_.tensor_lr
     beta1, beta2 = group["betas"]
     for members in _by_device_and_dtype(params):
-        device = params[members[0]].device
         steps = [state_steps[i] for i in members]
-        found = None if found_inf is None else found_inf.to(device)
         torch._foreach_add_(steps, 1)
         kernel([params[i] for i in members], [grads[i] for i in members],
                [exp_avgs[i] for i in members], [exp_avg_sqs[i] for i in members],
                [max_exp_avg_sqs[i] for i in members] if group["amsgrad"] else [], steps,
                amsgrad=group["amsgrad"], lr=h["lr"], beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-               grad_scale=None if grad_scale is None else grad_scale.to(device), found_inf=found)
-        if found is not None:
-            torch._foreach_sub_(steps, [found] * len(steps))
+               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 
 
 def _positions(group, params) -> list[int]:
@@ -624,15 +622,13 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             if target is None:
                 return original(params, grads, *lists, **kwargs)
             form, group, terms, h, numbers = target
-            update, scaling = form.update, {}
+            update = form.update
             if numbers and "fused" in terms:   # (refuse_fused_without_kernel)
-                # the kernel takes a GradScaler's scale and found_inf itself
                 update = form.update_fused
-                scaling = {k: kwargs.get(k) for k in ("grad_scale", "found_inf")}
             elif numbers:
                 update, h = form.update_on_numbers, as_numbers(h)
-            if kwargs.get("has_sparse_grad") or not scaling and (
-                    kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None):
+            if kwargs.get("has_sparse_grad") or kwargs.get("grad_scale") is not None \
+                    or kwargs.get("found_inf") is not None:
                 raise TranspileError(
                     "sparse gradients and GradScaler's grad_scale/found_inf cannot be captured "
                     "in a program's optimizer update; use dense gradients and unscale outside "
@@ -641,7 +637,7 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             # Each foreach op of the update lists every parameter: fake tensors'
             # cache would hash them all and never hit.
             with disable_fake_tensor_cache(fake_mode) if fake_mode else contextlib.nullcontext():
-                update(group, h, terms, params, grads, *lists, **scaling)
+                update(group, h, terms, params, grads, *lists)
         return functional
 
     modules = {m for form in set(FORMULATIONS.values()) for m in form.functionals}
