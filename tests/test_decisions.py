@@ -375,3 +375,28 @@ def test_asgd_averages_as_eager(foreach):
             fn(model, opt, *batch)
         runs.append(M.state_of(model, opt))
     M.assert_states_equal(*runs)
+
+
+def _zero_bound_step(model, opt, x, t):
+    """Bounds by zero (a sign, a clamp at 0 in Python), which sympy would fold
+    back into a bare bound that torch drops."""
+    opt.zero_grad()
+    sign = 2.0 if t.item() < 0 else 1.0
+    loss = (model(x) * sign).pow(2).mean() + max(t.item(), 0.0)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_bound_on_a_float_by_zero_is_checked():
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_zero_bound_step)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, t in enumerate([1.0, -1.0, 2.0, -3.0, 0.0, -0.0]):
+        t = torch.tensor(t)
+        assert torch.equal(step(ours, opts[0], x, t), _zero_bound_step(theirs, opts[1], x, t)), i
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    assert step.traces == 2

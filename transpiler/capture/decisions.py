@@ -146,8 +146,9 @@ def _keep_float_bounds(shape_env: ShapeEnv) -> None:
     instead, which it does for integers only: a decision on a float
     (`if t.item() > 3:`, `max(1, step - t0)`) kept no check, and the program
     held the first call's branch. Each such bound on a float is stated as
-    `zuf0 - 3.0 <= 0`, which it keeps (for doubles x - c <= 0 exactly when
-    x <= c: a difference of two finite doubles is 0 only when they are equal)."""
+    `zuf0 - 3.0 <= 0` (unevaluated, so that a bound by 0 stays one too),
+    which it keeps (for doubles x - c <= 0 exactly when x <= c: a difference
+    of two finite doubles is 0 only when they are equal)."""
     for symbol, asserts in shape_env.deferred_runtime_asserts.items():
         for i, ra in enumerate(asserts):
             expr = ra.expr
@@ -159,7 +160,9 @@ def _keep_float_bounds(shape_env: ShapeEnv) -> None:
                 expr = expr.reversed
             if isinstance(lhs, sympy.Symbol) and isinstance(rhs, sympy.Number) \
                     and symbol_is_type(lhs, SymT.UNBACKED_FLOAT):
-                asserts[i] = dataclasses.replace(ra, expr=expr.func(lhs - rhs, 0))
+                # unevaluated: sympy would fold `zuf0 - 0.0 >= 0` back into the bound
+                difference = sympy.Add(lhs, -rhs, evaluate=False)
+                asserts[i] = dataclasses.replace(ra, expr=expr.func(difference, 0, evaluate=False))
 
 
 def _exact_floats():
