@@ -400,3 +400,28 @@ def test_a_bound_on_a_float_by_zero_is_checked():
         assert torch.equal(step(ours, opts[0], x, t), _zero_bound_step(theirs, opts[1], x, t)), i
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
     assert step.traces == 2
+
+
+def _warmup_step(model, opt, x, n):
+    """A warmup factor from a step count in a tensor, and a rounded value:
+    expressions torch's assert insertion cannot build, pinned instead."""
+    opt.zero_grad()
+    factor = min(1.0, (n.item() + 1) / 5) * round(n.item() * 0.7)
+    loss = (model(x) * factor).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_decision_torch_cannot_check_is_pinned_to_its_value():
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(_warmup_step)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, n in enumerate([3, 5, 3, 9]):
+        n = torch.tensor(n)
+        assert torch.equal(step(ours, opts[0], x, n), _warmup_step(theirs, opts[1], x, n)), i
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    assert step.traces == 3   # a program per value: 3, 5, 9

@@ -233,6 +233,13 @@ def _erase_unused(node) -> None:
             n.graph.erase_node(n)
 
 
+# Functions torch's assert insertion fails to turn into graph nodes (its
+# reference analysis branches on a traced value: an int's true division,
+# `min(1.0, (n.item() + 1) / 5)`; round()), pinned as the uninterpretable ones.
+_NOT_REIFIED = (sympy_functions.IntTrueDiv, sympy_functions.RoundToInt,
+                sympy_functions.RoundDecimal)
+
+
 def _pin_uninterpretable(shape_env: ShapeEnv, step_fn) -> None:
     """A decision whose expression torch cannot put into a graph (a float
     computed from a value, `1.0 / t.item()` passed to an op as a number, is
@@ -242,7 +249,7 @@ def _pin_uninterpretable(shape_env: ShapeEnv, step_fn) -> None:
     this call's: any other value traces again."""
     for ras in shape_env.deferred_runtime_asserts.values():
         for i, ra in reversed(list(enumerate(ras))):
-            if not _has_uninterpretable_sympy_function(ra.expr):
+            if not (_has_uninterpretable_sympy_function(ra.expr) or ra.expr.has(*_NOT_REIFIED)):
                 continue
             pins = []
             for symbol in sorted(ra.expr.free_symbols, key=str):
