@@ -436,14 +436,7 @@ def _adam_foreach_numbers(group, h, terms, params, grads, exp_avgs, exp_avg_sqs,
     _foreach_mul_number_(exp_avg_sqs, h["beta2"])
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, h["one_minus_beta2"])
     if "capturable" in terms:
-        neg_step_size = torch._foreach_pow(h["beta1"], state_steps)
-        bc2_sqrt = torch._foreach_pow(h["beta2"], state_steps)
-        torch._foreach_sub_(neg_step_size, 1)
-        torch._foreach_sub_(bc2_sqrt, 1)
-        torch._foreach_neg_(bc2_sqrt)
-        torch._foreach_div_(neg_step_size, h["lr"])
-        torch._foreach_reciprocal_(neg_step_size)
-        torch._foreach_sqrt_(bc2_sqrt)
+        neg_step_size, bc2_sqrt = _capturable_corrections(h, state_steps, lambda v: v)
     if max_exp_avg_sqs is not None:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         exp_avg_sq_sqrt = torch._foreach_sqrt(max_exp_avg_sqs)
@@ -502,19 +495,27 @@ def _default_step(group, h, params, exp_avgs, exp_avg_sq_sqrt):
                             exp_avg_sq_sqrt)
 
 
-def _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps):
-    """The bias corrections of _multi_tensor_adam's capturable branch, from the
-    step counts in the program."""
-    n = len(params)
-    bias_correction1 = torch._foreach_pow([h["beta1"]] * n, state_steps)
-    bias_correction2 = torch._foreach_pow([h["beta2"]] * n, state_steps)
+def _capturable_corrections(h, state_steps, base):
+    """_multi_tensor_adam's capturable bias corrections from the step counts:
+    -lr / (1 - beta1^t) and sqrt(1 - beta2^t). `base(value)` is beta1's and
+    beta2's form as _foreach_pow's first operand (a number, or a 0-d tensor
+    per step count)."""
+    bias_correction1 = torch._foreach_pow(base(h["beta1"]), state_steps)
+    bias_correction2 = torch._foreach_pow(base(h["beta2"]), state_steps)
     torch._foreach_sub_(bias_correction1, 1)
     torch._foreach_sub_(bias_correction2, 1)
     torch._foreach_neg_(bias_correction2)
     torch._foreach_div_(bias_correction1, h["lr"])
     torch._foreach_reciprocal_(bias_correction1)
     torch._foreach_sqrt_(bias_correction2)
-    step_size, bias_correction2_sqrt = bias_correction1, bias_correction2
+    return bias_correction1, bias_correction2
+
+
+def _capturable_step(h, params, exp_avgs, exp_avg_sq_sqrt, state_steps):
+    """The bias corrections of _multi_tensor_adam's capturable branch, from the
+    step counts in the program."""
+    step_size, bias_correction2_sqrt = _capturable_corrections(
+        h, state_steps, lambda v: [v] * len(params))
     torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
     torch.ops.aten._foreach_add_.Tensor(exp_avg_sq_sqrt, h["eps"])
     torch._foreach_div_(exp_avg_sq_sqrt, step_size)
