@@ -334,6 +334,23 @@ def test_a_checked_float_reads_back_as_the_same_double(value):
         assert decisions._holds(text, ("zuf0",), (value,)), text
 
 
+def _over_values(step_fn, values):
+    """The step transpiled and eager on a Linear from the same start, called
+    with each of `values` as a tensor: equal outputs and parameters at every
+    call. Returns the transpiled step."""
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, value in enumerate(values):
+        t = torch.tensor(value)
+        assert torch.equal(step(ours, opts[0], x, t), step_fn(theirs, opts[1], x, t)), i
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    return step
+
+
 def _float_decision_step(model, opt, x, t):
     """A branch on a float read from a tensor, and a number derived from one
     by max() (ASGD's 1 / max(1, step - t0))."""
@@ -350,16 +367,7 @@ def test_a_bound_on_a_float_is_checked():
     """torch drops a check `u <= 3.0` on an unbacked float as redundant with a
     range it keeps for integers only: the program held the first call's
     branch silently (decisions._keep_float_bounds)."""
-    torch.manual_seed(0)
-    ours = nn.Linear(4, 3)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(_float_decision_step)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-    for i, t in enumerate([1.0, 5.0, 2.5, 6.0, 7.5]):
-        t = torch.tensor(t)
-        assert torch.equal(step(ours, opts[0], x, t), _float_decision_step(theirs, opts[1], x, t)), i
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    step = _over_values(_float_decision_step, [1.0, 5.0, 2.5, 6.0, 7.5])
     assert step.traces == 2   # t <= 3 (and t - 2 <= 1): 1.0, 2.5; t > 3 (and t - 2 > 1): the rest
 
 
@@ -389,16 +397,7 @@ def _zero_bound_step(model, opt, x, t):
 
 
 def test_a_bound_on_a_float_by_zero_is_checked():
-    torch.manual_seed(0)
-    ours = nn.Linear(4, 3)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(_zero_bound_step)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-    for i, t in enumerate([1.0, -1.0, 2.0, -3.0, 0.0, -0.0]):
-        t = torch.tensor(t)
-        assert torch.equal(step(ours, opts[0], x, t), _zero_bound_step(theirs, opts[1], x, t)), i
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    step = _over_values(_zero_bound_step, [1.0, -1.0, 2.0, -3.0, 0.0, -0.0])
     assert step.traces == 2
 
 
@@ -414,14 +413,5 @@ def _warmup_step(model, opt, x, n):
 
 
 def test_a_decision_torch_cannot_check_is_pinned_to_its_value():
-    torch.manual_seed(0)
-    ours = nn.Linear(4, 3)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(_warmup_step)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-    for i, n in enumerate([3, 5, 3, 9]):
-        n = torch.tensor(n)
-        assert torch.equal(step(ours, opts[0], x, n), _warmup_step(theirs, opts[1], x, n)), i
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    step = _over_values(_warmup_step, [3, 5, 3, 9])
     assert step.traces == 3   # a program per value: 3, 5, 9
