@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
+from tests.test_skipped_update import scaled_step as clipped_step   # unscale_, clip, step
 from transpiler import TranspileError, transpile
 from transpiler.errors import PassError
 
@@ -78,17 +79,6 @@ def test_another_beta_or_eps_traces_again_and_equals_eager(caplog):
 def scaled_step(model, opt, scaler, x, y):
     opt.zero_grad()
     scaler.scale(F.cross_entropy(model(x), y)).backward()
-    scaler.step(opt)
-    scaler.update()
-    return x.sum()
-
-
-def clipped_step(model, opt, scaler, x, y):
-    """nanoGPT's step with float16: unscale_, clip, then step."""
-    opt.zero_grad()
-    scaler.scale(F.cross_entropy(model(x), y)).backward()
-    scaler.unscale_(opt)
-    nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     scaler.step(opt)
     scaler.update()
     return x.sum()
