@@ -286,6 +286,27 @@ def test_ctc_loss_with_lengths_as_tensors_equals_eager():
     assert step.traces == 2
 
 
+def _over_values(step_fn, values):
+    """The step transpiled and eager on a Linear from the same start, called
+    with each of `values` (a tensor, or a number made one) under the same
+    seed: equal outputs and parameters at every call. Returns the transpiled
+    step."""
+    torch.manual_seed(0)
+    ours = nn.Linear(4, 3)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for i, value in enumerate(values):
+        t = torch.as_tensor(value)
+        torch.manual_seed(i)
+        a = step(ours, opts[0], x, t)
+        torch.manual_seed(i)
+        assert torch.equal(a, step_fn(theirs, opts[1], x, t)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
+    return step
+
+
 def _perturbed_step(model, opt, x, eps):
     """A random perturbation within a tensor's value (FGSM's random start):
     uniform_ takes the float, a decision pinned to it."""
@@ -302,21 +323,10 @@ def test_a_decision_on_a_float_holds_on_the_call_it_was_traced_on():
     digits, 0.100000001490116: the check failed on the very call it was traced
     on, and the step was refused. Each float is checked as the double it is;
     another value traces again, and a value seen before finds its program."""
-    torch.manual_seed(0)
-    ours = nn.Linear(4, 3)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(_perturbed_step)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     values = [torch.tensor(0.1)] * 3 + [torch.tensor(1 / 3, dtype=torch.float64),
                                         torch.tensor(1e-300, dtype=torch.float64),
                                         torch.tensor(0.1)]
-    for i, eps in enumerate(values):
-        torch.manual_seed(i)
-        a = step(ours, opts[0], x, eps)
-        torch.manual_seed(i)
-        assert torch.equal(a, _perturbed_step(theirs, opts[1], x, eps)), f"call {i}"
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    step = _over_values(_perturbed_step, values)
     assert step.traces == 3
 
 
@@ -332,23 +342,6 @@ def test_a_checked_float_reads_back_as_the_same_double(value):
         with decisions._exact_floats():
             text = str(expr)
         assert decisions._holds(text, ("zuf0",), (value,)), text
-
-
-def _over_values(step_fn, values):
-    """The step transpiled and eager on a Linear from the same start, called
-    with each of `values` as a tensor: equal outputs and parameters at every
-    call. Returns the transpiled step."""
-    torch.manual_seed(0)
-    ours = nn.Linear(4, 3)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(step_fn)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-    for i, value in enumerate(values):
-        t = torch.tensor(value)
-        assert torch.equal(step(ours, opts[0], x, t), step_fn(theirs, opts[1], x, t)), i
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())), i
-    return step
 
 
 def _float_decision_step(model, opt, x, t):

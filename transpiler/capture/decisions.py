@@ -149,7 +149,7 @@ def _keep_float_bounds(shape_env: ShapeEnv) -> None:
     `zuf0 - 3.0 <= 0` (unevaluated, so that a bound by 0 stays one too),
     which it keeps (for doubles x - c <= 0 exactly when x <= c: a difference
     of two finite doubles is 0 only when they are equal)."""
-    for symbol, asserts in shape_env.deferred_runtime_asserts.items():
+    for asserts in shape_env.deferred_runtime_asserts.values():
         for i, ra in enumerate(asserts):
             expr = ra.expr
             if expr.func not in (sympy.LessThan, sympy.GreaterThan) or len(expr.args) != 2:

@@ -222,13 +222,14 @@ def rewrite(graph: fx.Graph) -> None:
             new = new_node(graph, twin, node.args, role, kwargs, **meta)
             new._rename(twin.overloadpacket.__name__)   # as make_fx names it: _foreach_mul
             if len(written) > 1:   # a result (a list of them) per argument written
-                if node in plan.root and plan.root[node] is not node:
+                if plan.root[node] is not node:
                     plan.root[new] = plan.root[node]   # _amp_update_scale_ returns its self
                 for k, arg in enumerate(mutated):
                     results = new_node(graph, operator.getitem, (new, k), role)
                     if not isinstance(arg, (list, tuple)):
                         current[plan.root[arg]] = results
-                    for i, tensor in enumerate(arg if isinstance(arg, (list, tuple)) else ()):
+                        continue
+                    for i, tensor in enumerate(arg):
                         item = new_node(graph, operator.getitem, (results, i), role)
                         current[plan.root[tensor]] = item
             elif isinstance(mutated[0], (list, tuple)):

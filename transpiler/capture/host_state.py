@@ -170,7 +170,7 @@ class HostState:
                 "torch.optim.lr_scheduler after optimizer.step() inside it (the transpiled step "
                 "runs it on the host after every call); an optimizer of your own keeps a count "
                 "in a tensor of optimizer.state[p], as torch's do")
-        for oi, opt in enumerate(self.optimizers):
+        for opt in self.optimizers:
             key = next((k for k in opt.state if id(k) not in self.traced), None)
             if key is not None:
                 return TranspileError(

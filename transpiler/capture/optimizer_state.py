@@ -108,9 +108,9 @@ def group_tensors_as_inputs(optimizers, stand_in) -> dict[int, torch.Tensor]:
     for oi, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
             for key, value in list(group.items()):
-                name = f"optimizer{oi}.param_groups[{gi}][{key!r}]"
                 if key == "params":
                     continue
+                name = f"optimizer{oi}.param_groups[{gi}][{key!r}]"
                 if isinstance(value, torch.Tensor):
                     group[key] = input_of(value, name, Place(group, key))
                 elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):

@@ -146,7 +146,7 @@ class Formulation:
     lifted: Callable[[tuple[str, ...]], tuple[str, ...]]
     functionals: tuple[tuple[str, str], ...]
     update: Callable
-    update_on_numbers: Callable   # the same with Python numbers (a bf16/fp16 group)
+    update_on_numbers: Callable   # the same with Python numbers (reads_numbers)
     initial_state: Callable[[dict, torch.Tensor], dict | None]
     # torch's fused kernel, for a fused group read as numbers; None: refused
     update_fused: Callable | None = None
@@ -165,7 +165,7 @@ def _nonzero(group: dict, keys) -> tuple[str, ...]:
 
 def _sgd_terms(group):
     return _nonzero(group, ("weight_decay", "momentum")) + (
-        ("fused",) if group.get("fused") else ("foreach",) if _eager_foreach(group) else ())
+        ("foreach",) if _eager_foreach(group) else ())
 
 
 def _sgd_lifted(terms):
@@ -576,9 +576,8 @@ def _needs_numbers(group: dict) -> bool:
 
 
 def reads_numbers(group: dict) -> bool:
-    """Whether a group's update reads its hyperparameters as Python numbers
-    (a bfloat16 or float16 parameter, or one off the CPU, traced for backend
-    eager: see the module's docstring)."""
+    """Whether a group's update reads its hyperparameters as Python numbers:
+    one that needs them (_needs_numbers), traced for backend eager."""
     return _NUMBERS[0] and _needs_numbers(group)
 
 
@@ -614,7 +613,8 @@ def formulation_of(opt: torch.optim.Optimizer) -> Formulation | None:
 def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
     """While tracing, route the functional updates of the groups in `groups`
     (id of a traced parameter -> (formulation, group, terms, {name: tensor},
-    numbers), optimizer_state.formulated_groups) to the formulations. Groups of other optimizers take torch's own path."""
+    numbers), optimizer_state.formulated_groups) to the formulations. Groups
+    of other optimizers take torch's own path."""
     patched = []
 
     def route(original):
