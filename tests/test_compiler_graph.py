@@ -104,3 +104,35 @@ def test_reshape_left_whole_where_a_size_has_no_node():
     before = [n.format_node() for n in gm.graph.nodes]
     compiler_graph.reshapes_in_steps(gm.graph)
     assert [n.format_node() for n in gm.graph.nodes] == before
+
+
+def _unscale(grads, found_inf, inv_scale):
+    """GradScaler.unscale_'s kernel, functional, as a program holds it."""
+    unscaled, found = torch.ops.aten._amp_foreach_non_finite_check_and_unscale(
+        grads, found_inf, inv_scale)
+    return *unscaled, found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_unscale_as_math_computes_the_kernels_bits(dtype, bad):
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(37, generator=g).to(dtype) * 1000, torch.randn(3, 5, generator=g).to(dtype),
+             torch.randn(1, generator=g).to(dtype)]
+    if bad is not None:
+        grads[1][1, 2] = bad
+    args = (grads, torch.zeros(()), torch.tensor(1 / 3))
+    gm = make_fx(_unscale, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    compiler_graph.unscales_as_math(gm.graph)
+    gm.recompile()
+    assert not any(n.target is torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default
+                   for n in gm.graph.nodes)
+    got = gm(*args)
+    assert got[-1].item() == (0.0 if bad is None else 1.0) == expected[-1].item()
+    for e, x in zip(expected[:-1], got[:-1]):
+        assert x.dtype == e.dtype and x.shape == e.shape
+        # Bit for bit; a NaN's payload aside (the step that read it is skipped).
+        assert torch.equal(e.isnan(), x.isnan())
+        assert torch.equal(e.nan_to_num().view(-1).view(torch.uint8),
+                           x.nan_to_num().view(-1).view(torch.uint8))

@@ -7,17 +7,23 @@ graph, never the program (its listing stays as traced).
     reshapes_in_steps   a reshape that splits and merges dimensions at once ->
                         a split, then a merge (symbolic batch dimensions)
     draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
+    unscales_as_math    GradScaler's unscale -> a multiply and a finiteness check
 """
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
+aten = torch.ops.aten
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _BERNOULLI_P = torch.ops.aten.bernoulli.p
 _RESHAPE = torch.ops.aten.reshape.default
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default
 
 
 def views_as_reshapes(graph: fx.Graph) -> None:
@@ -184,3 +190,63 @@ def _size_args(graph: fx.Graph, node: fx.Node, sizes: list[sympy.Expr]) -> list 
             found = held[size] = sym_size
         args.append(found)
     return args
+
+
+def unscales_as_math(graph: fx.Graph) -> None:
+    """_amp_foreach_non_finite_check_and_unscale(grads, found_inf, inv_scale)
+    (GradScaler.unscale_, functionalized) -> each gradient times inv_scale in
+    its opmath type (float32 for half types, rounded back), and found_inf set
+    to 1 where an element of any gradient is not finite: what the kernel
+    computes (its `inv_scale == 1 ? x : x * inv_scale` is the same number).
+    A compiler has no lowering of the op: it copies every gradient (the
+    functional form returns new tensors) and runs the kernel over the copies,
+    two passes over the model that the multiply, fused into the next reader
+    of each gradient, does not make."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _UNSCALE:
+            continue
+        items = {u.args[1]: u for u in node.users}
+        grads_item = items.get(0)
+        if not all(u.target is operator.getitem for u in node.users) or (
+                grads_item is not None
+                and not all(u.target is operator.getitem for u in grads_item.users)):
+            continue
+        grads, found_inf, inv_scale = node.args
+        with graph.inserting_before(node):
+            unscaled = [_unscaled(graph, node, g, inv_scale) for g in grads]
+            nonfinite = [_call(graph, node, aten.any.default,
+                               _call(graph, node, aten.logical_not.default,
+                                     _call(graph, node, aten.isfinite.default, g)))
+                         for g in grads]
+            found = found_inf if not grads else _call(
+                graph, node, aten.where.ScalarSelf,
+                _call(graph, node, aten.any.default,
+                      _call(graph, node, aten.stack.default, nonfinite)), 1.0, found_inf)
+        for item in list(grads_item.users) if grads_item is not None else ():
+            item.replace_all_uses_with(unscaled[item.args[1]])
+            graph.erase_node(item)
+        if 1 in items:
+            items[1].replace_all_uses_with(found)
+        for item in items.values():
+            graph.erase_node(item)
+        graph.erase_node(node)
+
+
+def _unscaled(graph: fx.Graph, like: fx.Node, grad: fx.Node, inv_scale: fx.Node) -> fx.Node:
+    dtype = grad.meta["val"].dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return _call(graph, like, aten.mul.Tensor, grad, inv_scale)
+    wide = _call(graph, like, aten._to_copy.default, grad, dtype=torch.float32)
+    return _call(graph, like, aten._to_copy.default,
+                 _call(graph, like, aten.mul.Tensor, wide, inv_scale), dtype=dtype)
+
+
+def _call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
+    """A node calling `target`, with `like`'s roles and its value computed on
+    the arguments' fake values."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    values = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    with detect_fake_mode(values):
+        node.meta["val"] = target(*values[0], **values[1])
+    return node
