@@ -7,7 +7,10 @@ holds rank 0's buffers between steps, as DDP's next forward would see them.
 
 Requires nothing.
 Produces: the buffers the program both reads and writes (BatchNorm's running
-statistics and batch count): their new values, in input order, planned into
+statistics and batch count) of the modules DDP would wrap (those with a
+parameter the program computes a gradient for; not an EMA of the model, nor a
+target network, whose buffers stay each rank's own as beside a DDP-wrapped
+model): their new values, in input order, planned into
 buckets by dtype as coalesce_tensors plans gradients (plan_buckets, every
 bucket capped at ctx.bucket_mb), each bucket packed into one flat buffer in its
 own dtype, `broadcast(src=0)` over the buffers' group (ctx.over: the world) on
@@ -52,11 +55,25 @@ from transpiler.program.roles import BUFFER_SYNC, COMM, INPUT, Role
 aten = torch.ops.aten
 
 
+def wrapped(program: Program) -> set[int | None]:
+    """The step's modules whose buffers DDP would broadcast: those holding a
+    parameter whose gradient the program reduces (the modules a DDP wrapper
+    holds). Another module the step is given (an EMA of the model, a target
+    network updated from it) keeps each rank's own buffers, as it does beside
+    a DDP-wrapped model. A program that reduces no gradient (a call that
+    accumulates, run as under no_sync; a forward without grad) has none: after
+    such a forward DDP's next forward does not broadcast either."""
+    graded = program.grads
+    return {s.module for s in program.inputs if s.kind is InputKind.PARAM and s.name in graded}
+
+
 def plan_broadcast(program: Program, ctx: PassContext) -> list[list[tuple[str, int]]]:
     """The buffers to broadcast as (name, index of the output holding the
     value the step leaves), in buckets (each of one dtype and group), in input
     order of their first buffer."""
-    read = {n.meta[INPUT].name for n in program.updated_inputs(InputKind.BUFFER) if n.users}
+    owners = wrapped(program)
+    read = {n.meta[INPUT].name for n in program.updated_inputs(InputKind.BUFFER)
+            if n.users and n.meta[INPUT].module in owners}
     written = {spec.target: k for k, spec in enumerate(program.outputs)
                if spec.kind is OutputKind.UPDATE and spec.target in read}
     values = program.output_node.args[0]
@@ -92,12 +109,15 @@ def broadcast_buffers(program: Program, ctx: PassContext) -> None:
 
 
 def plan_sync_points(program: Program, ctx: PassContext) -> list[list[fx.Node]]:
-    """The copies marked BUFFER_SYNC (capture/buffer_sync.py), one list per
+    """The copies marked BUFFER_SYNC (capture/buffer_sync.py) of the wrapped
+    modules' buffers (those of another module stay copies), one list per
     bucket of a point: by point, then as plan_buckets puts the buffers of one
     dtype and group together, in the order the trace wrote them."""
+    owners = wrapped(program)
     points: dict[int, list[fx.Node]] = {}
     for node in program.graph.nodes:
-        if BUFFER_SYNC in node.meta:
+        if BUFFER_SYNC in node.meta and program.input_node(
+                node.meta[BUFFER_SYNC][1]).meta[INPUT].module in owners:
             points.setdefault(node.meta[BUFFER_SYNC][0], []).append(node)
     cap = int(ctx.bucket_mb * MB)
     buckets = []

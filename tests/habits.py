@@ -386,7 +386,6 @@ def _timm_ema_setup():
        what="EMA of parameters and BN buffers after each optimizer step, with a decay computed "
             "on the host from the update counter (warmup, min/max) and torch._foreach_lerp_",
        expect=EQUAL, rule=GUARD, setup=_timm_ema_setup, ranks=True,
-       rank_gap="DDP broadcasts the buffers of the model it wraps; the transpiled step those of every module it is given, the EMA's too (issue 41: buffers as DDP has them)",
        call=lambda step, s, i, d: step(s.model, s.opt, d.img(), d.cls(), s.model_ema, i + 1))
 def timm_ema_step(model, optimizer, input, target, model_ema, num_updates):
     output = model(input)
@@ -639,7 +638,6 @@ def _accum_setup():
        what="gradient accumulation over calls chosen by a bool argument; nested closures; "
             "zero_grad only after an update",
        expect=EQUAL, rule=GUARD, setup=_accum_setup, ranks=True,
-       rank_gap="under no_sync, DDP skips the buffer broadcast of the next forward (it broadcasts before a forward only after one that synced gradients); the transpiled step broadcasts before every call",
        call=lambda step, s, i, d: step(s.model, s.opt, d.img(), d.cls(), s.args,
                                        (i + 1) % s.args.accum_steps == 0))
 def accum_step(model, optimizer, input, target, args, need_update):
@@ -5166,7 +5164,6 @@ def _sb3_dqn_ddp(s):
        what="soft target update written through torch.add(..., out=p.data) on target "
             "parameters and BN running stats; ReplayBufferSamples NamedTuple batch",
        expect=EQUAL, rule=INPUTS, setup=_sb3_dqn_setup, ranks=True, ddp=_sb3_dqn_ddp,
-       rank_gap="DDP broadcasts the buffers of the model it wraps; the transpiled step those of every module it is given, the target network's BatchNorm statistics too (issue 41: buffers as DDP has them)",
        call=lambda step, s, i, d: step(SimpleNamespace(q_net=s.q_net, q_net_target=s.q_net_target),
                                        s.opt, _replay(d), s.gamma, s.tau, s.max_grad_norm))
 def sb3_dqn_step(policy, optimizer, replay_data, gamma, tau, max_grad_norm):

@@ -54,6 +54,8 @@ def _worker(rank, world_size, store_path, tasks, results, pg_timeout_s):
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+    faulthandler.unregister(signal.SIGUSR1)
+    stacks.close()
 
 
 class RankFailure(Exception):

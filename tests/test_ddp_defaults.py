@@ -366,3 +366,53 @@ def test_a_validation_forward_after_the_update_inside_the_step_equals_ddp(ranks2
     statistics."""
     for ours, ddp in ranks2.run(rank_validates_after_its_update):
         assert all(torch.equal(a, b) for a, b in zip(ours, ddp))
+
+
+def with_ema(model, opt, ema, x, y, sync):
+    """A step that keeps an EMA of the model (torch's AveragedModel, buffers
+    averaged too) beside it and accumulates over calls: the optimizer steps
+    on every second call, the calls between run under DDP's no_sync."""
+    with model.no_sync() if isinstance(model, DDP) and not sync else contextlib.nullcontext():
+        loss = F.cross_entropy(model(x), y) / 2
+        loss.backward()
+    if sync:
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model.module if isinstance(model, DDP) else model)
+    return loss.detach()
+
+
+def rank_ema_vs_ddp(mode):
+    """BatchNorm model and its EMA, 5 calls (the last one accumulates: DDP
+    broadcast before its forward, then each rank updated its own statistics):
+    the transpiled step against the same step with the model in DDP (the EMA
+    beside it, not wrapped)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("bn", 5, BATCH)]
+    states = []
+    for transpiled in (True, False):
+        model = M.make("bn", seed=0)
+        opt = M.make_optimizer("sgd", model)
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        step = transpile(with_ema, mode=mode) if transpiled else with_ema
+        net = model if transpiled else DDP(model)
+        for i, batch in enumerate(batches):
+            step(net, opt, ema, *batch, i % 2 == 1)
+        states.append({**_state(model, opt),
+                       **{f"ema.{k}": v.clone() for k, v in ema.state_dict().items()}})
+    return states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_an_ema_beside_the_model_keeps_each_ranks_buffers_as_beside_ddp(mode, ranks2):
+    """DDP broadcasts the buffers of the module it wraps, before a forward that
+    follows one which synced gradients: not an EMA's (each rank averages its
+    own statistics into it), nor after a call under no_sync."""
+    results = ranks2.run(rank_ema_vs_ddp, mode)
+    for ours, ddp in results:
+        M.assert_states_equal(ours, ddp)
+    # what the test can tell: the ranks' EMA statistics differ
+    assert not torch.equal(results[0][0]["ema.module.bn.running_mean"],
+                           results[1][0]["ema.module.bn.running_mean"])

@@ -43,9 +43,10 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
             if id(p) not in inputs.param_names:
                 inputs.param_names[id(p)] = prefix + name
                 inputs.params.append(p)
-                inputs.add(InputSpec(InputKind.PARAM, prefix + name), ParamSlot(p), p.detach())
+                inputs.add(InputSpec(InputKind.PARAM, prefix + name, module=mi), ParamSlot(p),
+                           p.detach())
         for name, b in module.named_buffers():
-            inputs.add(InputSpec(InputKind.BUFFER, prefix + name), ParamSlot(b), b)
+            inputs.add(InputSpec(InputKind.BUFFER, prefix + name, module=mi), ParamSlot(b), b)
     for oi, opt in enumerate(optimizers):
         for p in opt_params(opt):
             if id(p) not in inputs.param_names:

@@ -109,7 +109,9 @@ class InputSpec:
     prints it); passes select inputs by the typed fields: `param` names the
     parameter of a GRAD, STATE or per-parameter HELD input, `hyper` says which
     hyperparameter a HYPER input is, `held` what a HELD input holds (the startup
-    program initializes a SNAPSHOT as a copy of its parameter)."""
+    program initializes a SNAPSHOT as a copy of its parameter), `module` which
+    of the step's modules holds a PARAM or BUFFER (its index among them; None
+    for a parameter reached only through an optimizer)."""
 
     kind: InputKind
     name: str
@@ -117,6 +119,7 @@ class InputSpec:
     hyper: Hyper | None = None
     held: Held | None = None
     hook: HookEntry | None = None
+    module: int | None = None
 
     def __post_init__(self):
         if (self.hyper is not None) != (self.kind is InputKind.HYPER) or \
