@@ -205,11 +205,11 @@ def unscales_as_math(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _UNSCALE:
             continue
+        if not _all_getitems(node):
+            continue
         items = {u.args[1]: u for u in node.users}
         grads_item = items.get(0)
-        if not all(u.target is operator.getitem for u in node.users) or (
-                grads_item is not None
-                and not all(u.target is operator.getitem for u in grads_item.users)):
+        if grads_item is not None and not _all_getitems(grads_item):
             continue
         grads, found_inf, inv_scale = node.args
         with graph.inserting_before(node):
@@ -230,6 +230,10 @@ def unscales_as_math(graph: fx.Graph) -> None:
         for item in items.values():
             graph.erase_node(item)
         graph.erase_node(node)
+
+
+def _all_getitems(node: fx.Node) -> bool:
+    return all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
 
 
 def _unscaled(graph: fx.Graph, like: fx.Node, grad: fx.Node, inv_scale: fx.Node) -> fx.Node:
