@@ -66,8 +66,11 @@ def tiny_step(model, opt, x, y):
 
 
 def _max_rel(a: dict, b: dict) -> float:
-    return M.max_rel_error(*({k: v for k, v in s.items() if v.is_floating_point()}
-                             for s in (a, b)))
+    """Over the floating tensors of b that are not rounding noise: a key bias
+    of its own (ViT's) has a zero gradient in exact arithmetic and stays
+    within 1e-11 of zero, where any other rounding is a large relative error."""
+    keys = [k for k, v in b.items() if v.is_floating_point() and v.abs().max() > 1e-9]
+    return M.max_rel_error(*({k: s[k] for k in keys} for s in (a, b)))
 
 
 def _train(step_fn, base, backend, batches, device):
@@ -77,7 +80,9 @@ def _train(step_fn, base, backend, batches, device):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = step_fn if backend is None else transpile(step_fn, backend=backend)
     torch.manual_seed(1)
-    outs = [step(model, opt, x.to(device), x.to(device)) for x in batches]
+    # a batch: tokens (inputs and targets alike) or (inputs, targets)
+    outs = [step(model, opt, *(t.to(device) for t in (b if isinstance(b, tuple) else (b, b))))
+            for b in batches]
     after = torch.rand(1, device=device)   # where the step left the generator
     return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}, after
 
@@ -129,13 +134,42 @@ def _t5(transformers):
         decoder_start_token_id=0, dropout_rate=0.1))
 
 
-@pytest.mark.parametrize("build, step", [(_gpt2, gpt2_step), (_t5, seq2seq_step)],
-                         ids=["gpt2", "t5"])
-def test_transformer_with_dropout_under_inductor_equals_eager(build, step):
+def image_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(pixel_values=x).logits, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _vit(transformers):
+    """ViT's dropouts trace as bernoulli(x, p, generator=None): the same
+    fusion gave NaN losses from the second call until draws_as_kernels took
+    the spelled-out default generator too."""
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_labels=3, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1))
+
+
+def _tokens(g):
+    return torch.randint(2, 50, (4, 8), generator=g)
+
+
+def _images(g):
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+@pytest.mark.parametrize("build, step, batch", [(_gpt2, gpt2_step, _tokens),
+                                                (_t5, seq2seq_step, _tokens),
+                                                (_vit, image_step, _images)],
+                         ids=["gpt2", "t5", "vit"])
+def test_transformer_with_dropout_under_inductor_equals_eager(build, step, batch):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     base = build(transformers)
-    batches = [torch.randint(2, 50, (4, 8)) for _ in range(STEPS)]
+    g = torch.Generator().manual_seed(0)
+    batches = [batch(g) for _ in range(STEPS)]
     eager_loss, eager_params, eager_after = _train(step, base, "eager", batches, "cpu")
     loss, params, after = _train(step, base, "inductor", batches, "cpu")
     # Other dropout masks would move the loss by about 1e-2.

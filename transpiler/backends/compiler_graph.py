@@ -59,11 +59,14 @@ def draws_as_kernels(graph: fx.Graph) -> None:
     With fallback_random, inductor lowers bernoulli(x, p) as bernoulli_ on a
     clone of x, and fuses the clone's kernel (of an empty_like: NaN) with a
     consumer of the mask, which then reads the mask before bernoulli_ has
-    drawn it: T5's attention dropout gave NaN losses. The kernel draws what
-    eager draws, from the same generator, at the same point."""
+    drawn it: T5's attention dropout gave NaN losses, and ViT's dropout (traced
+    with generator=None spelled out) from its second call. The kernel draws
+    what eager draws, from the default generator, at the same point."""
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is _BERNOULLI_P and not node.kwargs:
+        if (node.op == "call_function" and node.target is _BERNOULLI_P
+                and set(node.kwargs) <= {"generator"} and node.kwargs.get("generator") is None):
             node.target = torch.ops.transpiler.bernoulli.default
+            node.kwargs = {}
 
 
 def packs_as_cat(graph: fx.Graph) -> None:
