@@ -89,3 +89,35 @@ def _rank_resnet_vs_ddp():
 
 def test_channels_last_resnet_under_inductor_on_2_ranks_equals_ddp(ranks2):
     assert max(ranks2.run(_rank_resnet_vs_ddp)) < 1e-5
+
+
+def _pooled(dims):
+    """A convolution, BatchNorm and an average pool with ceil_mode whose window
+    runs past the map (transformers' EfficientNet pools its last 4x4 map with
+    AvgPool2d(hidden_dim, ceil_mode=True)), or padding past it."""
+    conv, bn, pool = ((nn.Conv2d, nn.BatchNorm2d, nn.AvgPool2d) if dims == 2
+                      else (nn.Conv3d, nn.BatchNorm3d, nn.AvgPool3d))
+    window = pool(160, ceil_mode=True) if dims == 2 else pool(5, 3, 2, ceil_mode=True)
+    torch.manual_seed(0)
+    return nn.Sequential(conv(3, 8, 3, 2, 1, bias=False), bn(8), nn.ReLU(), window, nn.Flatten(),
+                         nn.LazyLinear(10))
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_average_pool_with_ceil_mode_under_inductor_equals_eager(dims):
+    """Inductor's own backward of such a pool divides by the whole window:
+    the gradients before it came out 1600 times too small
+    (compiler_graph.pool_grads_as_kernels)."""
+    g = torch.Generator().manual_seed(1)
+    shape = (4, 3, 8, 8) if dims == 2 else (4, 3, 10, 10, 10)
+    batches = [(torch.randn(shape, generator=g), torch.randint(0, 10, (4,), generator=g))
+               for _ in range(3)]
+    ours = _pooled(dims)
+    ours(batches[0][0])   # the lazy layer
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(_step, backend="inductor")
+    for x, y in batches:
+        torch.testing.assert_close(step(ours, opts[0], x, y), _step(theirs, opts[1], x, y),
+                                   rtol=1e-5, atol=1e-6)
+    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) < 1e-5

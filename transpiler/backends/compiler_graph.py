@@ -7,6 +7,7 @@ graph, never the program (its listing stays as traced).
     reshapes_in_steps   a reshape that splits and merges dimensions at once ->
                         a split, then a merge (symbolic batch dimensions)
     draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
+    pool_grads_as_kernels  avg_pool's backward with ceil_mode -> ATen's kernel
     unscales_as_math    GradScaler's unscale -> a multiply and a finiteness check
 """
 
@@ -24,6 +25,8 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _BERNOULLI_P = torch.ops.aten.bernoulli.p
 _RESHAPE = torch.ops.aten.reshape.default
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default
+_AVG_POOL_BACKWARD = {2: torch.ops.aten.avg_pool2d_backward.default,
+                      3: torch.ops.aten.avg_pool3d_backward.default}
 
 
 def views_as_reshapes(graph: fx.Graph) -> None:
@@ -67,6 +70,34 @@ def draws_as_kernels(graph: fx.Graph) -> None:
                 and set(node.kwargs) <= {"generator"} and node.kwargs.get("generator") is None):
             node.target = torch.ops.transpiler.bernoulli.default
             node.kwargs = {}
+
+
+@torch.library.custom_op("transpiler::avg_pool_backward", mutates_args=())
+def _avg_pool_backward(grad_output: torch.Tensor, x: torch.Tensor, kernel_size: list[int],
+                       stride: list[int], padding: list[int], ceil_mode: bool,
+                       count_include_pad: bool, divisor_override: int | None) -> torch.Tensor:
+    return _AVG_POOL_BACKWARD[len(kernel_size)](grad_output, x, kernel_size, stride, padding,
+                                                ceil_mode, count_include_pad, divisor_override)
+
+
+@_avg_pool_backward.register_fake
+def _(grad_output, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+      divisor_override):
+    return torch.empty_like(x)
+
+
+def pool_grads_as_kernels(graph: fx.Graph) -> None:
+    """avg_pool2d/3d's backward with ceil_mode -> ATen's kernel behind a
+    custom op. Inductor's lowering divides the gradient of a window that
+    ceil_mode lets run past the input by the whole kernel's size, where the
+    kernel (and the forward) divide by the part inside the input and its
+    padding: transformers' EfficientNet pools its last 4x4 map with
+    AvgPool2d(160, ceil_mode=True), and every gradient before the pool came
+    out 1600 times too small (torch 2.13)."""
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.target in _AVG_POOL_BACKWARD.values()
+                and len(node.args) == 8 and node.args[5]):
+            node.target = torch.ops.transpiler.avg_pool_backward.default
 
 
 def packs_as_cat(graph: fx.Graph) -> None:
