@@ -211,9 +211,14 @@ def test_a_rank_that_cannot_compile_stops_every_rank(failing, ranks2):
     outcomes = ranks2.run(rank_compile_fails_on, failing, timeout=300)
     other = 1 - failing
     assert outcomes[other][0] == (f"TranspileError: rank {failing} could not compile program "
-                                  "'main', so no rank runs it: RuntimeError: no C++ compiler "
-                                  "on this rank")
-    assert outcomes[failing][0] == "RuntimeError: no C++ compiler on this rank"
+                                  "'main', so no rank runs it: TranspileError: backend "
+                                  "'inductor' could not compile program 'main': RuntimeError: "
+                                  "no C++ compiler on this rank. The program did not run; with "
+                                  "backend='eager' the step runs op by op")
+    assert outcomes[failing][0] == ("TranspileError: backend 'inductor' could not compile "
+                                    "program 'main': RuntimeError: no C++ compiler on this rank. "
+                                    "The program did not run; with backend='eager' the step runs "
+                                    "op by op")
     assert [called for *_, called in outcomes] == [True, failing == 1]
     for _, untouched, diff, stepped, _ in outcomes:
         assert untouched and stepped

@@ -48,7 +48,8 @@ class Executor:
                     # Compiled on every rank before any issues the program's
                     # collectives; kept only then (a failed compile is tried,
                     # and agreed on, again at the next call).
-                    compile = functools.partial(executable.prepare, inputs)
+                    compile = functools.partial(_compile, executable.prepare, inputs,
+                                                runnable.program.name, runnable.backend)
                     if runnable.compile_alone:
                         _compiled_alone(compile, runnable.program.name)
                     else:   # once per node: the node's other ranks load it
@@ -115,3 +116,18 @@ def _compiled_alone(compile, program: str) -> None:
                         "with the previous one; the communicators were shut down so that no "
                         "rank waits for the process group's timeout: this job cannot go on; "
                         "restart it.", exc)
+
+
+def _compile(prepare, inputs: list, program: str, backend: str) -> bool:
+    """prepare(inputs); a compiler's own failure as a TranspileError that says
+    what to do (the traceback keeps the compiler's)."""
+    try:
+        return prepare(inputs)
+    except TranspileError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise TranspileError(
+            f"backend {backend!r} could not compile program {program!r}: "
+            f"{type(exc).__name__}: {first_line}. The program did not run; with "
+            f"backend='eager' the step runs op by op") from exc
