@@ -136,3 +136,46 @@ def test_unscale_as_math_computes_the_kernels_bits(dtype, bad):
         assert torch.equal(e.isnan(), x.isnan())
         assert torch.equal(e.nan_to_num().view(-1).view(torch.uint8),
                            x.nan_to_num().view(-1).view(torch.uint8))
+
+
+class PickedKey(torch.nn.Module):
+    """Falcon's multi-query attention in small: the key picked from a fused
+    projection with a one-element index list and read transposed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.x = torch.nn.Parameter(torch.randn(2, 8, 4, 8))
+        self.register_buffer("q", torch.randn(2, 2, 8, 8))
+        self.register_buffer("r", torch.randn(2, 2, 8, 8))
+
+    def forward(self):
+        k = self.x[..., [2], :].transpose(1, 2).reshape(2, 1, 8, 8)
+        return ((self.q @ k.transpose(-1, -2)) * self.r).sum()
+
+
+def picked_key_step(model, opt):
+    opt.zero_grad()
+    loss = model()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.slow
+def test_scatter_of_an_index_gradient_runs_as_atens_kernel():
+    """On two threads inductor's own kernel wrote x's gradient into the wrong
+    slots (13.7 off) and past the buffer (compiler_graph.scatters_as_kernels)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours, theirs = PickedKey(), PickedKey()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ours, theirs)]
+        step = transpile(picked_key_step, backend="inductor")
+        for _ in range(3):
+            step(ours, opts[0])
+            picked_key_step(theirs, opts[1])
+            torch.testing.assert_close(ours.x.grad, theirs.x.grad, rtol=1e-5, atol=1e-5)
+        assert step.compiles == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -31,7 +31,7 @@ import torch.fx as fx
 from ..capture.meta_fallback import kernels_where_meta_refuses
 from ..capture.shapes import is_symbolic
 from .compiler_graph import (draws_as_kernels, packs_as_cat, pool_grads_as_kernels, reshapes_in_steps,
-                             unscales_as_math, views_as_reshapes)
+                             scatters_as_kernels, unscales_as_math, views_as_reshapes)
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from ..errors import TranspileError
 from .failure_points import written_safely
@@ -338,6 +338,7 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     reshapes_in_steps(graph)
     draws_as_kernels(graph)
     pool_grads_as_kernels(graph)
+    scatters_as_kernels(graph)
     unscales_as_math(graph)
     graph.lint()
     return graph_module(program.gm, graph), written

@@ -8,6 +8,7 @@ graph, never the program (its listing stays as traced).
                         a split, then a merge (symbolic batch dimensions)
     draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
     pool_grads_as_kernels  avg_pool's backward with ceil_mode -> ATen's kernel
+    scatters_as_kernels    index_put with accumulate -> ATen's kernel
     unscales_as_math    GradScaler's unscale -> a multiply and a finiteness check
 """
 
@@ -25,6 +26,7 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _BERNOULLI_P = torch.ops.aten.bernoulli.p
 _RESHAPE = torch.ops.aten.reshape.default
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default
+_INDEX_PUT = torch.ops.aten.index_put.default
 _AVG_POOL_BACKWARD = {2: torch.ops.aten.avg_pool2d_backward.default,
                       3: torch.ops.aten.avg_pool3d_backward.default}
 
@@ -98,6 +100,33 @@ def pool_grads_as_kernels(graph: fx.Graph) -> None:
         if (node.op == "call_function" and node.target in _AVG_POOL_BACKWARD.values()
                 and len(node.args) == 8 and node.args[5]):
             node.target = torch.ops.transpiler.avg_pool_backward.default
+
+
+@torch.library.custom_op("transpiler::index_put_accumulate", mutates_args=())
+def _index_put_accumulate(x: torch.Tensor, indices: list[torch.Tensor | None],
+                          values: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.index_put.default(x, indices, values, True)
+
+
+@_index_put_accumulate.register_fake
+def _(x, indices, values):
+    return torch.empty_like(x)
+
+
+def scatters_as_kernels(graph: fx.Graph) -> None:
+    """index_put(x, indices, values, accumulate=True) (the backward of indexing
+    with a tensor, x[..., [i], :]) -> ATen's kernel behind a custom op.
+    Inductor's CPU code for it, where the scatter is read transposed and the
+    kernel runs on several threads, applies the tile's inner offset twice
+    (CppTile2DKernel's atomic_add store): gradients land in the wrong slots and
+    past the buffer's end. Falcon's key and value, picked with x[..., [-2], :]
+    and read transposed by its attention, trained on wrong gradients, or
+    crashed the process (torch 2.13)."""
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.target is _INDEX_PUT
+                and len(node.args) == 4 and node.args[3] is True and not node.kwargs):
+            node.target = torch.ops.transpiler.index_put_accumulate.default
+            node.args = node.args[:3]
 
 
 def packs_as_cat(graph: fx.Graph) -> None:
