@@ -22,13 +22,12 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 aten = torch.ops.aten
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-_BERNOULLI_P = torch.ops.aten.bernoulli.p
-_RESHAPE = torch.ops.aten.reshape.default
-_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default
-_INDEX_PUT = torch.ops.aten.index_put.default
-_AVG_POOL_BACKWARD = {2: torch.ops.aten.avg_pool2d_backward.default,
-                      3: torch.ops.aten.avg_pool3d_backward.default}
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+_BERNOULLI_P = aten.bernoulli.p
+_RESHAPE = aten.reshape.default
+_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale.default
+_INDEX_PUT = aten.index_put.default
+_AVG_POOL_BACKWARD = {2: aten.avg_pool2d_backward.default, 3: aten.avg_pool3d_backward.default}
 
 
 def views_as_reshapes(graph: fx.Graph) -> None:
@@ -105,7 +104,7 @@ def pool_grads_as_kernels(graph: fx.Graph) -> None:
 @torch.library.custom_op("transpiler::index_put_accumulate", mutates_args=())
 def _index_put_accumulate(x: torch.Tensor, indices: list[torch.Tensor | None],
                           values: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.index_put.default(x, indices, values, True)
+    return _INDEX_PUT(x, indices, values, True)
 
 
 @_index_put_accumulate.register_fake
@@ -134,7 +133,7 @@ def packs_as_cat(graph: fx.Graph) -> None:
     coalesce_tensors packs a bucket, which runs well op by op) -> one cat of
     the values, which a compiler lowers to one write per value into its slice
     (a chain of slice_scatters compiles to a select per element among all of them)."""
-    scatter = torch.ops.aten.slice_scatter.default
+    scatter = aten.slice_scatter.default
     for node in list(graph.nodes):
         if node.target is not scatter or any(u.target is scatter for u in node.users):
             continue
@@ -144,13 +143,13 @@ def packs_as_cat(graph: fx.Graph) -> None:
         chain.reverse()
         base = chain[0].args[0]
         ends = [0] + [n.args[4] for n in chain]
-        if (base.target is not torch.ops.aten.new_empty.default
+        if (base.target is not aten.new_empty.default
                 or any(n.args[2] != 0 or n.args[3] != start for n, start in zip(chain, ends))
                 or ends[-1] != base.meta["val"].numel()
                 or any(len(n.users) > 1 for n in chain[:-1])):
             continue
         with graph.inserting_before(node):
-            cat = graph.call_function(torch.ops.aten.cat.default, ([n.args[1] for n in chain],))
+            cat = graph.call_function(aten.cat.default, ([n.args[1] for n in chain],))
         cat.meta.update(node.meta)
         node.replace_all_uses_with(cat)
         for n in reversed(chain):
@@ -248,7 +247,7 @@ def _size_args(graph: fx.Graph, node: fx.Node, sizes: list[sympy.Expr]) -> list 
         found = int(size) if size.is_Integer else held[size]
         if isinstance(found, tuple):
             with graph.inserting_before(node):
-                sym_size = graph.call_function(torch.ops.aten.sym_size.int, found[:2])
+                sym_size = graph.call_function(aten.sym_size.int, found[:2])
             sym_size.meta["val"] = found[2]
             found = held[size] = sym_size
         args.append(found)
