@@ -114,10 +114,10 @@ def plan_sync_points(program: Program, ctx: PassContext) -> list[list[fx.Node]]:
     bucket of a point: by point, then as plan_buckets puts the buffers of one
     dtype and group together, in the order the trace wrote them."""
     owners = wrapped(program)
+    module = {spec.name: spec.module for spec in program.inputs}
     points: dict[int, list[fx.Node]] = {}
     for node in program.graph.nodes:
-        if BUFFER_SYNC in node.meta and program.input_node(
-                node.meta[BUFFER_SYNC][1]).meta[INPUT].module in owners:
+        if BUFFER_SYNC in node.meta and module[node.meta[BUFFER_SYNC][1]] in owners:
             points.setdefault(node.meta[BUFFER_SYNC][0], []).append(node)
     cap = int(ctx.bucket_mb * MB)
     buckets = []

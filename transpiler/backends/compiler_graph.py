@@ -19,7 +19,9 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from ..program.program import new_node
+from ..program.roles import ROLE
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -308,11 +310,5 @@ def _unscaled(graph: fx.Graph, like: fx.Node, grad: fx.Node, inv_scale: fx.Node)
 
 
 def _call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
-    """A node calling `target`, with `like`'s roles and its value computed on
-    the arguments' fake values."""
-    node = graph.call_function(target, args, kwargs)
-    node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    values = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    with detect_fake_mode(values):
-        node.meta["val"] = target(*values[0], **values[1])
-    return node
+    """A node calling `target` with the role of `like`, the node it replaces."""
+    return new_node(graph, target, args, like.meta.get(ROLE), kwargs)
