@@ -23,7 +23,8 @@ as DDP's reducer scales, then `all_reduce(sum)` over the group on ring 0 and
 its wait; hierarchical over several nodes: reduce-scatter inside the node,
 all-reduce across, all-gather inside), the cast back, and the reduced buffer
 split into views shaped like the values, which every former use of a value now
-reads (no copy back). With ctx.comm_hook (DDP's comm hook) the bucket's buffer,
+reads (no copy back), but those of the backward() that produced it
+(program/averaging.py GradientReads), as under DDP. With ctx.comm_hook (DDP's comm hook) the bucket's buffer,
 not averaged, is reduced by the hook traced into the program instead
 (transpiler/lowering/comm_hooks.py). Pack nodes have the role of the bucket's last value
 (BACKWARD for gradients), the rest COMM; all carry meta["bucket"]. Values of
@@ -47,6 +48,7 @@ from transpiler.lowering import comm_hooks, reductions as lowering
 from transpiler.program.collectives import ReduceOp
 from transpiler.program.mesh import Dim, Over
 from transpiler.lowering.context import Mark, PassContext, consumes
+from transpiler.program.averaging import GradientReads
 from transpiler.program.program import CommInfo, InputKind, Program, new_node
 from transpiler.program.roles import BUCKET, PARAM, REDUCE, ROLE, Role
 
@@ -109,10 +111,10 @@ def coalesce_tensors(program: Program, ctx: PassContext) -> None:
     infos = [GradInfo(name, g.meta["val"].dtype, g.meta["val"].nbytes, g.meta[REDUCE].op,
                       g.meta[REDUCE].over, g.meta[REDUCE].point) for name, g in grads.items()]
     plan = plan_buckets(infos, *caps)
-    position = {n: i for i, n in enumerate(program.graph.nodes)}
+    reads = GradientReads(program)
     end = None
     for bucket, names in enumerate(plan):
-        end = _fuse(program, ctx, bucket, [grads[n] for n in names], position,
+        end = _fuse(program, ctx, bucket, [grads[n] for n in names], reads,
                     end if ctx.find_unused else None, is_last=bucket == len(plan) - 1)
     lowering.forget_marks(program.graph)
 
@@ -133,10 +135,11 @@ def in_parameter_order(program: Program, grads: dict[str, fx.Node]) -> dict[str,
     return {name: grads[name] for name in params if name in grads} | grads
 
 
-def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node], position,
-          after: fx.Node | None = None, is_last: bool = False) -> fx.Node:
+def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
+          reads: GradientReads, after: fx.Node | None = None, is_last: bool = False) -> fx.Node:
     """The bucket packed, reduced and unpacked right after its last gradient
-    (and after `after`, the bucket before it); returns its last node."""
+    (and after `after`, the bucket before it); returns its last node. The
+    nodes that read the average read the unpacked views."""
     graph = program.graph
     users = {g: list(g.users) for g in grads}
     vals = [g.meta["val"] for g in grads]
@@ -145,7 +148,7 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
     comm = CommInfo("all_reduce", ring=0, bucket=bucket,
                     params=tuple(g.meta[REDUCE].key for g in grads),
                     nbytes=sum(v.numel() for v in vals) * comm_dtype.itemsize)
-    last = max(grads, key=position.__getitem__)
+    last = max(grads, key=reads.position.__getitem__)
     pack_role = last.meta[ROLE]
     if after is not None and after > last:
         last = after
@@ -165,7 +168,8 @@ def _fuse(program: Program, ctx: PassContext, bucket: int, grads: list[fx.Node],
         views = unpack(graph, waited, grads, **{BUCKET: bucket})
     for g, view in zip(grads, views):
         for user in users[g]:
-            user.replace_input_with(g, view)
+            if reads.average(user, g.meta[REDUCE].point):
+                user.replace_input_with(g, view)
     return max(views)
 
 

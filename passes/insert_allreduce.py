@@ -12,7 +12,8 @@ transpiler/lowering/reductions.py: issued right after the node that produces the
 `all_reduce(., "sum")` over its group on ring 0; hierarchical over several
 nodes: a reduce-scatter inside the node), completed right before its first use
 (the wait; hierarchical: then the all-reduce across nodes and the all-gather
-inside the node). Every use then reads the reduced value. Parameters without a
+inside the node). Every use then reads the reduced value, but those of the
+backward() that produced it (program/averaging.py GradientReads), as under DDP. Parameters without a
 gradient (frozen, unused) get none; a tied parameter has one gradient and gets
 one. Collectives and waits carry role COMM and meta["comm"]. Every mark is
 removed. With one rank it does not apply.
@@ -25,6 +26,7 @@ import torch.fx as fx
 
 from transpiler.lowering import reductions as lowering
 from transpiler.lowering.context import Mark, PassContext, consumes
+from transpiler.program.averaging import GradientReads
 from transpiler.program.program import CommInfo, Program
 from transpiler.program.roles import REDUCE, ROLE
 
@@ -40,10 +42,11 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
     if ctx.world_size == 1:
         return
     graph = program.graph
+    reads = GradientReads(program)
     previous = None
     for value in plan_allreduce(program, ctx.find_unused):
-        users = list(value.users)
         reduction = value.meta[REDUCE]
+        users = [u for u in value.users if reads.average(u, reduction.point)]
         comm = CommInfo("all_reduce", ring=0, params=(reduction.key,),
                         nbytes=value.meta["val"].nbytes)
         # not before the collective before it: the plan's order is every rank's
@@ -51,7 +54,7 @@ def insert_allreduce(program: Program, ctx: PassContext) -> None:
         with graph.inserting_before(after.next):
             issued = lowering.issue(graph, value, reduction, ctx, comm, value.meta[ROLE])
         previous = issued.collective
-        with graph.inserting_before(max(min(users), previous.next)):
+        with graph.inserting_before(max(min(users, default=previous.next), previous.next)):
             reduced = lowering.complete(graph, issued, ctx)
         for user in users:
             user.replace_input_with(value, reduced)

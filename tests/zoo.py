@@ -390,6 +390,52 @@ class TokenClassifier(nn.Module):
         return self.head((x * keep).sum(1) / keep.sum(1))
 
 
+class WordLanguageModel(nn.Module):
+    """pytorch/examples word_language_model/model.py RNNModel("LSTM", tied=True):
+    dropout on the embeddings, between the LSTM's layers and on its output, the
+    decoder's weight tied to the embedding's, log-softmax over the vocabulary."""
+
+    def __init__(self, ninp=16, nlayers=2, dropout=0.2):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(VOCAB, ninp)
+        self.rnn = nn.LSTM(ninp, ninp, nlayers, dropout=dropout)
+        self.decoder = nn.Linear(ninp, VOCAB)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, input, hidden=None):
+        output, hidden = self.rnn(self.drop(self.encoder(input)), hidden)
+        decoded = self.decoder(self.drop(output)).view(-1, VOCAB)
+        return nn.functional.log_softmax(decoded, dim=1), hidden
+
+
+def sequence_lm_loss(model, batch):
+    """The word language model's: the next token of a (sequence, batch) block."""
+    tokens = batch["input_ids"].t().contiguous()
+    return nn.functional.nll_loss(model(tokens[:-1])[0], tokens[1:].reshape(-1))
+
+
+class LSTMClassifier(nn.Module):
+    """The text classifier of countless tutorials: a bidirectional, batch-first
+    2-layer LSTM with dropout over embeddings (a padding index), the last
+    layer's final states of both directions concatenated, a linear head."""
+
+    def __init__(self, dim=16, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim, padding_idx=0)
+        self.rnn = nn.LSTM(dim, dim, num_layers=2, batch_first=True, bidirectional=True,
+                           dropout=0.1)
+        self.head = nn.Linear(2 * dim, classes)
+
+    def forward(self, input_ids):
+        _, (h, _) = self.rnn(self.embed(input_ids))
+        return self.head(torch.cat([h[-2], h[-1]], dim=1))
+
+
+def tokens_classes_loss(model, batch):
+    return nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
+
+
 def images_loss(model, batch):
     """Cross entropy of a classifier that returns logits."""
     return nn.functional.cross_entropy(model(batch["pixel_values"]), batch["labels"])
@@ -1078,6 +1124,12 @@ def catalogue() -> list[Arch]:
                 max_position_embeddings=16),
              tokens_lm(4), ("rmsnorm", "rotary", "top-1 routing", "experts without tokens",
                             "decisions on values"), find_unused=True),
+        Arch("word_language_model", D, "pytorch/examples word_language_model RNNModel (LSTM)",
+             torch_model(WordLanguageModel), tokens_lm(9),
+             ("dropout", "tied embeddings", "lstm", "sequence-first"), loss=sequence_lm_loss),
+        Arch("lstm_classifier", E, "nn.LSTM text classifier (bidirectional, batch-first)",
+             torch_model(LSTMClassifier), tokens_classes(),
+             ("dropout", "lstm", "bidirectional", "final states"), loss=tokens_classes_loss),
     ]
 
 

@@ -67,7 +67,7 @@ from .memoized import memoized_while_traced
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
-from .recurrent import recurrent_layers_refused
+from .recurrent import LSTM_LAYERS, recurrent_layers_refused
 from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
@@ -133,7 +133,8 @@ def _ctc_lengths(targets, input_lengths, target_lengths):
 
 _DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm,
                    torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
-                   torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward}
+                   torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
+                   **LSTM_LAYERS}
 
 
 

@@ -68,3 +68,29 @@ def early_averages(program: Program) -> dict[int, list[fx.Node]]:
 
 def _read(node: fx.Node) -> bool:
     return any(not (u.meta.get(ROLE, Role.FORWARD) & Role.BACKWARD) for u in node.users)
+
+
+class GradientReads:
+    """Which nodes reading a gradient read its average over the ranks, and
+    which the rank's own gradient. DDP writes the averages into .grad where the
+    backward() that produced them ends: the nodes of that backward() that read
+    a gradient (autograd's copy of a gradient two parameters share, as an LSTM
+    layer's two biases have) read the rank's own; every later node reads the
+    average (a later backward()'s accumulation included). Built before a pass
+    edits the graph: positions are the program's as traced."""
+
+    def __init__(self, program: Program):
+        self.position = {n: i for i, n in enumerate(program.graph.nodes)}
+        self.ends: dict[int, int] = {}   # backward() number -> where its gradients are left
+        for node in program.graph.nodes:
+            if GRAD_AT in node.meta:
+                backward = node.meta[GRAD_AT].backward
+                self.ends[backward] = max(self.ends.get(backward, -1), self.position[node])
+
+    def average(self, user: fx.Node, point: int) -> bool:
+        """Whether `user` reads the average of a gradient of reduction point
+        `point` (Reduction.point: 0, the last backward(), after which no
+        backward() runs; else that backward())."""
+        if not user.meta.get(ROLE, Role.FORWARD) & Role.BACKWARD:
+            return True
+        return point > 0 and self.position.get(user, -1) > self.ends.get(point, -1)
