@@ -295,7 +295,7 @@ def _last_error_line(text: str) -> str:
 # olmoe: experts of fp32 aten._grouped_mm, whose meta function refuses what the
 # CPU kernel computes (inductor's compile crashed on 2 ranks)
 SAMPLE = ["gpt2", "whisper", "wav2vec2", "qwen2_moe", "olmoe", "word_language_model",
-          "lstm_classifier"]
+          "seq2seq_gru", "lstm_classifier"]
 
 
 def _sample_runs() -> list[zoo.Run]:

@@ -432,6 +432,53 @@ class LSTMClassifier(nn.Module):
         return self.head(torch.cat([h[-2], h[-1]], dim=1))
 
 
+class Seq2SeqGRU(nn.Module):
+    """The seq2seq translation tutorial's model (pytorch/tutorials
+    intermediate_source/seq2seq_translation_tutorial.py: EncoderRNN,
+    BahdanauAttention, AttnDecoderRNN), encoder and decoder in one module: a
+    batch-first GRU encoder whose final state starts the decoder, which runs
+    one GRU step per target token (teacher forcing) with additive attention
+    over the encoder's outputs."""
+
+    def __init__(self, hidden=16, steps=5):
+        super().__init__()
+        self.steps = steps
+        self.enc_embedding = nn.Embedding(VOCAB, hidden)
+        self.enc_gru = nn.GRU(hidden, hidden, batch_first=True)
+        self.dropout = nn.Dropout(0.1)
+        self.embedding = nn.Embedding(VOCAB, hidden)
+        self.Wa, self.Ua, self.Va = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), \
+            nn.Linear(hidden, 1)
+        self.gru = nn.GRU(2 * hidden, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, VOCAB)
+
+    def attention(self, query, keys):
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys))).squeeze(2).unsqueeze(1)
+        weights = nn.functional.softmax(scores, dim=-1)
+        return torch.bmm(weights, keys), weights
+
+    def forward_step(self, input, hidden, encoder_outputs):
+        embedded = self.dropout(self.embedding(input))
+        context, _ = self.attention(hidden.permute(1, 0, 2), encoder_outputs)
+        output, hidden = self.gru(torch.cat((embedded, context), dim=2), hidden)
+        return self.out(output), hidden
+
+    def forward(self, input_ids, labels):
+        encoder_outputs, hidden = self.enc_gru(self.dropout(self.enc_embedding(input_ids)))
+        decoder_input = torch.empty(input_ids.size(0), 1, dtype=torch.long).fill_(1)   # SOS
+        outputs = []
+        for i in range(self.steps):
+            output, hidden = self.forward_step(decoder_input, hidden, encoder_outputs)
+            outputs.append(output)
+            decoder_input = labels[:, i].unsqueeze(1)   # teacher forcing
+        return nn.functional.log_softmax(torch.cat(outputs, dim=1), dim=-1)
+
+
+def seq2seq_loss(model, batch):
+    out = model(batch["input_ids"], batch["labels"])
+    return nn.functional.nll_loss(out.view(-1, out.size(-1)), batch["labels"].view(-1))
+
+
 def tokens_classes_loss(model, batch):
     return nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
 
@@ -1127,6 +1174,10 @@ def catalogue() -> list[Arch]:
         Arch("word_language_model", D, "pytorch/examples word_language_model RNNModel (LSTM)",
              torch_model(WordLanguageModel), tokens_lm(9),
              ("dropout", "tied embeddings", "lstm", "sequence-first"), loss=sequence_lm_loss),
+        Arch("seq2seq_gru", S, "pytorch/tutorials seq2seq translation (GRU, attention)",
+             torch_model(Seq2SeqGRU), tokens_seq2seq(6, 5),
+             ("dropout", "gru", "batch-first", "additive attention", "teacher forcing",
+              "a layer called per step"), loss=seq2seq_loss),
         Arch("lstm_classifier", E, "nn.LSTM text classifier (bidirectional, batch-first)",
              torch_model(LSTMClassifier), tokens_classes(),
              ("dropout", "lstm", "bidirectional", "final states"), loss=tokens_classes_loss),

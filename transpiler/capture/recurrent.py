@@ -14,14 +14,20 @@ gives the kernel a contiguous input (as eager's always is). On other devices
 nn.LSTM runs another kernel (cuDNN's), not tested here, and is refused.
 
 nn.GRU and nn.GRUCell run torch's composite cell, which computes its gates in
-place on strided views of one matrix; the program computes them out of place
-on contiguous tensors, and sigmoid and tanh round an element of a vectorized
-loop's tail otherwise than one of its body, so the program would differ from
-eager by about 1e-8 (nn.RNN, nn.RNNCell and nn.LSTMCell compute alike and are
-not refused). Until the program computes them as eager does, calling one in
-the step raises a TranspileError at the user's line, at the first call,
-before anything runs. So does packing a batch of sequences by their lengths
-(pack_padded_sequence, pack_sequence), whose sizes a trace cannot follow.
+place on strided views of one matrix. Traced op by op, the program would
+compute them out of place on contiguous tensors, and sigmoid and tanh round an
+element of a vectorized loop's tail otherwise than one of its body (about 1e-8
+off eager, forward and backward). The trace records each GRU layer (and each
+GRUCell call) as `transpiler::gru`, torch's composite run as eager runs it,
+and its backward as `transpiler::gru_backward`: the composite run again with
+autograd on, differentiated as eager's engine differentiates it (the forward's
+cost again, for eager's bits). The dropout between a stack's layers stays in
+the program, drawn as eager draws it. nn.RNN, nn.RNNCell and nn.LSTMCell
+compute alike op by op and are traced as they are.
+
+Packing a batch of sequences by their lengths (pack_padded_sequence,
+pack_sequence), whose sizes a trace cannot follow, raises a TranspileError at
+the user's line, at the first call, before anything runs.
 """
 
 from __future__ import annotations
@@ -33,14 +39,10 @@ import torch
 from ..errors import TranspileError
 from .user_code import user_line
 
-_LAYER = ("not supported in a transpiled step yet (nn.RNN, nn.RNNCell, nn.LSTMCell, and "
-          "nn.LSTM on the CPU, are); train it with torch DDP")
+_LAYER = ("not supported in a transpiled step yet (torch's recurrent layers on the CPU are); "
+          "train it with torch DDP")
 # torch._VF's functions the layers call -> why each is refused, and what to do
 _REFUSED = {
-    "gru": ("nn.GRU computes its gates in place on strided views, which the program computes "
-            "out of place and rounds otherwise (about 1e-8 off eager)", _LAYER),
-    "gru_cell": ("nn.GRUCell computes its gates in place on strided views, which the program "
-                 "computes out of place and rounds otherwise (about 1e-8 off eager)", _LAYER),
     "_pack_padded_sequence": (
         "pack_padded_sequence sizes every step of the recurrent layer by the batch's lengths, "
         "read on the host", "a static program cannot take them from each call's lengths; pad "
@@ -63,7 +65,52 @@ def _lstm_on_cpu_only(input, *args, **kwargs):
     return _VF_LSTM(input, *args, **kwargs)
 
 
+def _check_gru(layer: str, input: torch.Tensor) -> None:
+    """`transpiler::gru` runs the composite on the CPU, autocast off."""
+    if input.device.type != "cpu":
+        raise TranspileError(f"{layer} on {input.device.type} runs a kernel whose program is "
+                             f"not tested{user_line(None)}: {_LAYER}")
+    if torch.is_autocast_enabled("cpu"):
+        raise TranspileError(
+            f"{layer} under autocast: its program runs the layer with autocast off, where "
+            f"eager casts its matrix products{user_line(None)}: run the layer outside the "
+            "autocast region, or train the model with torch DDP")
+
+
+def _gru(input, hx, params, *args):
+    """torch._VF.gru, each layer as `transpiler::gru`; the dropout between
+    the layers as at::native::gru draws it."""
+    if not isinstance(params, (list, tuple)):   # (data, batch_sizes, hx, params, ...): packed
+        raise TranspileError(f"nn.GRU on a packed batch{user_line(None)}: "
+                             f"{_REFUSED['_pack_padded_sequence'][1]}")
+    _check_gru("nn.GRU", input)
+    has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+    if batch_first:
+        input = input.transpose(0, 1)
+    directions = 2 if bidirectional else 1
+    per_layer = (4 if has_biases else 2) * directions
+    finals = []
+    for layer in range(num_layers):
+        input, final = torch.ops.transpiler.gru(
+            [input, hx[layer * directions:(layer + 1) * directions],
+             *params[layer * per_layer:(layer + 1) * per_layer]],
+            False, has_biases, bidirectional)
+        finals.append(final)
+        if dropout and train and layer < num_layers - 1:
+            input = torch.dropout(input, dropout, True)
+    return input.transpose(0, 1) if batch_first else input, torch.cat(finals)
+
+
+def _gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """torch._VF.gru_cell as `transpiler::gru`."""
+    _check_gru("nn.GRUCell", input)
+    biases = [b_ih, b_hh] if b_ih is not None else []
+    return torch.ops.transpiler.gru([input, hx, w_ih, w_hh, *biases], True, bool(biases),
+                                    False)[0]
+
+
 _VF_LSTM = torch._VF.lstm
+_TRACED = {"lstm": _lstm_on_cpu_only, "gru": _gru, "gru_cell": _gru_cell}
 
 
 @contextlib.contextmanager
@@ -71,12 +118,103 @@ def recurrent_layers_refused():
     vf = torch._VF   # a module object whose attributes fall back to torch's C functions
     for name in _REFUSED:
         setattr(vf, name, _refusing(name))
-    vf.lstm = _lstm_on_cpu_only
+    for name, traced in _TRACED.items():
+        setattr(vf, name, traced)
     try:
         yield
     finally:
-        for name in (*_REFUSED, "lstm"):
+        for name in (*_REFUSED, *_TRACED):
             delattr(vf, name)
+
+
+_ATEN_GRU = torch.ops.aten.gru.input
+_ATEN_GRU_CELL = torch.ops.aten.gru_cell.default
+
+
+def _run_gru(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
+             bidirectional: bool) -> list[torch.Tensor]:
+    input, hx, *params = tensors
+    if cell:
+        return [_ATEN_GRU_CELL(input, hx, *params)]
+    return list(_ATEN_GRU(input, hx, params, has_biases, 1, 0.0, True, bidirectional, False))
+
+
+@torch.library.custom_op("transpiler::gru", mutates_args=())
+def _gru_op(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
+            bidirectional: bool) -> list[torch.Tensor]:
+    """One GRU layer ([input, hx, *its parameters] -> [output, final
+    hidden state]), or one GRUCell call ([input, hx, *parameters] -> [hidden
+    state]), as eager computes it."""
+    with torch.no_grad():
+        return _run_gru(tensors, cell, has_biases, bidirectional)
+
+
+@_gru_op.register_fake
+def _(tensors, cell, has_biases, bidirectional):
+    return _run_gru(tensors, cell, has_biases, bidirectional)
+
+
+def _gru_gradients(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
+                     bidirectional: bool, grads: list[torch.Tensor | None],
+                     needed: list[bool]) -> list[torch.Tensor]:
+    """The gradients of `transpiler::gru` for the inputs `needed` (an empty
+    tensor for the others), from those of its outputs (None: unused): the
+    forward run again with autograd on and differentiated by the engine, as
+    eager's backward pass differentiates it."""
+    leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, needed)]
+    with _autograd_inside_an_op(), torch.enable_grad():
+        outputs = _run_gru(leaves, cell, has_biases, bidirectional)
+        used = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used],
+                                       allow_unused=True, materialize_grads=True))
+    return [next(got).contiguous() if need else t.new_empty(0)
+            for t, need in zip(tensors, needed)]
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradCPU,
+                  torch._C.DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def _autograd_inside_an_op():
+    """A custom op's kernel runs below autograd (its dispatch keys excluded):
+    they are let in again for the kernel's own differentiation."""
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
+    for key in _AUTOGRAD_KEYS:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, was in zip(_AUTOGRAD_KEYS, excluded):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+_gru_backward_op = torch.library.custom_op("transpiler::gru_backward", _gru_gradients,
+                                           mutates_args=())
+
+
+@_gru_backward_op.register_fake
+def _(tensors, cell, has_biases, bidirectional, grads, needed):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else t.new_empty(0)
+            for t, need in zip(tensors, needed)]
+
+
+def _gru_setup(ctx, inputs, output):
+    tensors, cell, has_biases, bidirectional = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = cell, has_biases, bidirectional
+    ctx.needed = [t.requires_grad for t in tensors]
+    ctx.set_materialize_grads(False)   # an unused output gets no gradient, as in eager
+
+
+def _gru_backward(ctx, grads):
+    got = torch.ops.transpiler.gru_backward(list(ctx.saved_tensors), *ctx.options, list(grads),
+                                            ctx.needed)
+    return [g if need else None for g, need in zip(got, ctx.needed)], None, None, None
+
+
+_gru_op.register_autograd(_gru_backward, setup_context=_gru_setup)
 
 
 _ATEN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default

@@ -1,7 +1,8 @@
-"""nn.LSTM in a transpiled step: oneDNN's fused layer on CPU, whose forward
-returns its workspace only with grad mode on, whose backward misreads an input
-that is not contiguous, and whose two biases share one gradient
-(capture/recurrent.py; program/averaging.py GradientReads)."""
+"""nn.LSTM and nn.GRU in a transpiled step (capture/recurrent.py). The LSTM:
+oneDNN's fused layer on CPU, whose forward returns its workspace only with
+grad mode on, whose backward misreads an input that is not contiguous, and
+whose two biases share one gradient (program/averaging.py GradientReads). The
+GRU: torch's composite, which computes its gates in place on strided views."""
 
 import copy
 
@@ -12,12 +13,17 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transpiler import transpile
+from transpiler.errors import TranspileError
 
 LAYERS = {
     "one layer": dict(),
     "stacked, dropout": dict(num_layers=2, dropout=0.3),
     "bidirectional, batch first": dict(num_layers=2, bidirectional=True, batch_first=True),
     "projections": dict(num_layers=2, proj_size=4),
+    "GRU": dict(cell=nn.GRU),
+    "GRU stacked, dropout": dict(cell=nn.GRU, num_layers=3, dropout=0.3),
+    "GRU bidirectional, batch first, no biases": dict(cell=nn.GRU, num_layers=2, bias=False,
+                                                      bidirectional=True, batch_first=True),
 }
 
 
@@ -25,16 +31,17 @@ class Tagger(nn.Module):
     """Embeddings, an LSTM, and a linear head on every step's output and on
     the last layer's final hidden states (so both outputs carry gradients)."""
 
-    def __init__(self, **lstm):
+    def __init__(self, cell=nn.LSTM, **lstm):
         super().__init__()
         self.embed = nn.Embedding(20, 8)
-        self.rnn = nn.LSTM(8, 8, **lstm)
+        self.rnn = cell(8, 8, **lstm)
         hidden = lstm.get("proj_size", 8) * (2 if lstm.get("bidirectional") else 1)
         self.head = nn.Linear(hidden, 5)
         self.final = nn.Linear(lstm.get("proj_size", 8), 5)
 
     def forward(self, tokens):
-        out, (h, _) = self.rnn(self.embed(tokens))
+        out, h = self.rnn(self.embed(tokens))
+        h = h[0] if isinstance(h, tuple) else h
         return self.head(out).flatten(0, 1), self.final(torch.cat([h[-2], h[-1]]) if
                                                         self.rnn.bidirectional else h[-1])
 
@@ -65,7 +72,7 @@ def _batch(model, tokens, tags, labels):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_an_lstm_trains_as_in_eager(layer):
+def test_a_recurrent_layer_trains_as_in_eager(layer):
     torch.manual_seed(0)
     ours = Tagger(**LAYERS[layer])
     theirs = copy.deepcopy(ours)
@@ -81,13 +88,52 @@ def test_an_lstm_trains_as_in_eager(layer):
             assert torch.equal(p, q), f"{name} after call {i}"
 
 
+def autocast_step(model, opt, tokens, tags, labels):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        per_token, per_sequence = model(tokens)
+    loss = (nn.functional.cross_entropy(per_token.float(), tags.flatten())
+            + nn.functional.cross_entropy(per_sequence.float(), labels))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_an_lstm_under_autocast_trains_as_in_eager():
+    torch.manual_seed(0)
+    ours = Tagger(**LAYERS["stacked, dropout"])
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(autocast_step)
+    for i, batch in enumerate(batches(2)):
+        torch.manual_seed(i)
+        loss = step(ours, opts[0], *batch)
+        torch.manual_seed(i)
+        assert torch.equal(loss, autocast_step(theirs, opts[1], *batch)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_a_gru_under_autocast_is_refused_at_the_users_line():
+    # eager casts the composite's matrix products; the program's GRU runs
+    # with autocast off
+    torch.manual_seed(0)
+    model = Tagger(**LAYERS["GRU"])
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TranspileError, match=r"nn.GRU under autocast.* at .*test_recurrent.py"):
+        transpile(autocast_step)(model, opt, *next(batches(1)))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.slow   # compiles
-def test_a_batch_first_lstm_under_inductor_computes_eagers_gradients():
-    # inductor laid the transposed embeddings out as they are, and the
-    # backward kernel read them as contiguous: weight_ih_l0's gradient was
+@pytest.mark.parametrize("layer", ["bidirectional, batch first",
+                                   "GRU bidirectional, batch first, no biases"])
+def test_a_batch_first_layer_under_inductor_computes_eagers_gradients(layer):
+    # the LSTM: inductor laid the transposed embeddings out as they are, and
+    # the backward kernel read them as contiguous: weight_ih_l0's gradient was
     # off by 0.02 from the second call (the first runs op by op)
     torch.manual_seed(0)
-    ours = Tagger(**LAYERS["bidirectional, batch first"])
+    ours = Tagger(**LAYERS[layer])
     theirs = copy.deepcopy(ours)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     step = transpile(tag_step, backend="inductor")
@@ -100,12 +146,12 @@ def test_a_batch_first_lstm_under_inductor_computes_eagers_gradients():
                                        msg=f"{name}'s gradient at call {i}")
 
 
-def rank_lstm_vs_ddp(mode: str) -> dict:
+def rank_tagger_vs_ddp(mode: str, layer: str) -> dict:
     """The tagger, transpiled and under DDP in the same processes, each rank
     its own batches and dropout draws: the parameters each leaves."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = Tagger(**LAYERS["stacked, dropout"])
+    model = Tagger(**LAYERS[layer])
     reference = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
     step, ddp = transpile(tag_step, mode=mode), DDP(reference)
@@ -120,12 +166,13 @@ def rank_lstm_vs_ddp(mode: str) -> dict:
                        if not torch.equal(p, q)]}
 
 
-def test_an_lstm_trains_as_under_ddp_on_3_ranks(ranks3):
-    """Each layer's two biases share one gradient, which autograd copies for
-    the second: the copy reads the rank's own gradient, as under DDP (a bucket
-    holding both could not be built while the copy was made to read the
-    bucket's average)."""
-    for result in ranks3.run(rank_lstm_vs_ddp, "fuse_all_reduce"):
+@pytest.mark.parametrize("layer", ["stacked, dropout", "GRU stacked, dropout"])
+def test_a_recurrent_layer_trains_as_under_ddp_on_3_ranks(layer, ranks3):
+    """An LSTM layer's two biases share one gradient, which autograd copies
+    for the second: the copy reads the rank's own gradient, as under DDP (a
+    bucket holding both could not be built while the copy was made to read
+    the bucket's average)."""
+    for result in ranks3.run(rank_tagger_vs_ddp, "fuse_all_reduce", layer):
         assert all(result["losses"]) and result["differ"] == []
 
 
