@@ -91,10 +91,10 @@ def _gru(input, hx, params, *args):
     per_layer = (4 if has_biases else 2) * directions
     finals = []
     for layer in range(num_layers):
-        input, final = torch.ops.transpiler.gru(
-            [input, hx[layer * directions:(layer + 1) * directions],
-             *params[layer * per_layer:(layer + 1) * per_layer]],
-            False, has_biases, bidirectional)
+        tensors = [input, hx[layer * directions:(layer + 1) * directions],
+                   *params[layer * per_layer:(layer + 1) * per_layer]]
+        input, final = torch.ops.transpiler.gru(tensors, _needed(tensors), False, has_biases,
+                                                bidirectional)
         finals.append(final)
         if dropout and train and layer < num_layers - 1:
             input = torch.dropout(input, dropout, True)
@@ -104,9 +104,12 @@ def _gru(input, hx, params, *args):
 def _gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
     """torch._VF.gru_cell as `transpiler::gru`."""
     _check_gru("nn.GRUCell", input)
-    biases = [b_ih, b_hh] if b_ih is not None else []
-    return torch.ops.transpiler.gru([input, hx, w_ih, w_hh, *biases], True, bool(biases),
-                                    False)[0]
+    tensors = [input, hx, w_ih, w_hh, *([b_ih, b_hh] if b_ih is not None else [])]
+    return torch.ops.transpiler.gru(tensors, _needed(tensors), True, b_ih is not None, False)[0]
+
+
+def _needed(tensors: list[torch.Tensor]) -> list[bool]:
+    return [t.requires_grad for t in tensors]
 
 
 _VF_LSTM = torch._VF.lstm
@@ -133,24 +136,31 @@ _ATEN_GRU_CELL = torch.ops.aten.gru_cell.default
 
 def _run_gru(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
              bidirectional: bool) -> list[torch.Tensor]:
-    input, hx, *params = tensors
+    input, hx, *params = tensors   # leaves: which require grad decides the kernels
     if cell:
         return [_ATEN_GRU_CELL(input, hx, *params)]
     return list(_ATEN_GRU(input, hx, params, has_biases, 1, 0.0, True, bidirectional, False))
 
 
+def _leaves(tensors: list[torch.Tensor], needed: list[bool]) -> list[torch.Tensor]:
+    """The tensors as leaves requiring grad where the step's did (`needed`):
+    at::native::gru computes other bits when no parameter requires grad (1e-6
+    off; a gathered parameter of mode fsdp requires none)."""
+    return [t.detach().requires_grad_(need) for t, need in zip(tensors, needed)]
+
+
 @torch.library.custom_op("transpiler::gru", mutates_args=())
-def _gru_op(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
+def _gru_op(tensors: list[torch.Tensor], needed: list[bool], cell: bool, has_biases: bool,
             bidirectional: bool) -> list[torch.Tensor]:
     """One GRU layer ([input, hx, *its parameters] -> [output, final
     hidden state]), or one GRUCell call ([input, hx, *parameters] -> [hidden
-    state]), as eager computes it."""
+    state]), as eager computes it (`needed`: which of them require grad)."""
     with torch.no_grad():
-        return _run_gru(tensors, cell, has_biases, bidirectional)
+        return _run_gru(_leaves(tensors, needed), cell, has_biases, bidirectional)
 
 
 @_gru_op.register_fake
-def _(tensors, cell, has_biases, bidirectional):
+def _(tensors, needed, cell, has_biases, bidirectional):
     return _run_gru(tensors, cell, has_biases, bidirectional)
 
 
@@ -161,7 +171,7 @@ def _gru_gradients(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
     tensor for the others), from those of its outputs (None: unused): the
     forward run again with autograd on and differentiated by the engine, as
     eager's backward pass differentiates it."""
-    leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, needed)]
+    leaves = _leaves(tensors, needed)
     with _autograd_inside_an_op(), torch.enable_grad():
         outputs = _run_gru(leaves, cell, has_biases, bidirectional)
         used = [(o, g) for o, g in zip(outputs, grads) if g is not None]
@@ -201,17 +211,17 @@ def _(tensors, cell, has_biases, bidirectional, grads, needed):
 
 
 def _gru_setup(ctx, inputs, output):
-    tensors, cell, has_biases, bidirectional = inputs
+    tensors, needed, cell, has_biases, bidirectional = inputs
     ctx.save_for_backward(*tensors)
     ctx.options = cell, has_biases, bidirectional
-    ctx.needed = [t.requires_grad for t in tensors]
+    ctx.needed = needed
     ctx.set_materialize_grads(False)   # an unused output gets no gradient, as in eager
 
 
 def _gru_backward(ctx, grads):
     got = torch.ops.transpiler.gru_backward(list(ctx.saved_tensors), *ctx.options, list(grads),
                                             ctx.needed)
-    return [g if need else None for g, need in zip(got, ctx.needed)], None, None, None
+    return [g if need else None for g, need in zip(got, ctx.needed)], None, None, None, None
 
 
 _gru_op.register_autograd(_gru_backward, setup_context=_gru_setup)
