@@ -24,8 +24,9 @@ its wait; hierarchical over several nodes: reduce-scatter inside the node,
 all-reduce across, all-gather inside), the cast back, and the reduced buffer
 split into views shaped like the values, which every former use of a value now
 reads (no copy back), but those of the backward() that produced it
-(program/averaging.py GradientReads), as under DDP. With ctx.comm_hook (DDP's comm hook) the bucket's buffer,
-not averaged, is reduced by the hook traced into the program instead
+(program/averaging.py GradientReads), as under DDP. With ctx.comm_hook (DDP's
+comm hook) the bucket's buffer, not averaged, is reduced by the hook traced
+into the program instead
 (transpiler/lowering/comm_hooks.py). Pack nodes have the role of the bucket's last value
 (BACKWARD for gradients), the rest COMM; all carry meta["bucket"]. Values of
 different dtypes or groups never share a buffer. Every mark is removed. With one

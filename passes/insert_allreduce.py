@@ -13,9 +13,9 @@ transpiler/lowering/reductions.py: issued right after the node that produces the
 nodes: a reduce-scatter inside the node), completed right before its first use
 (the wait; hierarchical: then the all-reduce across nodes and the all-gather
 inside the node). Every use then reads the reduced value, but those of the
-backward() that produced it (program/averaging.py GradientReads), as under DDP. Parameters without a
-gradient (frozen, unused) get none; a tied parameter has one gradient and gets
-one. Collectives and waits carry role COMM and meta["comm"]. Every mark is
+backward() that produced it (program/averaging.py GradientReads), as under
+DDP. Parameters without a gradient (frozen, unused) get none; a tied parameter
+has one gradient and gets one. Collectives and waits carry role COMM and meta["comm"]. Every mark is
 removed. With one rank it does not apply.
 Order: before ring_round_robin, which spreads the collectives over the rings.
 """

@@ -1,6 +1,5 @@
-"""torch's recurrent layers in a program: nn.LSTM's fused layer run as eager
-runs it, and those the program cannot compute as eager does refused while the
-step is traced.
+"""torch's recurrent layers while the step is traced: each recorded in a form
+the program computes as eager does, or refused at the user's line.
 
 On CPU, eager's nn.LSTM runs oneDNN's fused layer (mkldnn_rnn_layer), whose
 backward reads a workspace its forward returns, but only when grad mode is on;
@@ -57,19 +56,20 @@ def _refusing(name: str):
     return refuse
 
 
-def _lstm_on_cpu_only(input, *args, **kwargs):
+def _check_on_cpu(layer: str, input: torch.Tensor) -> None:
     if input.device.type != "cpu":
-        raise TranspileError(
-            f"nn.LSTM on {input.device.type} runs a kernel whose program is not tested"
-            f"{user_line(None)}: {_LAYER}")
+        raise TranspileError(f"{layer} on {input.device.type} runs a kernel whose program is "
+                             f"not tested{user_line(None)}: {_LAYER}")
+
+
+def _lstm_on_cpu_only(input, *args, **kwargs):
+    _check_on_cpu("nn.LSTM", input)
     return _VF_LSTM(input, *args, **kwargs)
 
 
 def _check_gru(layer: str, input: torch.Tensor) -> None:
     """`transpiler::gru` runs the composite on the CPU, autocast off."""
-    if input.device.type != "cpu":
-        raise TranspileError(f"{layer} on {input.device.type} runs a kernel whose program is "
-                             f"not tested{user_line(None)}: {_LAYER}")
+    _check_on_cpu(layer, input)
     if torch.is_autocast_enabled("cpu"):
         raise TranspileError(
             f"{layer} under autocast: its program runs the layer with autocast off, where "
@@ -117,7 +117,7 @@ _TRACED = {"lstm": _lstm_on_cpu_only, "gru": _gru, "gru_cell": _gru_cell}
 
 
 @contextlib.contextmanager
-def recurrent_layers_refused():
+def recurrent_layers_traced():
     vf = torch._VF   # a module object whose attributes fall back to torch's C functions
     for name in _REFUSED:
         setattr(vf, name, _refusing(name))

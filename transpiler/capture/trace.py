@@ -67,7 +67,7 @@ from .memoized import memoized_while_traced
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
-from .recurrent import LSTM_LAYERS, recurrent_layers_refused
+from .recurrent import LSTM_LAYERS, recurrent_layers_traced
 from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
@@ -411,7 +411,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
-            stack.enter_context(recurrent_layers_refused())
+            stack.enter_context(recurrent_layers_traced())
             stack.enter_context(synced_batch_norms())
             stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
