@@ -165,8 +165,8 @@ def _(tensors, needed, cell, has_biases, bidirectional):
 
 
 def _gru_gradients(tensors: list[torch.Tensor], cell: bool, has_biases: bool,
-                     bidirectional: bool, grads: list[torch.Tensor | None],
-                     needed: list[bool]) -> list[torch.Tensor]:
+                   bidirectional: bool, grads: list[torch.Tensor | None],
+                   needed: list[bool]) -> list[torch.Tensor]:
     """The gradients of `transpiler::gru` for the inputs `needed` (an empty
     tensor for the others), from those of its outputs (None: unused): the
     forward run again with autograd on and differentiated by the engine, as
