@@ -56,8 +56,8 @@ def gather_grads(program: Program, ctx: PassContext) -> None:
     early = early_averages(program)
     if early:
         raise PassError(
-            f"the step reads the gradients of backward() number {min(early)} before the next "
-            "backward() (SAM, a lookahead); gather_grads gathers the gradients once per step, "
+            f"the step reads the gradients of backward() number {min(early)} before a later "
+            "backward() (a GAN's discriminator step, SAM, a lookahead); gather_grads gathers the gradients once per step, "
             "where the last backward() before optimizer.step() ends: use mode "
             "'fuse_all_reduce' or 'grad_allreduce' for this step")
     grads = program.grads

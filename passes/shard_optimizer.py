@@ -120,7 +120,7 @@ def shard_optimizer(program: Program, ctx: PassContext) -> None:
         if reduction.point:
             raise PassError(
                 f"the step reads the gradients of backward() number {reduction.point} before "
-                "the next backward() (SAM, a lookahead), which DDP averages where that "
+                "a later backward() (a GAN's discriminator step, SAM, a lookahead), which DDP averages where that "
                 "backward() ends; shard_optimizer averages the gradients once per step, where "
                 "the last backward() before optimizer.step() ends: use mode 'fuse_all_reduce' "
                 "or 'grad_allreduce' for this step")

@@ -36,6 +36,9 @@ class Markers:
     # ... as it stood when the first optimizer.step() began: the gradients to reduce
     reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
+    # where the first backward() after an optimizer's step() was called (GAN
+    # training: one update phase per optimizer), None if none is
+    after_step: str | None = None
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
 
@@ -75,11 +78,8 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict],
             # Called by the backward pass itself (torch.utils.checkpoint with
             # use_reentrant=True differentiates its recomputed block): part of it.
             return original(tensors, grad_tensors, *args, **kwargs)
-        if markers.steps:
-            raise TranspileError(
-                f"{step_name(step_fn)} calls backward() after optimizer.step(){user_line(step_fn)}; "
-                "a transpiled step computes its gradients before the optimizer's step: "
-                "move this backward() into the next call of the step")
+        if markers.steps and markers.after_step is None:
+            markers.after_step = user_line(step_fn)
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         if len(tensors) != 1:
             raise TranspileError("backward() on several tensors at once is not supported; "
@@ -179,8 +179,12 @@ def optimizer_markers(markers: Markers, optimizers, modules):
                 "re-evaluates the loss inside the optimizer's step, which a static program "
                 "cannot capture; call backward() in the step and optimizer.step() without one "
                 "(LBFGS, which needs it, is not supported)")
-        if not markers.steps:
-            markers.reduced = dict(markers.grads)
+        if any(scheduler.optimizer is opt for scheduler in markers.schedulers):
+            raise TranspileError(
+                f"{type(opt).__name__}.step() runs again after its LR scheduler's step() in the "
+                f"same call{user_line(None)}: the program's updates read the learning rate the "
+                "call starts with; step the scheduler once, after the call's last "
+                "optimizer.step(), or outside the step")
         markers.stepping = opt
         markers.steps.append([last_node(), None])
         # an optimizer traced as torch wrote it computes as in eager: its step
@@ -243,7 +247,8 @@ def assign_roles(graph: fx.Graph, markers: Markers):
     backwards = [(position[b], position[e]) for b, e in markers.backwards]
     steps = [(position[b], position[e]) for b, e in markers.steps]
     grads_end = backwards[-1][1]
-    first_step = steps[0][0] if steps else len(position)
+    # the first step() after the last backward(): a GAN's generator step
+    first_step = next((b for b, _ in steps if b > grads_end), len(position))
     seeds, losses = set(markers.seeds), set(markers.losses)
     from_grads = Role.GRADIENT | Role.OPTIMIZE
     for node in graph.nodes:

@@ -610,12 +610,17 @@ def formulation_of(opt: torch.optim.Optimizer) -> Formulation | None:
 
 
 @contextlib.contextmanager
-def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
+def updates_with_lifted_hyperparameters(groups: dict[int, tuple],
+                                        later: Callable[[dict, str, int], torch.Tensor]):
     """While tracing, route the functional updates of the groups in `groups`
     (id of a traced parameter -> (formulation, group, terms, {name: tensor},
     numbers), optimizer_state.formulated_groups) to the formulations. Groups
-    of other optimizers take torch's own path."""
+    of other optimizers take torch's own path. A group updated again in the
+    same call (a critic stepped several times) reads its values derived from
+    the step count from later(group, name, k), the input of its k-th update
+    after the first."""
     patched = []
+    updates: dict[int, int] = {}   # id of a group -> its updates so far in the trace
 
     def route(original):
         def functional(params, grads, *lists, **kwargs):
@@ -623,6 +628,9 @@ def updates_with_lifted_hyperparameters(groups: dict[int, tuple]):
             if target is None:
                 return original(params, grads, *lists, **kwargs)
             form, group, terms, h, numbers = target
+            ahead = updates[id(group)] = updates.get(id(group), -1) + 1
+            if ahead:
+                h = {k: later(group, k, ahead) if k in PER_STEP else v for k, v in h.items()}
             update = form.update
             if numbers and "fused" in terms:   # (refuse_fused_without_kernel)
                 update = form.update_fused

@@ -18,11 +18,12 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.fx as fx
 
 from .slots import misfit_in
 from ..errors import TranspileError
 from ..program.program import Program, keep_old_unless, new_node
-from ..program.roles import Role
+from ..program.roles import SKIPPABLE, Role
 
 GradScaler = torch.amp.GradScaler
 # Held on the node of found_inf in the traced graph: the index of the optimizer
@@ -87,11 +88,19 @@ def traced_scalers(scalers: list[GradScaler], values: dict[tuple[int, str], torc
     amp_scaling = [(opt, vars(opt).get("_step_supports_amp_scaling")) for opt in optimizers
                    if "_step_supports_amp_scaling" in vars(opt)]
     original_scale = GradScaler.scale
+    stepped: set[int] = set()   # the optimizers a scaler has stepped in this trace
 
     def maybe_step(self, optimizer, optimizer_state, *args, **kwargs):
         # unscale_ wrote found_inf in place (an op without outputs, so its node
         # is the tensor's value before): mark a copy taken now, and hand the copy
         # to update(), which reads it, so that it stays in the program.
+        if id(optimizer) in stepped:
+            raise TranspileError(
+                f"{step_fn_name} steps {type(optimizer).__name__} through a GradScaler twice in "
+                "one call (a critic stepped several times): a program skips each optimizer's "
+                "updates of a call together, where eager skips each step on its own found_inf; "
+                "step it once per call through the scaler (one critic update per call)")
+        stepped.add(id(optimizer))
         flags = optimizer_state["found_inf_per_device"]
         for device, found in list(flags.items()):
             flags[device] = found.clone()
@@ -143,10 +152,51 @@ def guard_skipped_steps(program: Program, optimizer_of: list[int | None]) -> Non
     if not flags:
         return
     ok = {}
-    with program.graph.inserting_before(program.output_node):
-        for i, found in flags.items():
+    for i, found in flags.items():
+        # where its flags are known: before the optimizer's step, so that what
+        # reads the step's values later in the program can read the selected ones
+        with program.graph.inserting_before(found[-1].next):
             for flag in found:
                 clear = new_node(program.graph, torch.ops.aten.eq.Scalar, (flag, 0), Role.OPTIMIZE)
                 ok[i] = clear if i not in ok else new_node(
                     program.graph, torch.ops.aten.logical_and.default, (ok[i], clear), Role.OPTIMIZE)
     keep_old_unless(program, [ok.get(i) for i in optimizer_of], skippable=True)
+    _read_as_selected(program)
+
+
+def _read_as_selected(program: Program) -> None:
+    """What reads a value a skippable update writes, other than that update
+    itself, reads its select instead, placed where the value is computed: an
+    EMA of the parameters or a validation forward after scaler.step(), a GAN's
+    generator step through the discriminator just updated, each sees the old
+    value where eager skipped optimizer.step(). The update's own nodes (what
+    only the selects' new values read) keep reading the new values, so that a
+    step with no such reader keeps its selects at the end, where a backend
+    that reads the host cuts the update off (backends/skipped_update.py)."""
+    graph = program.graph
+    selects = [n for n in graph.nodes if n.meta.get(SKIPPABLE)]
+    for ok in dict.fromkeys(n.args[0] for n in selects):
+        chosen = {n for n in selects if n.args[0] is ok}
+        update: set[fx.Node] = set()
+        for n in reversed(graph.nodes):
+            if n.op == "call_function" and n.users and all(
+                    u in update or (u in chosen and u.args[1] is n and n not in u.args[::2])
+                    for u in n.users):
+                update.add(n)
+        for select in [n for n in graph.nodes if n in chosen]:
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            new, old = select.args[1], select.args[2]
+            # what read the value before the step decided (an input the update
+            # leaves as it is, read by the forward) is not the update's
+            after = max(new, ok, key=position.__getitem__)
+            readers = [u for u in new.users if u not in (select, old) and u not in update
+                       and position[u] > position[after]]
+            if not readers:
+                continue
+            if old.op != "placeholder":   # zeros for state the step creates
+                after.append(old)
+                old.append(select)
+            else:
+                after.append(select)
+            for reader in readers:
+                reader.replace_input_with(new, select)

@@ -36,6 +36,7 @@ from .argument_writes import ArgumentChanges, ArgumentGradSlot, ArgumentSlot
 from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
+from .grad_flags import FlagWrite, flags_changed
 from .guards import Guards
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
@@ -338,11 +339,23 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     left: list[torch.Tensor] = []      # parameters the step leaves a .grad
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # ones it gives a gradient without dropping .grad first
+    flags: list[FlagWrite] = []        # ones whose requires_grad it changes
 
     def flat(*values):
         traced: dict[int, torch.Tensor] = {}
         leaves = list(step_args.leaves)
         hypers: dict[tuple, torch.Tensor] = {}
+        hyper_inputs: dict[tuple, tuple] = {}   # (id of a param group, key) -> its input
+
+        def later_hyper(group: dict, key: str, ahead: int) -> torch.Tensor:
+            """The input of a value derived from the step count for the group's
+            update `ahead` updates after its first in this call."""
+            spec, slot, value = hyper_inputs[(id(group), key)]
+            return late.placeholder(
+                dataclasses.replace(spec, name=f"{spec.name}+{ahead}",
+                                    hyper=dataclasses.replace(spec.hyper, ahead=ahead)),
+                dataclasses.replace(slot, ahead=ahead), torch.zeros(value.shape, dtype=value.dtype,
+                                                                    device=value.device))
         scaled: dict[tuple, torch.Tensor] = {}
         state: dict[int, dict] = defaultdict(dict)
         for spec, slot, value in zip(inputs.specs, inputs.slots, values):
@@ -354,6 +367,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 state[id(slot.optimizer)].setdefault(id(slot.param), {})[slot.key] = value
             elif spec.kind is InputKind.HYPER:
                 hypers[(id(slot.optimizer), slot.group, slot.key)] = value
+                hyper_inputs[(id(slot.optimizer.param_groups[slot.group]), slot.key)] = \
+                    (spec, slot, value)
             elif spec.kind is InputKind.GRAD:
                 traced[id(slot.param)].grad = value
             elif spec.kind is InputKind.SCALER:
@@ -405,7 +420,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             for opt in optimizers:
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             host.group_inputs.update(group_tensors_as_inputs(optimizers, late.stand_in))
-            stack.enter_context(updates_with_lifted_hyperparameters(formulated))
+            stack.enter_context(updates_with_lifted_hyperparameters(formulated, later_hyper))
             # make_fx turns autocast's cache of casts off; eager casts a
             # parameter used twice in one autocast region once (both uses' gradients
             # add up in the low precision), so the trace does too
@@ -438,10 +453,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             for i, (zeros, _) in zeroed.items():   # no backward() gave it a gradient
                 node_of(zeros).meta[UNUSED] = inputs.param_names[i]
             host.finish()
+            flags.extend(flags_changed(inputs.params, traced, inputs.param_names))
             late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
-            if not optimizers:   # no optimizer: an update written by hand (p.data -= ...)
-                markers.reduced = dict(markers.grads)
+            # the gradients the last backward() leaves: averaged where it ends
+            markers.reduced = dict(markers.grads)
             out_leaves, spec = pytree.tree_flatten(result)
             returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
             out_leaves = [o for o in out_leaves if o is not None]
@@ -589,10 +605,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
         reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
+        for flag in flags:   # as the step's Python left them, as its other host writes
+            flag.redo()
         return Captured(program, slots, targets, returned[0], markers.schedulers, cleared,
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
-                        host_writes=host.kept, draws=draws, rng=rng_plan, decisions=decisions,
+                        host_writes=host.kept + flags, draws=draws, rng=rng_plan,
+                        decisions=decisions,
                         argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves),
                         steps=bool(markers.steps))
@@ -630,7 +649,7 @@ class _LateInputs:
         found = self._by_id.get(id(real))
         if found is None:
             tensor = _FROM_NUMPY(real) if is_ndarray(real) else real
-            fake = self._placeholder(InputSpec(InputKind.REACHED, self._unique(name)),
+            fake = self.placeholder(InputSpec(InputKind.REACHED, self._unique(name)),
                                      ReachedSlot(place), tensor)
             found = self._by_id[id(real)] = (real, fake, name)
             if is_ndarray(real):
@@ -640,7 +659,7 @@ class _LateInputs:
     def drawn(self, value, name: str, what: str, slot):
         """The traced value of a host draw (host_random.py): a symbolic number,
         or for an array the array itself (torch.from_numpy gives its input)."""
-        fake = self._placeholder(InputSpec(InputKind.DRAW, name), slot, slot.read(None))
+        fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot, slot.read(None))
         if is_ndarray(value):
             self.arrays[id(value)] = fake
             return value
@@ -648,7 +667,7 @@ class _LateInputs:
         self.draw_symbols[number.node.expr] = what
         return number
 
-    def _placeholder(self, spec: InputSpec, slot, tensor: torch.Tensor) -> torch.Tensor:
+    def placeholder(self, spec: InputSpec, slot, tensor: torch.Tensor) -> torch.Tensor:
         """A new program input, placed after the others; its fake tensor."""
         fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
         tracer = get_proxy_mode().tracer
