@@ -6246,3 +6246,116 @@ def state_step(model, optimizer, x, y, state):
     optimizer.step()
     state.step += 1
     return loss
+
+
+# ----------------------------------------------------------------- several updates in one call
+
+class PPOAgent(nn.Module):
+    """cleanrl/ppo.py Agent: a critic and an actor over a discrete action space."""
+
+    def __init__(self, obs=8, actions=3, hidden=16):
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(obs, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.actor = nn.Sequential(nn.Linear(obs, hidden), nn.Tanh(), nn.Linear(hidden, actions))
+
+    def get_action_and_value(self, x, action=None):
+        logits = self.actor(x)
+        probs = torch.distributions.Categorical(logits=logits)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+@seeded
+def _ppo_setup():
+    agent = PPOAgent()
+    return SimpleNamespace(agent=agent, args=SimpleNamespace(
+        update_epochs=2, batch_size=8, minibatch_size=4, clip_coef=0.2, norm_adv=True,
+        clip_vloss=True, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5),
+        optimizer=torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5))
+
+
+def _ppo_call(step, s, i, d):
+    obs = d.vec(8, 8)
+    with torch.no_grad():
+        actions, logprobs, _, values = s.agent.get_action_and_value(obs)
+    return step(s.agent, s.optimizer, s.args, obs, logprobs, actions, d.vec(8, 1).view(-1),
+                d.vec(8, 1).view(-1), values.view(-1))
+
+
+@habit(id="cleanrl_ppo_update_epochs_minibatches",
+       source="vwxyzjn/cleanrl cleanrl/ppo.py: for epoch in range(args.update_epochs): for start "
+              "in range(0, args.batch_size, args.minibatch_size): ... clipped surrogate and "
+              "value losses, optimizer.zero_grad(); loss.backward(); "
+              "nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm); "
+              "optimizer.step() (the minibatch order drawn outside: b_inds)",
+       what="one optimizer (Adam) stepped once per minibatch, four times in one call, each "
+            "backward() reading the parameters the previous step updated; Categorical "
+            "log-probabilities and entropy, advantages normalized per minibatch",
+       expect=EQUAL, rule=PHASES, setup=_ppo_setup, call=_ppo_call)
+def ppo_update(agent, optimizer, args, b_obs, b_logprobs, b_actions, b_advantages, b_returns,
+               b_values):
+    b_inds = torch.arange(args.batch_size)
+    for epoch in range(args.update_epochs):
+        for start in range(0, args.batch_size, args.minibatch_size):
+            end = start + args.minibatch_size
+            mb_inds = b_inds[start:end]
+            _, newlogprob, entropy, newvalue = agent.get_action_and_value(
+                b_obs[mb_inds], b_actions.long()[mb_inds])
+            logratio = newlogprob - b_logprobs[mb_inds]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                approx_kl = ((ratio - 1) - logratio).mean()
+            mb_advantages = b_advantages[mb_inds]
+            if args.norm_adv:
+                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            pg_loss1 = -mb_advantages * ratio
+            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+            newvalue = newvalue.view(-1)
+            if args.clip_vloss:
+                v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                v_clipped = b_values[mb_inds] + torch.clamp(
+                    newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef)
+                v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+            else:
+                v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+            entropy_loss = entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+    return pg_loss.detach(), v_loss.detach(), approx_kl
+
+
+@seeded
+def _reptile_setup():
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    return SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.02))
+
+
+@habit(id="openai_reptile_inner_sgd_outer_interpolation",
+       source="openai/supervised-reptile (and the sine-wave Reptile example of its paper): "
+              "weights_before = deepcopy(model.state_dict()); innerepochs of "
+              "train_on_batch (zero_grad, backward, SGD step); then weights_after and "
+              "model.load_state_dict({name: weights_before[name] + (weights_after[name] - "
+              "weights_before[name]) * outerstepsize})",
+       what="an inner loop of SGD steps on one task in one call, then the parameters moved "
+            "from their value before the call toward the adapted ones by load_state_dict",
+       expect=EQUAL, rule=PHASES, setup=_reptile_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.uniform(3, 4, 1) * 10 - 5,
+                                       d.uniform(1) * 5, d.uniform(1) * 3.14))
+def reptile_step(model, opt, xs, amplitude, phase, outerstepsize=0.1):
+    weights_before = copy.deepcopy(model.state_dict())
+    for x in xs:
+        y = amplitude * torch.sin(x + phase)
+        model.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+    weights_after = model.state_dict()
+    model.load_state_dict({name: weights_before[name] + (weights_after[name] - weights_before[name])
+                           * outerstepsize for name in weights_before})
+    return loss.detach()

@@ -120,6 +120,26 @@ def test_a_noop_conversion_and_a_name_formatted_from_a_tensor_run_as_in_eager():
     assert step.traces >= 2   # another expert chosen: the program of that decision
 
 
+def _self_distilled_step(model, opt, x, y):
+    """A snapshot of the model taken inside the step (a deepcopy), its
+    predictions a soft target for the model's own."""
+    teacher = copy.deepcopy(model)
+    opt.zero_grad()
+    with torch.no_grad():
+        soft = teacher(x).softmax(-1)
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits, y) + nn.functional.kl_div(
+        logits.log_softmax(-1), soft, reduction="batchmean")
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_deepcopy_of_the_model_inside_the_step_runs_as_in_eager():
+    # torch's deepcopy reads a tensor's data pointer, which a traced one has none of
+    M.against_eager(_self_distilled_step)
+
+
 def _converting_step(model, opt, x, y):
     model.half()
     return M.classify_step(model, opt, x, y)

@@ -786,7 +786,10 @@ def _seen_as_in_eager():
     traced tensor's type among those that take torch's foreach paths
     (clip_grad_norm_ and the optimizers pick them by `type(t) in ...`), and a
     0-d tensor formatted as its value (f"expert_{idx}": Tensor.__format__
-    formats the value of a plain tensor only), a decision on that value."""
+    formats the value of a plain tensor only), a decision on that value, and
+    copy.deepcopy of a traced tensor (a state_dict copied inside the step, as
+    Reptile's weights_before): a clone, where torch's protocol reads the
+    storage's data pointer, which a traced tensor has none of."""
     from torch.fx import _symbolic_trace
     from torch.nn.modules import activation
     from torch.utils._foreach_utils import _foreach_supported_types as foreach_types
@@ -797,6 +800,7 @@ def _seen_as_in_eager():
     make_fx_tracing = activation._is_make_fx_tracing
     activation._is_make_fx_tracing = torch.compiler.is_exporting
     torch.overrides.has_torch_function = _has_torch_function_as_in_eager
+    torch.Tensor.__deepcopy__ = _deepcopy_as_in_eager
     try:
         yield
     finally:
@@ -805,9 +809,23 @@ def _seen_as_in_eager():
         torch.Tensor.__format__ = _FORMAT
         activation._is_make_fx_tracing = make_fx_tracing
         torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
+        torch.Tensor.__deepcopy__ = _DEEPCOPY
 
 
 _FORMAT = torch.Tensor.__format__
+_DEEPCOPY = torch.Tensor.__deepcopy__
+
+
+def _deepcopy_as_in_eager(self, memo):
+    if type(self) is not FakeTensor or not self.is_leaf:
+        return _DEEPCOPY(self, memo)
+    if id(self) not in memo:
+        with torch.no_grad():
+            copied = self.clone().requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            copied.grad = _deepcopy_as_in_eager(self.grad, memo)
+        memo[id(self)] = copied
+    return memo[id(self)]
 _HAS_TORCH_FUNCTION = torch.overrides.has_torch_function
 
 
