@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
@@ -295,15 +296,20 @@ def test_a_gradscaler_stepping_one_optimizer_twice_in_a_call_is_refused():
 
 # On 2 ranks
 
-def rank_gan_vs_ddp(mode: str, amp: bool) -> list[str]:
+def rank_gan_vs_ddp(mode: str, amp: bool, option: str | None = None) -> list[str]:
     """The GAN transpiled and under DDP in the same processes, each rank its
     own batches and noise: what differs after each call (the buffers as DDP's
-    next forward sees them: rank 0's)."""
+    next forward sees them: rank 0's). `option`: one of OPTIONS, given to both."""
     rank = dist.get_rank()
     build, step_fn, batch = (amp_gan, amp_gan_step, _real) if amp else (dcgan, dcgan_step, _images)
     ours, theirs = build(), build()
-    theirs[0], theirs[1] = DDP(theirs[0]), DDP(theirs[1])
-    step = transpile(step_fn, mode=mode)
+    ddp_options, options, hook = OPTIONS[option]
+    theirs[0], theirs[1] = DDP(theirs[0], **ddp_options), DDP(theirs[1], **ddp_options)
+    if hook is not None:
+        for model in theirs[:2]:
+            model.register_comm_hook(None, hook)
+        options = dict(options, comm_hook=(None, hook))
+    step = transpile(step_fn, mode=mode, **options)
     differ = []
     for i in range(4):
         torch.manual_seed(10 * i + rank)
@@ -316,13 +322,30 @@ def rank_gan_vs_ddp(mode: str, amp: bool) -> list[str]:
     return differ
 
 
-@pytest.mark.parametrize("mode,amp", [("grad_allreduce", False), ("fuse_all_reduce", False),
-                                      ("fuse_all_reduce", True)])
-def test_a_gan_trains_as_under_ddp_on_2_ranks(mode, amp, ranks2):
+# DDP's options, transpile()'s, and a comm hook registered on both
+OPTIONS = {
+    None: ({}, {}, None),
+    "find_unused_parameters": ({"find_unused_parameters": True},
+                               {"find_unused_parameters": True}, None),
+    "fp16_compress_hook": ({}, {}, default_hooks.fp16_compress_hook),
+    "nrings=1, verify=2, skip_nonfinite": ({}, {"nrings": 1, "verify": 2,
+                                                "skip_nonfinite": True}, None),
+}
+
+
+@pytest.mark.parametrize("mode,amp,option", [
+    ("grad_allreduce", False, None), ("fuse_all_reduce", False, None),
+    ("fuse_all_reduce", True, None),
+    # the reductions of each backward() issued before the next one's (they
+    # were ordered by parameter alone: a wait came after the step that reads it)
+    ("grad_allreduce", False, "find_unused_parameters"),
+    ("fuse_all_reduce", False, "fp16_compress_hook"),
+    ("fuse_all_reduce", False, "nrings=1, verify=2, skip_nonfinite")])
+def test_a_gan_trains_as_under_ddp_on_2_ranks(mode, amp, option, ranks2):
     """The discriminator's gradients are averaged where the backward() its step
     reads ends; the generator's backward() accumulates onto those averages and
     DDP averages them again where it ends, as the program does."""
-    assert ranks2.run(rank_gan_vs_ddp, mode, amp) == [[], []]
+    assert ranks2.run(rank_gan_vs_ddp, mode, amp, option) == [[], []]
 
 
 def rank_gan_local_sgd(k: int) -> list[str]:

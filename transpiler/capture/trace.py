@@ -456,8 +456,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             flags.extend(flags_changed(inputs.params, traced, inputs.param_names))
             late.check_no_grads(step_fn)
             _check_markers(step_fn, markers)
-            # the gradients the last backward() leaves: averaged where it ends
-            markers.reduced = dict(markers.grads)
+            # the gradients the last backward() leaves, averaged where it ends; a
+            # call whose optimizers take no step leaves the local sum (accumulation
+            # across calls, as under no_sync)
+            if markers.steps or not optimizers:
+                markers.reduced = dict(markers.grads)
             out_leaves, spec = pytree.tree_flatten(result)
             returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
             out_leaves = [o for o in out_leaves if o is not None]

@@ -24,7 +24,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .collectives import WAIT, set_group
 from .mesh import Dim, Mesh, Over
-from .roles import BUCKET, COMM, GATHERED, INPUT, MICRO, PARAM, READY, REDUCE, ROLE, SKIPPABLE, Role
+from .roles import (BUCKET, COMM, GATHERED, GRAD_AT, INPUT, MICRO, PARAM, READY, REDUCE, ROLE,
+                    SKIPPABLE, Role)
 
 
 class InputKind(enum.Enum):
@@ -246,12 +247,17 @@ class Program:
         order; by_parameters: the parameters' gradients first, in reverse order
         of the parameters (DDP's first layout), an order every rank has even
         where a rank's backward pass gives some of them no gradient
-        (find_unused_parameters: the trace gives those zeros where it ends)."""
+        (find_unused_parameters: the trace gives those zeros where it ends), each
+        backward() averaged where it ends (Reduction.point) before the next."""
         marked = {n.meta[REDUCE].key: n for n in self.graph.nodes if REDUCE in n.meta and n.users}
         if not by_parameters:
             return marked
-        params = [s.name for s in reversed(self.inputs) if s.kind is InputKind.PARAM]
-        return {name: marked[name] for name in params if name in marked} | marked
+        rank = {s.name: i for i, s in enumerate(reversed(self.inputs)) if s.kind is InputKind.PARAM}
+
+        def order(node: fx.Node) -> tuple:
+            param = node.meta[GRAD_AT].param if GRAD_AT in node.meta else node.meta[REDUCE].key
+            return node.meta[REDUCE].point or float("inf"), rank.get(param, len(rank))
+        return {key: node for key, node in sorted(marked.items(), key=lambda kv: order(kv[1]))}
 
     def add_input(self, spec: InputSpec, like: fx.Node | torch.Tensor, name: str) -> fx.Node:
         """A new placeholder after the others, holding a tensor shaped like
