@@ -57,8 +57,8 @@ def gather_grads(program: Program, ctx: PassContext) -> None:
     if early:
         raise PassError(
             f"the step reads the gradients of backward() number {min(early)} before a later "
-            "backward() (a GAN's discriminator step, SAM, a lookahead); gather_grads gathers the gradients once per step, "
-            "where the last backward() before optimizer.step() ends: use mode "
+            "backward() (a GAN's discriminator step, SAM, a lookahead); gather_grads gathers "
+            "the gradients once per step, where the last backward() ends: use mode "
             "'fuse_all_reduce' or 'grad_allreduce' for this step")
     grads = program.grads
     region = [n for n in program.graph.nodes

@@ -120,10 +120,10 @@ def shard_optimizer(program: Program, ctx: PassContext) -> None:
         if reduction.point:
             raise PassError(
                 f"the step reads the gradients of backward() number {reduction.point} before "
-                "a later backward() (a GAN's discriminator step, SAM, a lookahead), which DDP averages where that "
-                "backward() ends; shard_optimizer averages the gradients once per step, where "
-                "the last backward() before optimizer.step() ends: use mode 'fuse_all_reduce' "
-                "or 'grad_allreduce' for this step")
+                "a later backward() (a GAN's discriminator step, SAM, a lookahead), which DDP "
+                "averages where that backward() ends; shard_optimizer averages the gradients "
+                "once per step, where the last backward() ends: use mode 'fuse_all_reduce' or "
+                "'grad_allreduce' for this step")
         if reduction.over is not Dim.WORLD or reduction.op is not ReduceOp.MEAN:
             raise PassError(f"the gradient of {name} is reduced {reduction}: shard_optimizer "
                             "shards gradients averaged over the world only")

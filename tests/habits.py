@@ -29,12 +29,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import itertools
 import math
 import random
 from collections import OrderedDict
 from types import SimpleNamespace
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch

@@ -33,12 +33,11 @@ class Markers:
     # parameter name -> node of its .grad where the last backward() ended
     grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     ends: list[dict[str, fx.Node]] = dataclasses.field(default_factory=list)  # ... each one
-    # ... as it stood when the first optimizer.step() began: the gradients to reduce
+    # ... as the last backward() left it, if the step takes an optimizer step (a
+    # backward() after one, a GAN's generator loss, reads the updated parameters):
+    # the gradients the step reduces at its end
     reduced: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
-    # where the first backward() after an optimizer's step() was called (GAN
-    # training: one update phase per optimizer), None if none is
-    after_step: str | None = None
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
 
@@ -65,11 +64,12 @@ def compiling_flag():
 
 
 @contextlib.contextmanager
-def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict],
+def backward_marker(markers: Markers, grads_now: Callable[[], dict],
                     at_end: Callable[[], None] = lambda: None):
     """Mark each backward() (its seed, its loss, its nodes), run at_end() where
-    it ends and record every parameter's .grad there: after the last one before
-    optimizer.step(), those are the gradients the program reduces."""
+    it ends and record every parameter's .grad there: after the last one (of a
+    step that takes an optimizer step), those are the gradients the program
+    reduces at its end."""
     original = torch.autograd.backward
     running = []   # a backward() of the step is running
 
@@ -78,8 +78,6 @@ def backward_marker(markers: Markers, step_fn, grads_now: Callable[[], dict],
             # Called by the backward pass itself (torch.utils.checkpoint with
             # use_reentrant=True differentiates its recomputed block): part of it.
             return original(tensors, grad_tensors, *args, **kwargs)
-        if markers.steps and markers.after_step is None:
-            markers.after_step = user_line(step_fn)
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         if len(tensors) != 1:
             raise TranspileError("backward() on several tensors at once is not supported; "
@@ -241,8 +239,9 @@ def optimizer_markers(markers: Markers, optimizers, modules):
 def assign_roles(graph: fx.Graph, markers: Markers):
     """Roles from the markers: backward inside each backward(), optimize inside
     optimizer.step(); what reads the gradients between the last backward() and
-    the first step() is gradient processing, and after it optimize; forward for
-    the rest (the forward passes, and whatever reads no gradient)."""
+    the first step() after it is gradient processing, and after it optimize;
+    forward for the rest (the forward passes, those after an earlier step()
+    included, and whatever reads no gradient)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     backwards = [(position[b], position[e]) for b, e in markers.backwards]
     steps = [(position[b], position[e]) for b, e in markers.steps]

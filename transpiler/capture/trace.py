@@ -346,16 +346,6 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         leaves = list(step_args.leaves)
         hypers: dict[tuple, torch.Tensor] = {}
         hyper_inputs: dict[tuple, tuple] = {}   # (id of a param group, key) -> its input
-
-        def later_hyper(group: dict, key: str, ahead: int) -> torch.Tensor:
-            """The input of a value derived from the step count for the group's
-            update `ahead` updates after its first in this call."""
-            spec, slot, value = hyper_inputs[(id(group), key)]
-            return late.placeholder(
-                dataclasses.replace(spec, name=f"{spec.name}+{ahead}",
-                                    hyper=dataclasses.replace(spec.hyper, ahead=ahead)),
-                dataclasses.replace(slot, ahead=ahead), torch.zeros(value.shape, dtype=value.dtype,
-                                                                    device=value.device))
         scaled: dict[tuple, torch.Tensor] = {}
         state: dict[int, dict] = defaultdict(dict)
         for spec, slot, value in zip(inputs.specs, inputs.slots, values):
@@ -381,6 +371,17 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 leaves[slot.leaf] = read_number(value, spec.name, symbols)
             else:
                 leaves[slot.leaf] = value
+
+        def later_hyper(group: dict, key: str, ahead: int) -> torch.Tensor:
+            """The input of a value derived from the step count for the group's
+            update `ahead` updates after its first in this call."""
+            spec, slot, value = hyper_inputs[(id(group), key)]
+            return late.placeholder(
+                dataclasses.replace(spec, name=f"{spec.name}+{ahead}",
+                                    hyper=dataclasses.replace(spec.hyper, ahead=ahead)),
+                dataclasses.replace(slot, ahead=ahead),
+                torch.zeros(value.shape, dtype=value.dtype, device=value.device))
+
         formulated = formulated_groups(optimizers, traced, hypers)
         late.begin(traced, torch._guards.detect_fake_mode(values))
         host = HostState(Recorder(late.stand_in, {id(m) for module in modules
@@ -433,7 +434,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(rng.recording(on_values))
-            stack.enter_context(backward_marker(markers, step_fn, grads_now, zero_unused_grads))
+            stack.enter_context(backward_marker(markers, grads_now, zero_unused_grads))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(buffer_sync_points(markers, modules))
             stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
@@ -653,7 +654,7 @@ class _LateInputs:
         if found is None:
             tensor = _FROM_NUMPY(real) if is_ndarray(real) else real
             fake = self.placeholder(InputSpec(InputKind.REACHED, self._unique(name)),
-                                     ReachedSlot(place), tensor)
+                                    ReachedSlot(place), tensor)
             found = self._by_id[id(real)] = (real, fake, name)
             if is_ndarray(real):
                 self.arrays[id(real)] = fake

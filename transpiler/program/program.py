@@ -82,7 +82,8 @@ class Hyper:
     group's on the host, optimizers.hyper_value) of param group `group` of the
     step's optimizer number `optimizer`. `ahead`: for a value derived from the
     step count (optimizers.PER_STEP), that of the update `ahead` updates after
-    the call's first (mode all_gather updates once per rank)."""
+    the call's first (mode all_gather updates once per rank; a step may update
+    one optimizer several times, a critic loop)."""
 
     key: str
     group: int
