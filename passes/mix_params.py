@@ -2,7 +2,8 @@
 topology before the optimizer updates it (Decent-DP's gossip step).
 
 Requires: ctx.gossip, the mixing of the program being built (the decentralized
-schedule sets it per program: transpiler/runtime/schedule.py, transpiler/lowering/topology.py).
+schedule sets it per program: transpiler/runtime/schedule.py, transpiler/lowering/topology.py);
+a step with one update (a backward() after an optimizer's step is refused).
 Produces, for every parameter p the step updates (an UPDATE output of a PARAM
 input), where x is p as the step starts and S the sum of x over the group:
 
@@ -32,6 +33,7 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
+from transpiler.program.averaging import refuse_backward_after_update
 from transpiler.program.collectives import Reduction, ReduceOp
 from transpiler.lowering.context import Mark, PassContext, produces
 from transpiler.program.program import InputKind, OutputKind, Program, new_node
@@ -47,6 +49,7 @@ def mix_params(program: Program, ctx: PassContext) -> None:
     if ctx.gossip is None:
         raise ValueError("mix_params needs the topology's mixing of this program "
                          "(transpile(..., mode='decentralized', topology=...))")
+    refuse_backward_after_update(program, "mix_params mixes the parameters before the update")
     graph, out = program.graph, program.output_node
     params = program.updated_inputs(InputKind.PARAM)
     if not params:

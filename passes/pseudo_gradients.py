@@ -3,7 +3,8 @@
 Builds the sync programs of mode diloco (the schedule, transpiler/runtime/schedule.py
 DiLoCo, picks one every sync_every / fragments steps and takes the outer
 optimizer's step on the host with what it outputs).
-Requires: snapshot_params.
+Requires: snapshot_params; a step with one update (a backward() after an
+optimizer's step is refused).
 Produces, before the output, for every parameter p with a snapshot s of
 fragment ctx.fragment (index f of F: the updated parameters in input order,
 grouped by the module that owns them, cut into F contiguous runs of about
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from transpiler.program.averaging import refuse_backward_after_update
 from transpiler.program.collectives import Reduction
 from transpiler.lowering.context import Mark, PassContext, produces, requires
 from transpiler.lowering.layers import layers_of
@@ -59,6 +61,8 @@ def fragment_of(params: list[fx.Node], index: int, fragments: int) -> list[fx.No
 @requires("snapshot_params")
 @produces(Mark.TO_REDUCE)
 def pseudo_gradients(program: Program, ctx: PassContext) -> None:
+    refuse_backward_after_update(program, "pseudo_gradients averages the parameters' change "
+                                   "for the outer optimizer")
     index, fragments = ctx.fragment or (0, 1)
     snaps = snapshots(program)
     updated = [n for n in program.updated_inputs(InputKind.PARAM) if n.meta[INPUT].name in snaps]

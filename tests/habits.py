@@ -6358,3 +6358,109 @@ def reptile_step(model, opt, xs, amplitude, phase, outerstepsize=0.1):
     model.load_state_dict({name: weights_before[name] + (weights_after[name] - weights_before[name])
                            * outerstepsize for name in weights_before})
     return loss.detach()
+
+
+class _ResBlockG(nn.Module):
+    """A tiny image-to-image generator (CycleGAN's ResnetGenerator in miniature)."""
+
+    def __init__(self, ch=3, width=8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(ch, width, 3, padding=1), nn.InstanceNorm2d(width),
+                                 nn.ReLU(True), nn.Conv2d(width, ch, 3, padding=1), nn.Tanh())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _patch_d(ch=3, width=8):
+    """CycleGAN's NLayerDiscriminator (PatchGAN) in miniature."""
+    return nn.Sequential(nn.Conv2d(ch, width, 4, 2, 1), nn.LeakyReLU(0.2, True),
+                         nn.Conv2d(width, 1, 4, 1, 1))
+
+
+class CycleGANModel:
+    """junyanz/pytorch-CycleGAN-and-pix2pix models/cycle_gan_model.py, with its
+    base class's set_requires_grad and LSGAN's GANLoss (MSE to 1 or 0), the
+    image pools left out (they keep tensors on the host)."""
+
+    def __init__(self, lambda_A=10.0, lambda_B=10.0, lambda_idt=0.5):
+        import itertools
+        self.netG_A, self.netG_B = _ResBlockG(), _ResBlockG()
+        self.netD_A, self.netD_B = _patch_d(), _patch_d()
+        self.lambda_A, self.lambda_B, self.lambda_idt = lambda_A, lambda_B, lambda_idt
+        self.criterionGAN, self.criterionCycle = nn.MSELoss(), nn.L1Loss()
+        self.criterionIdt = nn.L1Loss()
+        self.optimizer_G = torch.optim.Adam(
+            itertools.chain(self.netG_A.parameters(), self.netG_B.parameters()),
+            lr=2e-4, betas=(0.5, 0.999))
+        self.optimizer_D = torch.optim.Adam(
+            itertools.chain(self.netD_A.parameters(), self.netD_B.parameters()),
+            lr=2e-4, betas=(0.5, 0.999))
+
+    def gan_loss(self, prediction, target_is_real):
+        target = torch.tensor(1.0 if target_is_real else 0.0).expand_as(prediction)
+        return self.criterionGAN(prediction, target)
+
+    def set_requires_grad(self, nets, requires_grad=False):
+        for net in nets:
+            for param in net.parameters():
+                param.requires_grad = requires_grad
+
+    def forward(self):
+        self.fake_B = self.netG_A(self.real_A)
+        self.rec_A = self.netG_B(self.fake_B)
+        self.fake_A = self.netG_B(self.real_B)
+        self.rec_B = self.netG_A(self.fake_A)
+
+    def backward_D_basic(self, netD, real, fake):
+        loss_D = (self.gan_loss(netD(real), True) + self.gan_loss(netD(fake.detach()), False)) * 0.5
+        loss_D.backward()
+        return loss_D
+
+    def backward_G(self):
+        idt_A = self.netG_A(self.real_B)
+        loss_idt_A = self.criterionIdt(idt_A, self.real_B) * self.lambda_B * self.lambda_idt
+        idt_B = self.netG_B(self.real_A)
+        loss_idt_B = self.criterionIdt(idt_B, self.real_A) * self.lambda_A * self.lambda_idt
+        loss_G = (self.gan_loss(self.netD_A(self.fake_B), True)
+                  + self.gan_loss(self.netD_B(self.fake_A), True)
+                  + self.criterionCycle(self.rec_A, self.real_A) * self.lambda_A
+                  + self.criterionCycle(self.rec_B, self.real_B) * self.lambda_B
+                  + loss_idt_A + loss_idt_B)
+        loss_G.backward()
+        return loss_G
+
+    def optimize_parameters(self, real_A, real_B):
+        self.real_A, self.real_B = real_A, real_B
+        self.forward()
+        self.set_requires_grad([self.netD_A, self.netD_B], False)
+        self.optimizer_G.zero_grad()
+        loss_G = self.backward_G()
+        self.optimizer_G.step()
+        self.set_requires_grad([self.netD_A, self.netD_B], True)
+        self.optimizer_D.zero_grad()
+        loss_D_A = self.backward_D_basic(self.netD_A, self.real_B, self.fake_B)
+        loss_D_B = self.backward_D_basic(self.netD_B, self.real_A, self.fake_A)
+        self.optimizer_D.step()
+        return loss_G.detach(), loss_D_A.detach(), loss_D_B.detach()
+
+
+@seeded
+def _cyclegan_setup():
+    return SimpleNamespace(model=CycleGANModel())
+
+
+@habit(id="cyclegan_optimize_parameters_set_requires_grad",
+       source="junyanz/pytorch-CycleGAN-and-pix2pix models/cycle_gan_model.py "
+              "optimize_parameters (forward; set_requires_grad([netD_A, netD_B], False); "
+              "backward_G; optimizer_G.step(); set_requires_grad(..., True); backward_D_A; "
+              "backward_D_B; optimizer_D.step()) and models/base_model.py set_requires_grad",
+       what="a bound method of a model object holding four networks and two optimizers over "
+            "itertools.chain of their parameters; the discriminators frozen for the generators' "
+            "backward() and unfrozen for their own two, which come after the generators' step; "
+            "the results kept as attributes (self.fake_B) between its methods",
+       expect=EQUAL, rule=PHASES, setup=_cyclegan_setup,
+       bind=lambda s: s.model.optimize_parameters,
+       call=lambda step, s, i, d: step(d.img(2), d.img(2)))
+def _unused_cyclegan(*a):
+    raise AssertionError

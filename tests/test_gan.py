@@ -384,12 +384,14 @@ def test_a_gan_in_local_sgd_equals_plain_torch_local_sgd(ranks2):
 
 def rank_refused(mode: str) -> bool:
     ours = dcgan(seed=dist.get_rank())
+    options = {"outer_optimizer": torch.optim.SGD(
+        [p for m in ours[:2] for p in m.parameters()], lr=0.7)} if mode == "diloco" else {}
     before = copy.deepcopy(_state(*ours[:2]))
-    with pytest.raises(PassError, match=r"a GAN's discriminator step.*use mode 'fuse_all_reduce'"):
-        transpile(dcgan_step, mode=mode)(*ours, _images(0))
+    with pytest.raises(PassError, match=r"GAN.*use mode 'fuse_all_reduce'"):
+        transpile(dcgan_step, mode=mode, **options)(*ours, _images(0))
     return _differ(_state(*ours[:2]), before) == []
 
 
-@pytest.mark.parametrize("mode", ["zero", "fsdp", "all_gather"])
-def test_the_sharded_modes_refuse_a_gan_before_anything_changes(mode, ranks2):
+@pytest.mark.parametrize("mode", ["zero", "fsdp", "all_gather", "decentralized", "diloco"])
+def test_the_modes_that_assume_one_update_refuse_a_gan_before_anything_changes(mode, ranks2):
     assert ranks2.run(rank_refused, mode) == [True, True]

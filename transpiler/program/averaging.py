@@ -29,6 +29,7 @@ import dataclasses
 import torch.fx as fx
 
 from .program import Program
+from ..errors import PassError
 from .roles import GRAD_AT, PARAM, ROLE, Role
 
 
@@ -94,3 +95,19 @@ class GradientReads:
         if not user.meta.get(ROLE, Role.FORWARD) & Role.BACKWARD:
             return True
         return point > 0 and self.position.get(user, -1) > self.ends.get(point, -1)
+
+
+def refuse_backward_after_update(program: Program, what: str) -> None:
+    """Refuse, for a pass that assumes one update per step (`what` it does), a
+    step that calls backward() after an optimizer's step (a GAN's generator
+    loss through the discriminator just updated, a critic stepped several
+    times): in the program as captured, a BACKWARD node after an OPTIMIZE one."""
+    updated = False
+    for node in program.graph.nodes:
+        role = node.meta.get(ROLE, Role.FORWARD)
+        updated = updated or bool(role & Role.OPTIMIZE)
+        if updated and role & Role.BACKWARD:
+            raise PassError(
+                f"the step calls backward() after an optimizer's step (GAN training, a critic "
+                f"stepped several times); {what} once per step: use mode 'fuse_all_reduce', "
+                "'grad_allreduce' or 'local_sgd' for this step")
