@@ -389,6 +389,7 @@ class _Rewrite:
         values = list(out.args[0])
         inputs = {spec.name: spec for spec in self.program.inputs}
         updated: dict[str, fx.Node] = {}
+        new_values: dict[str, fx.Node] = {}   # parameter -> its new value, computed whole
         kept = []
         for spec, value in zip(self.program.outputs, values):
             if value in self.partial:
@@ -399,6 +400,7 @@ class _Rewrite:
             target = inputs.get(spec.target) if spec.kind is OutputKind.UPDATE else None
             if target is not None and target.kind is InputKind.PARAM:
                 updated[spec.target] = self.shard[value]
+                new_values[spec.target] = value
                 kept.append((spec, spec.target))   # filled in by the all-gather
             elif spec.kind is OutputKind.STATE or (target is not None
                                                    and target.kind is InputKind.STATE):
@@ -419,6 +421,27 @@ class _Rewrite:
                 full.update(self._all_gather(b, layout, updated))
         self.program.outputs = [spec for spec, _ in kept]
         out.args = ([full[v] if isinstance(v, str) else v for _, v in kept],)
+        self._read_gathered(new_values, full)
+
+    def _read_gathered(self, new_values: dict[str, fx.Node], full: dict[str, fx.Node]) -> None:
+        """What the step does with a parameter after its update other than
+        update it (an EMA of the model, an evaluation: roles FORWARD, as they
+        read the parameter the update wrote in place) reads its gathered new
+        value, and runs after the all-gathers with whatever reads it. It read
+        the whole update, which computes from the rank's own gradient."""
+        out = self.program.output_node
+        moved: set[fx.Node] = set()
+        for name, value in new_values.items():
+            for user in [u for u in value.users if u is not out]:
+                user.replace_input_with(value, full[name])
+                moved.add(user)
+        if not moved:
+            return
+        for node in self.graph.nodes:   # in order: what reads a moved node moves too
+            if node is not out and any(a in moved for a in node.all_input_nodes):
+                moved.add(node)
+        for node in [n for n in self.graph.nodes if n in moved]:
+            out.prepend(node)
 
     def _all_gather(self, b: int, layout: BucketLayout, updated: dict[str, fx.Node]):
         shards = [updated[p] for p in layout.params]

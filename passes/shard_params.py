@@ -37,6 +37,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from transpiler.errors import PassError
 from transpiler.program.collectives import ALL_GATHER
 from transpiler.lowering.context import PassContext, requires
 from transpiler.program.program import (Held, InputKind, InputSpec, OutputKind, OutputSpec, Program,
@@ -168,6 +169,7 @@ def _hold_shards(program: Program) -> list[Bucket]:
     cut = {n.meta[PARAM_SHARD]: n for n in program.graph.nodes if PARAM_SHARD in n.meta}
     buckets, sharded = [], set()
     for gather in gathers:
+        _refuse_reads_after_update(program, gather)
         names = gather.meta[COMM].params
         sharded.update(names)
         row = gather.args[0]   # the bucket's updated shards, concatenated
@@ -195,6 +197,20 @@ def _hold_shards(program: Program) -> list[Bucket]:
         b.derived = _derived(program.graph, set(b.full.values()))
         b.readers = sorted({r for v in [*b.full.values(), *b.derived] for r in v.users})
     return buckets
+
+
+def _refuse_reads_after_update(program: Program, gather: fx.Node) -> None:
+    """A parameter read after its update in the step (an EMA of the model, an
+    evaluation: shard_optimizer has them read its gathered new value) would
+    read the gather this pass makes of the held shards, the old value."""
+    out = program.output_node
+    for node in _unpacking(gather):
+        if GATHERED in node.meta and any(u is not out for u in node.users):
+            raise PassError(
+                f"the step reads {node.meta[GATHERED]} after optimizer.step() updated it (an "
+                "EMA of the model, an evaluation after the update): mode fsdp holds the "
+                "updated parameters as shards until the next step; read them after the call "
+                "(inside `with step.unsharded():`), or use mode zero or fuse_all_reduce")
 
 
 def _unpacking(gather: fx.Node) -> list[fx.Node]:
