@@ -257,16 +257,18 @@ def ema_step(model, ema, optimizer, scaler, x, y):
     return loss, evaluated
 
 
+def ema_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    return [model, copy.deepcopy(model).requires_grad_(False),
+            torch.optim.SGD(model.parameters(), 0.1, momentum=0.9),
+            torch.amp.GradScaler("cpu", init_scale=2. ** 8)]
+
+
 def test_what_reads_the_parameters_after_a_skipped_step_reads_them_unchanged():
     # an overflow left the EMA inf and the evaluation NaN: they read the
     # update's values before the select that skips it
-    def build():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-        return [model, copy.deepcopy(model).requires_grad_(False),
-                torch.optim.SGD(model.parameters(), 0.1, momentum=0.9),
-                torch.amp.GradScaler("cpu", init_scale=2. ** 8)]
-
+    build = ema_model
     ours, theirs = build(), build()
     step = transpile(ema_step)
     for i in range(4):
@@ -274,6 +276,28 @@ def test_what_reads_the_parameters_after_a_skipped_step_reads_them_unchanged():
         a, b = step(*ours, _real(i), y), ema_step(*theirs, _real(i), y)
         assert all(_same(u, v) for u, v in zip(a, b)), f"call {i}"
         assert _differ(_state(*ours[:2]), _state(*theirs[:2])) == [], f"call {i}"
+
+
+def rank_ema_vs_ddp(mode: str) -> list[str]:
+    """ema_step transpiled and under DDP, call 2 overflowing: what differs."""
+    rank = dist.get_rank()
+    ours, theirs = ema_model(), ema_model()
+    ddp = DDP(theirs[0])
+    step = transpile(ema_step, mode=mode)
+    differ = []
+    for i in range(4):
+        y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(10 * i + rank))
+        a, b = step(*ours, _real(i, rank), y), ema_step(ddp, *theirs[1:], _real(i, rank), y)
+        differ += [f"call {i}: returned"] * (not all(_same(u, v) for u, v in zip(a, b)))
+        differ += [f"call {i}: {k}" for k in _differ(
+            {k: v for k, v in _state(*ours[:2]).items() if not k.endswith(".grad")},
+            {k: v for k, v in _state(*theirs[:2]).items() if not k.endswith(".grad")})]
+    return differ
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_what_reads_the_parameters_after_a_skipped_step_equals_ddp_on_2_ranks(mode, ranks2):
+    assert ranks2.run(rank_ema_vs_ddp, mode) == [[], []]
 
 
 def test_a_gradscaler_stepping_one_optimizer_twice_in_a_call_is_refused():
