@@ -269,7 +269,7 @@ def rank_refused(mode):
 @pytest.mark.parametrize("mode", ["zero", "all_gather"])
 def test_modes_that_reduce_once_refuse_sam(mode, ranks2):
     for message, no_update in ranks2.run(rank_refused, mode):
-        assert "reads the gradients of backward() number 1 before the next backward()" in message
+        assert "reads the gradients of backward() number 1 before a later backward()" in message
         assert "use mode 'fuse_all_reduce' or 'grad_allreduce'" in message
         assert no_update
 
