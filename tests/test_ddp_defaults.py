@@ -198,10 +198,11 @@ def accumulate(model, opt, x, y):
 STEP_FNS = {f.__name__: f for f in (sam, norm_between_micro_batches, accumulate)}
 
 
-def rank_step_vs_ddp(fn_name, mode, verify=0):
+def rank_step_vs_ddp(fn_name, mode, verify=0, find_unused=False):
     """The step transpiled and under DDP with its defaults (no no_sync() but
-    where the step says so): parameters, optimizer state and .grad after 4
-    steps, what it returned, and the collectives of the program."""
+    where the step says so; find_unused: find_unused_parameters=True for
+    both): parameters, optimizer state and .grad after 4 steps, what it
+    returned, and the collectives of the program."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fn = STEP_FNS[fn_name]
     batches = [M.shard(b, rank, world_size) for b in M.batches("mlp", STEPS, BATCH)]
@@ -209,8 +210,9 @@ def rank_step_vs_ddp(fn_name, mode, verify=0):
     for transpiled in (True, False):
         model = M.make("mlp", seed=rank if transpiled else 0)
         opt = M.make_optimizer("sgd", model)
-        step = transpile(fn, mode=mode, verify=verify) if transpiled else fn
-        net = model if transpiled else DDP(model)
+        step = transpile(fn, mode=mode, verify=verify, find_unused_parameters=find_unused) \
+            if transpiled else fn
+        net = model if transpiled else DDP(model, find_unused_parameters=find_unused)
         returned = [step(net, opt, *batch) for batch in batches]
         state = _state(model, opt)
         state.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
@@ -232,6 +234,17 @@ def test_read_gradients_averaged_at_their_backward_as_ddp(fn_name, mode, ranks2)
         params = [p for _, group in ops for p in group]
         assert len(params) == 12 and len(set(params)) == 12
         assert len(ops) == (12 if mode == "grad_allreduce" else 2)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_sam_with_find_unused_parameters_equals_ddp(mode, ranks2):
+    # the reductions were ordered by parameter alone, across both points: the
+    # first backward()'s came after the second's, after the norm that reads
+    # them (the pass failed)
+    for ((ours, our_returned), (ddp, ddp_returned)), _ in ranks2.run(
+            rank_step_vs_ddp, "sam", mode, 0, True):
+        M.assert_states_equal(ours, ddp)
+        assert all(torch.equal(a, b) for a, b in zip(our_returned, ddp_returned))
 
 
 def test_sam_verified_equals_ddp(ranks2):
