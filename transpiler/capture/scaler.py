@@ -184,13 +184,15 @@ def _read_as_selected(program: Program) -> None:
                     for u in n.users):
                 update.add(n)
         for select in [n for n in graph.nodes if n in chosen]:
-            position = {n: i for i, n in enumerate(graph.nodes)}
             new, old = select.args[1], select.args[2]
+            readers = [u for u in new.users if u not in (select, old) and u not in update]
+            if not readers:
+                continue
+            position = {n: i for i, n in enumerate(graph.nodes)}
             # what read the value before the step decided (an input the update
             # leaves as it is, read by the forward) is not the update's
             after = max(new, ok, key=position.__getitem__)
-            readers = [u for u in new.users if u not in (select, old) and u not in update
-                       and position[u] > position[after]]
+            readers = [u for u in readers if position[u] > position[after]]
             if not readers:
                 continue
             if old.op != "placeholder":   # zeros for state the step creates
