@@ -277,3 +277,18 @@ def test_the_shared_modules_tensors_after_a_call_are_real():
     transpile(M.classify_step)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert all(type(t) in (torch.Tensor, nn.Parameter)
                for t in [*model.parameters(), *model.buffers()])
+
+
+def _module_zero_grad_step(model, opt, x, y):
+    model.zero_grad()   # the module's, as the word language model and HF's Trainer call it
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_what_the_trace_installs_on_the_steps_objects_is_not_guarded():
+    # the trace's own zero_grad on the module was read as the module's
+    # attribute: its guard failed on every call, and every call traced again
+    step = M.against_eager(_module_zero_grad_step, calls=4)
+    assert step.traces == 1

@@ -17,7 +17,18 @@ from ..errors import TranspileError
 from ..program.roles import PARAM, ROLE, Role
 from .optimizer_state import opt_params
 from .optimizers import formulation_of
+from .reads import TRACE_ONLY
 from .user_code import step_name, user_line
+
+
+def _unread(grad: torch.Tensor | None) -> bool:
+    """Whether the program has not read this .grad so far: none, or the one
+    the step started with, read by no node (a GAN's generator gradients,
+    dropped by its zero_grad() after the discriminator's backward())."""
+    if grad is None:
+        return True
+    node = node_of(grad)
+    return node.op == "placeholder" and not node.users
 
 
 @dataclasses.dataclass
@@ -25,7 +36,7 @@ class Markers:
     """What happened during the trace, as positions in the graph being built."""
 
     # traced parameters whose .grad a zero_grad(set_to_none=True) dropped before
-    # the first backward(): the program does not depend on what they had
+    # anything read it: the program does not depend on what they had
     reset: set[int] = dataclasses.field(default_factory=set)
     seeds: list[fx.Node] = dataclasses.field(default_factory=list)    # one per backward()
     losses: list[fx.Node] = dataclasses.field(default_factory=list)   # one per backward()
@@ -201,11 +212,12 @@ def optimizer_markers(markers: Markers, optimizers, modules):
         method = obj.zero_grad
 
         def zero_grad(set_to_none: bool = True):
-            if set_to_none and not markers.backwards:
+            if set_to_none:
                 params = opt_params(obj) if isinstance(obj, torch.optim.Optimizer) \
                     else obj.parameters()
-                markers.reset.update(id(p) for p in params)
+                markers.reset.update(id(p) for p in params if _unread(p.grad))
             return method(set_to_none)
+        setattr(zero_grad, TRACE_ONLY, True)   # not a read of the step's objects to guard
         return zero_grad
 
     for opt in optimizers:

@@ -44,6 +44,9 @@ from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, restore
 
 _ACTIVE: list = [None]   # the Recorder of the trace in progress
 _RECORDING = "_transpiler_records"   # marks the methods installed on a class
+# marks a method the trace installs on an object of the step for the trace
+# alone (markers.py's zero_grad): a read of it is not the step's
+TRACE_ONLY = "_transpiler_trace_only"
 
 # torch.nn.Module's own attributes: its parameters, buffers and submodules
 # (their layout is the signature's, capture/signature.py), its hooks (a
@@ -574,7 +577,8 @@ class Recorder:
     def attribute(self, obj, name: str, value):
         """An attribute read through __getattribute__: the value the reader gets."""
         known = self.known.get(id(obj))
-        if known is None or (name[:2] == "__" and name[-2:] == "__"):
+        if known is None or (name[:2] == "__" and name[-2:] == "__") \
+                or getattr(value, TRACE_ONLY, False):
             return value
         seen = (id(obj), name)
         if seen in self._read:
