@@ -91,6 +91,28 @@ def test_numbers_deciding_control_flow_or_shapes_trace_per_value(fn, caplog):
     assert step._cache.per_value == {decided} and step._cache.lifted == {other}
 
 
+def test_a_numpy_float64_is_lifted_as_a_float():
+    # DANN's alpha = 2. / (1. + np.exp(-10 * p)) - 1 is numpy's float64: traced
+    # per value, a new program every call
+    import numpy as np
+
+    def numpy_values(i: int) -> tuple:
+        weight, k = _values(i)
+        return 2. / (1. + np.exp(-10 * weight)) - 1, k
+
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step = transpile(weighted_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 5, 8)):
+        assert type(numpy_values(i)[0]) is np.float64
+        ours = step(model, opts[0], x, y, *numpy_values(i))
+        theirs = weighted_step(reference, opts[1], x, y, *numpy_values(i))
+        assert ours.item() == theirs.item()
+        M.assert_states_equal(M.state_of(model, opts[0]), M.state_of(reference, opts[1]))
+    assert step._cache.builds == 2
+
+
 def test_a_bool_is_never_lifted():
     def flagged_step(model, opt, x, y, flag):
         opt.zero_grad()

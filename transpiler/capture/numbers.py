@@ -1,6 +1,7 @@
 """Python numbers among the step's arguments whose value changes between calls.
 
-A float or int argument is part of the signature: a trace bakes its value in.
+A float or int argument (or numpy's float64, a float: `2. / (1. + np.exp(-10 *
+p)) - 1`) is part of the signature: a trace bakes its value in.
 When a call brings a new value, the argument is lifted: the step is traced
 again with the number read from a 0-d tensor input (float64 for a float, int64
 for an int: Python's own widths) through .item(). The trace then holds it as a
@@ -19,6 +20,7 @@ from then on, the programs kept bounded (program_cache.py).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 import torch.fx as fx
@@ -34,8 +36,13 @@ class NotLiftable(Exception):
 
 
 def is_number(value) -> bool:
-    """A Python float or int (a bool decides control flow: never lifted)."""
-    return type(value) in (int, float)
+    """A Python float or int, or numpy's float64, which computes as a Python
+    float (a bool decides control flow: never lifted). numpy is not imported
+    for it: a step given a numpy number has imported it."""
+    if type(value) in (int, float):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(value) is numpy.float64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +54,7 @@ class NumberSlot:
 
     def read(self, leaves):
         value = leaves[self.leaf]
-        return torch.tensor(value, dtype=torch.float64 if type(value) is float else torch.int64)
+        return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
 def read_number(value: torch.Tensor, name: str, symbols: dict) -> torch.SymFloat | torch.SymInt:
