@@ -27,8 +27,8 @@ def _unread(grad: torch.Tensor | None) -> bool:
     dropped by its zero_grad() after the discriminator's backward())."""
     if grad is None:
         return True
-    node = node_of(grad)
-    return node.op == "placeholder" and not node.users
+    slot = get_proxy_slot(grad, get_proxy_mode().tracer, None)
+    return slot is not None and slot.proxy.node.op == "placeholder" and not slot.proxy.node.users
 
 
 @dataclasses.dataclass
