@@ -22,7 +22,7 @@ import dataclasses
 import torch.fx as fx
 
 from ..program.program import (InputKind, InputSpec, OutputKind, OutputSpec, Program, draws_random,
-                               graph_module)
+                               graph_module, selected_update)
 from ..program.roles import INPUT, SKIPPABLE
 
 
@@ -47,12 +47,7 @@ def plan(program: Program) -> SkipPlan | None:
                                                      for n in selects):
         return None
     chosen = set(selects)
-    update: set[fx.Node] = set()
-    for n in reversed(graph.nodes):
-        if n.op == "call_function" and n.users and all(
-                u in update or (u in chosen and u.args[1] is n and n not in u.args[::2])
-                for u in n.users):
-            update.add(n)
+    update = selected_update(graph, chosen)
     collectives = set(program.collectives())
     if not update or any(n in collectives or draws_random(n) or n.is_impure() for n in update):
         return None

@@ -18,11 +18,10 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.fx as fx
 
 from .slots import misfit_in
 from ..errors import TranspileError
-from ..program.program import Program, keep_old_unless, new_node
+from ..program.program import Program, keep_old_unless, new_node, selected_update
 from ..program.roles import SKIPPABLE, Role
 
 GradScaler = torch.amp.GradScaler
@@ -177,12 +176,7 @@ def _read_as_selected(program: Program) -> None:
     selects = [n for n in graph.nodes if n.meta.get(SKIPPABLE)]
     for ok in dict.fromkeys(n.args[0] for n in selects):
         chosen = {n for n in selects if n.args[0] is ok}
-        update: set[fx.Node] = set()
-        for n in reversed(graph.nodes):
-            if n.op == "call_function" and n.users and all(
-                    u in update or (u in chosen and u.args[1] is n and n not in u.args[::2])
-                    for u in n.users):
-                update.add(n)
+        update = selected_update(graph, chosen)
         for select in [n for n in graph.nodes if n in chosen]:
             new, old = select.args[1], select.args[2]
             readers = [u for u in new.users if u not in (select, old) and u not in update]

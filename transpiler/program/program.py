@@ -390,6 +390,19 @@ def keep_old_unless(program: Program, conditions: list[fx.Node | None],
     out.args = (tuple(values),)
 
 
+def selected_update(graph: fx.Graph, selects: set[fx.Node]) -> set[fx.Node]:
+    """The nodes that only the new values of `selects` (keep_old_unless's
+    where(ok, new, old)) read, directly or through each other: the update
+    those selects keep or drop."""
+    update: set[fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op == "call_function" and n.users and all(
+                u in update or (u in selects and u.args[1] is n and n not in u.args[::2])
+                for u in n.users):
+            update.add(n)
+    return update
+
+
 def _on_meta(target, vals, fake_mode):
     """target's fake result computed by its meta kernel on meta tensors laid out
     as the fake inputs: what fake-tensor dispatch does, without its Python
