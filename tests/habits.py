@@ -6266,7 +6266,7 @@ class PPOAgent(nn.Module):
 
 
 @seeded
-def _ppo_setup():
+def _ppo_epochs_setup():
     agent = PPOAgent()
     return SimpleNamespace(agent=agent, args=SimpleNamespace(
         update_epochs=2, batch_size=8, minibatch_size=4, clip_coef=0.2, norm_adv=True,
@@ -6274,7 +6274,7 @@ def _ppo_setup():
         optimizer=torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5))
 
 
-def _ppo_call(step, s, i, d):
+def _ppo_epochs_call(step, s, i, d):
     obs = d.vec(8, 8)
     with torch.no_grad():
         actions, logprobs, _, values = s.agent.get_action_and_value(obs)
@@ -6291,7 +6291,7 @@ def _ppo_call(step, s, i, d):
        what="one optimizer (Adam) stepped once per minibatch, four times in one call, each "
             "backward() reading the parameters the previous step updated; Categorical "
             "log-probabilities and entropy, advantages normalized per minibatch",
-       expect=EQUAL, rule=PHASES, setup=_ppo_setup, call=_ppo_call)
+       expect=EQUAL, rule=PHASES, setup=_ppo_epochs_setup, call=_ppo_epochs_call)
 def ppo_update(agent, optimizer, args, b_obs, b_logprobs, b_actions, b_advantages, b_returns,
                b_values):
     b_inds = torch.arange(args.batch_size)
