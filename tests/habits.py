@@ -6298,35 +6298,10 @@ def ppo_update(agent, optimizer, args, b_obs, b_logprobs, b_actions, b_advantage
     for epoch in range(args.update_epochs):
         for start in range(0, args.batch_size, args.minibatch_size):
             end = start + args.minibatch_size
-            mb_inds = b_inds[start:end]
-            _, newlogprob, entropy, newvalue = agent.get_action_and_value(
-                b_obs[mb_inds], b_actions.long()[mb_inds])
-            logratio = newlogprob - b_logprobs[mb_inds]
-            ratio = logratio.exp()
-            with torch.no_grad():
-                approx_kl = ((ratio - 1) - logratio).mean()
-            mb_advantages = b_advantages[mb_inds]
-            if args.norm_adv:
-                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-            pg_loss1 = -mb_advantages * ratio
-            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-            newvalue = newvalue.view(-1)
-            if args.clip_vloss:
-                v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                v_clipped = b_values[mb_inds] + torch.clamp(
-                    newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef)
-                v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-            else:
-                v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
-            entropy_loss = entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
-    return pg_loss.detach(), v_loss.detach(), approx_kl
+            loss, _, approx_kl = cleanrl_ppo_step(agent, optimizer, args, b_obs, b_logprobs,
+                                                  b_actions, b_advantages, b_returns, b_values,
+                                                  b_inds[start:end])
+    return loss.detach(), approx_kl
 
 
 @seeded

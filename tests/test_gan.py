@@ -86,19 +86,32 @@ def _differ(ours: dict, theirs: dict) -> list[str]:
     return [k for k in ours if not _same(ours[k], theirs[k])]
 
 
-def test_a_dcgan_step_trains_as_in_eager():
-    ours, theirs = dcgan(), dcgan()
-    step = transpile(dcgan_step)
+def _against_eager(build, step_fn, batch, each=lambda i, ours, theirs: None):
+    """step_fn transpiled and eager on build()'s objects for 4 calls, torch
+    seeded alike before each: what it returns and both models' parameters,
+    .grad and buffers bit for bit after every call, then each(i, ours, theirs).
+    Returns the transpiled step."""
+    ours, theirs = build(), build()
+    step = transpile(step_fn)
     for i in range(4):
         torch.manual_seed(i)
-        a = step(*ours, _images(i))
+        a = step(*ours, batch(i))
         torch.manual_seed(i)
-        b = dcgan_step(*theirs, _images(i))
+        b = step_fn(*theirs, batch(i))
         assert all(_same(x, y) for x, y in zip(a, b)), f"call {i}"
         assert _differ(_state(*ours[:2]), _state(*theirs[:2])) == [], f"call {i}"
-        for k in (0, 1):   # each model with its optimizer's state
-            assert _differ(M.state_of(ours[k], ours[k + 2]),
-                           M.state_of(theirs[k], theirs[k + 2])) == [], f"call {i}"
+        each(i, ours, theirs)
+    return step
+
+
+def _optimizer_states_equal(i, ours, theirs):
+    for k in (0, 1):   # each model with its optimizer's state
+        assert _differ(M.state_of(ours[k], ours[k + 2]),
+                       M.state_of(theirs[k], theirs[k + 2])) == [], f"call {i}"
+
+
+def test_a_dcgan_step_trains_as_in_eager():
+    step = _against_eager(dcgan, dcgan_step, _images, _optimizer_states_equal)
     # the generator's .grad the call starts with is dropped by its zero_grad()
     # before anything reads it (after the discriminator's backward()): the
     # program does not depend on it, and traces once
@@ -233,17 +246,14 @@ def _real(i: int, rank: int = 0) -> torch.Tensor:
 def test_a_gan_whose_discriminator_step_a_gradscaler_skips_trains_as_in_eager():
     # the generator's loss reads the discriminator as the skipped step left it:
     # read before its select, it was NaN, and the generator's step was skipped too
-    ours, theirs = amp_gan(), amp_gan()
-    step = transpile(amp_gan_step)
-    for i in range(4):
-        torch.manual_seed(i)
-        a = step(*ours, _real(i))
-        torch.manual_seed(i)
-        b = amp_gan_step(*theirs, _real(i))
-        assert all(_same(x, y) for x, y in zip(a, b)), f"call {i}"
-        assert _differ(_state(*ours[:2]), _state(*theirs[:2])) == [], f"call {i}"
-        assert ours[4].get_scale() == theirs[4].get_scale()
-    assert theirs[4].get_scale() == 128.   # the overflow was found
+    scales = []
+
+    def same_scale(i, ours, theirs):
+        assert ours[4].get_scale() == theirs[4].get_scale(), f"call {i}"
+        scales.append(theirs[4].get_scale())
+
+    _against_eager(amp_gan, amp_gan_step, _real, same_scale)
+    assert scales[-1] == 128.   # the overflow was found
 
 
 def ema_step(model, ema, optimizer, scaler, x, y):
