@@ -6304,6 +6304,28 @@ def ppo_update(agent, optimizer, args, b_obs, b_logprobs, b_actions, b_advantage
     return loss.detach(), approx_kl
 
 
+def _ppo_rollout_setup():
+    s = _ppo_setup()
+    s.args.update_epochs = 2
+    return s
+
+
+def _ppo_rollout_call(step, s, i, d):
+    r = s.rollout
+    return step(s.agent, s.opt, s.args, r.b_obs, r.b_logprobs, r.b_actions, r.b_advantages,
+                r.b_returns, r.b_values)
+
+
+habit(id="cleanrl_ppo_update_loop_adam_orthogonal_init",
+      source="vwxyzjn/cleanrl cleanrl/ppo.py: the update loop of the iteration (update_epochs "
+             "x minibatches) over the Agent as the script builds it (layer_init: orthogonal, "
+             "the actor's head at std 0.01), Adam(lr=2.5e-4, eps=1e-5)",
+      what="eight Adam updates in one call; each minibatch's Categorical checks its logits "
+           "(a decision on values), computed through the earlier updates of the call and "
+           "their bias corrections",
+      expect=EQUAL, rule=PHASES, setup=_ppo_rollout_setup, call=_ppo_rollout_call)(ppo_update)
+
+
 @seeded
 def _reptile_setup():
     model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -136,25 +136,49 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_an_optimizer_stepped_three_times_in_a_call_trains_as_in_eager(name, dtype):
-    # Adam's bias corrections of the second and third update are inputs of
-    # their own (Hyper.ahead): read as the first's, they came out 3e-3 off
+def _updates_as_in_eager(step_fn, name, dtype, dead_feature=False):
     def build():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(dtype)
         return model, OPTIMIZERS[name](model.parameters())
 
     ours, theirs = build(), build()
-    step = transpile(critic_step)
+    step = transpile(step_fn)
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         xs, ys = torch.randn(3, 8, 4, generator=g).to(dtype), torch.randint(0, 2, (3, 8), generator=g)
+        if dead_feature:   # no gradient ever for the weights that read it
+            xs[..., 0] = 0
         step(*ours, xs, ys)
-        critic_step(*theirs, xs, ys)
+        step_fn(*theirs, xs, ys)
         assert M.state_of(*ours).keys() == M.state_of(*theirs).keys()
         assert _differ(M.state_of(*ours), M.state_of(*theirs)) == [], f"call {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_optimizer_stepped_three_times_in_a_call_trains_as_in_eager(name, dtype):
+    # Adam's bias corrections of the second and third update are inputs of
+    # their own (Hyper.ahead): read as the first's, they came out 3e-3 off
+    _updates_as_in_eager(critic_step, name, dtype)
+
+
+def validated_critic_step(model, optimizer, xs, ys):
+    """cleanrl's PPO update loop: a Categorical over each minibatch's logits,
+    which checks them (a decision on their values) after earlier updates."""
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        (-torch.distributions.Categorical(logits=model(x)).log_prob(y).mean()).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_decision_on_values_after_an_update_in_the_call_reads_the_updated_values(name):
+    # the trace on this call's values computes the later updates with their
+    # bias corrections of this call: with zeros for them, Adam's second update
+    # made the weights without a gradient 0/0 = NaN, and the Categorical's
+    # check refused the step
+    _updates_as_in_eager(validated_critic_step, name, torch.float32, dead_feature=True)
 
 
 def test_a_scheduler_stepped_between_two_updates_of_its_optimizer_is_refused():

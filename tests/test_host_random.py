@@ -83,6 +83,38 @@ def test_draws_on_the_host_are_drawn_again_on_every_call(make, step_fn):
     assert step.traces == 1
 
 
+def clipped_when_the_draw_scales_it_out(model, opt, x, y):
+    """Inputs scaled by a host draw, clipped only where they exceed a bound: a
+    decision on tensor values that the draw scales."""
+    x = x * random.uniform(0.5, 2.0)
+    if x.abs().max() > 2.5:
+        x = x.clamp(-2.5, 2.5)
+    return M.classify_step(model, opt, x, y)
+
+
+def test_a_decision_on_values_a_draw_computes_takes_the_draws_branch():
+    # the trace on this call's values computes with the draw's value: it
+    # computed with an empty tensor's (5e-315 for 0.84), took the other branch,
+    # and the step was refused as deciding otherwise as it ran
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(clipped_when_the_draw_scales_it_out)
+    branches = set()
+    for i, (x, y) in enumerate(M.batches("mlp", 6, 8)):
+        _seed(i)
+        scaled = x * random.uniform(0.5, 2.0)
+        branches.add(bool(scaled.abs().max() > 2.5))
+        _seed(i)
+        a = step(ours, opts[0], x, y)
+        _seed(i)
+        b = clipped_when_the_draw_scales_it_out(theirs, opts[1], x, y)
+        assert torch.equal(a, b), i
+        assert _equal(ours, theirs), i
+    assert branches == {True, False}   # both branches taken
+
+
 def decides_on_a_draw(model, opt, x, y):
     if random.random() < 0.5:   # a LayerDrop-style decision on the host
         x = x.flip(0)

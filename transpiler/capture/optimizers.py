@@ -99,17 +99,34 @@ def hyper_value(optimizer: torch.optim.Optimizer, group_index: int, name: str,
     group = optimizer.param_groups[group_index]
     if name in _DERIVE:
         return float(_DERIVE[name](group))
-    derive, steps, values = _PER_STEP[name], {}, []
-    for p in group["params"]:
+    return per_step_value(group, step_counts(optimizer, group_index), name, ahead)
+
+
+StepCount = tuple  # (the count as a number or None, the dtype of its tensor or None)
+
+
+def step_counts(optimizer: torch.optim.Optimizer, group_index: int) -> list[StepCount]:
+    """Each parameter's step count in a group, as the optimizer holds it now."""
+    counts = []
+    for p in optimizer.param_groups[group_index]["params"]:
         count = optimizer.state.get(p, {}).get("step")
-        key = (count.item(), count.dtype) if isinstance(count, torch.Tensor) else (count, None)
+        counts.append((count.item(), count.dtype) if isinstance(count, torch.Tensor)
+                      else (count, None))
+    return counts
+
+
+def per_step_value(group: dict, counts: list[StepCount], name: str, ahead: int) -> list[float]:
+    """A value derived from the step count (PER_STEP), an entry per parameter
+    of the group whose counts are `counts`, for the update `ahead` updates
+    after the first that starts from them."""
+    derive, steps = _PER_STEP[name], {}
+    for key in counts:
         if key not in steps:
             count = key[0]
             for _ in range(ahead + 1):
                 count = _next_step(count, key[1])
             steps[key] = derive(group, count)
-        values.append(steps[key])
-    return values
+    return [steps[key] for key in counts]
 
 
 def _next_step(count: float | None, dtype: torch.dtype | None) -> float:

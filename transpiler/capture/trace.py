@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._subclasses.fake_tensor import FakeTensor
@@ -26,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from . import functionalize
 from ..program.averaging import mark_backward_ends
 from ..errors import TranspileError
-from .optimizers import updates_with_lifted_hyperparameters
+from .optimizers import PER_STEP, per_step_value, step_counts, updates_with_lifted_hyperparameters
 from ..program.program import InputKind, InputSpec, OutputKind, Program
 from ..program.roles import (BUFFER_SYNC, CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE,
                              UNUSED, Role)
@@ -330,6 +331,10 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
            on_values: bool = False, zero_unused: bool = False) -> Captured:
     modules, optimizers = step_args.modules, step_args.optimizers
     inputs = collect_inputs(step_args, state_stand_in)
+    # the step counts the call starts from, for the values of later updates
+    counts = {(id(slot.optimizer), slot.group): step_counts(slot.optimizer, slot.group)
+              for spec, slot in zip(inputs.specs, inputs.slots)
+              if spec.kind is InputKind.HYPER and slot.key in PER_STEP}
     markers = Markers()
     created: list[tuple[torch.optim.Optimizer, torch.Tensor, str]] = []
     returned: list[Returned] = []
@@ -376,11 +381,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             """The input of a value derived from the step count for the group's
             update `ahead` updates after its first in this call."""
             spec, slot, value = hyper_inputs[(id(group), key)]
+            # this call's value, as the runtime reads it (from the counts the
+            # call starts from: the optimizer holds the trace's own now)
             return late.placeholder(
                 dataclasses.replace(spec, name=f"{spec.name}+{ahead}",
                                     hyper=dataclasses.replace(spec.hyper, ahead=ahead)),
                 dataclasses.replace(slot, ahead=ahead),
-                torch.zeros(value.shape, dtype=value.dtype, device=value.device))
+                lambda: torch.tensor(per_step_value(group, counts[(id(slot.optimizer), slot.group)],
+                                                    key, ahead),
+                                     dtype=value.dtype, device=value.device))
 
         formulated = formulated_groups(optimizers, traced, hypers)
         late.begin(traced, torch._guards.detect_fake_mode(values))
@@ -654,7 +663,7 @@ class _LateInputs:
         if found is None:
             tensor = _FROM_NUMPY(real) if is_ndarray(real) else real
             fake = self.placeholder(InputSpec(InputKind.REACHED, self._unique(name)),
-                                    ReachedSlot(place), tensor)
+                                    ReachedSlot(place), lambda: tensor)
             found = self._by_id[id(real)] = (real, fake, name)
             if is_ndarray(real):
                 self.arrays[id(real)] = fake
@@ -663,7 +672,8 @@ class _LateInputs:
     def drawn(self, value, name: str, what: str, slot):
         """The traced value of a host draw (host_random.py): a symbolic number,
         or for an array the array itself (torch.from_numpy gives its input)."""
-        fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot, slot.read(None))
+        fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot,
+                                functools.partial(slot.read, None))
         if is_ndarray(value):
             self.arrays[id(value)] = fake
             return value
@@ -671,8 +681,13 @@ class _LateInputs:
         self.draw_symbols[number.node.expr] = what
         return number
 
-    def placeholder(self, spec: InputSpec, slot, tensor: torch.Tensor) -> torch.Tensor:
-        """A new program input, placed after the others; its fake tensor."""
+    def placeholder(self, spec: InputSpec, slot, value: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A new program input, placed after the others; its fake tensor.
+        value() makes its tensor for this call, outside the trace's modes: a
+        tensor made under them is a fake one, whose real twin (what a trace on
+        values computes with) holds no value."""
+        with _disable_current_modes():
+            tensor = value()
         fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
         tracer = get_proxy_mode().tracer
         proxy = tracer.create_proxy("placeholder", identifier("r_", spec.name), (), {})
