@@ -31,15 +31,19 @@ _STEP_OBJECTS = (torch.nn.Module, torch.optim.Optimizer, GradScaler)
 @dataclasses.dataclass(frozen=True)
 class FoundPath:
     """Where a step object was found: a root holder (dict or accessor) and
-    key, then attributes ("attr", name) or items ("item", key)."""
+    key, or the call's argument leaf `argument` (an object held by an argument
+    is found in each call's own argument), then attributes ("attr", name) or
+    items ("item", key)."""
 
     name: str
     holder: Any
     key: Any
     steps: tuple = ()
+    argument: int | None = None
 
-    def read(self):
-        value = self.holder.get(self.key, None)
+    def read(self, leaves=None):
+        value = self.holder.get(self.key, None) if self.argument is None or leaves is None \
+            else leaves[self.argument]
         for kind, k in self.steps:
             if value is None:
                 return None
@@ -63,7 +67,7 @@ def discover(step_fn, argument_leaves) -> list[FoundPath]:
         # an optimizer wrapping another (SAM's), a module keeping its optimizers
         # (Lightning's self.optimizers()), a config holding a scaler
         if isinstance(leaf, (torch.optim.Optimizer, torch.nn.Module)) or _is_plain_object(leaf):
-            walker.members(leaf, FoundPath(f"argument {i}", _Holder(leaf), None), 0)
+            walker.members(leaf, FoundPath(f"argument {i}", _Holder(leaf), None, argument=i), 0)
     modules = [p for p in found.values() if isinstance(p.read(), torch.nn.Module)]
     inner = {id(m) for p in modules for m in list(p.read().modules())[1:]}
     return [p for p in found.values() if id(p.read()) not in inner]

@@ -158,6 +158,7 @@ class Check(enum.Enum):
     EQUAL = "equal"          # a container: equal to a copy of it (==, in C)
     ABSENT = "absent"        # nothing there (the read raised AttributeError)
     IDENTITY = "identity"    # the same object
+    TYPE = "type"            # an object of this type (`original`), read in place (argument_objects.py)
     CONTENTS = "contents"    # a container: contents() equal
     LAYOUT = "layout"        # a tensor read as a program input: same layout
 
@@ -184,6 +185,7 @@ class Guard:
         self.expected = {Check.VALUE: lambda v: v,
                          Check.ABSENT: lambda v: MISSING,
                          Check.IDENTITY: lambda v: v,
+                         Check.TYPE: lambda v: v,
                          Check.CONTENTS: contents,
                          Check.LAYOUT: layout}[self.check](self.original)
 
@@ -201,6 +203,8 @@ class Guard:
             return now is MISSING
         if self.check is Check.IDENTITY:
             return now is self.original
+        if self.check is Check.TYPE:
+            return type(now) is self.original
         if self.check is Check.CONTENTS:
             return contents(now) == self.expected
         return layout(now) == self.expected
@@ -214,6 +218,7 @@ class Guard:
         return {Check.EQUAL: f"(type(_v := {get}) is T{i} and _v == E{i})",
                 Check.ABSENT: f"{get} is MISSING",
                 Check.IDENTITY: f"{get} is O{i}",
+                Check.TYPE: f"type({get}) is O{i}",
                 Check.CONTENTS: f"contents({get}) == E{i}",
                 Check.LAYOUT: f"layout({get}) == E{i}"}[self.check]
 
@@ -227,6 +232,8 @@ class Guard:
             return f"{self.name}: {what}"
         if self.check is Check.LAYOUT:
             return f"{self.name}: {_show_layout(self.original)} -> {_show_layout(now)}"
+        if self.check is Check.TYPE:
+            return f"{self.name}: a {self.original.__name__} -> {_show_layout(now)}"
         before = "absent" if self.check is Check.ABSENT else show(self.original)
         return f"{self.name}: {before} -> {'absent' if now is MISSING else show(now)}"
 

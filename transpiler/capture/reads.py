@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 
+from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, read_in_place,
+                               traced_arguments)
 from .user_code import library_dirs
 from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
@@ -464,6 +466,10 @@ class Recorder:
         self._classes: dict[tuple[type, str], Any] = {}
         self._class_holders: dict[type, ClassAttrs] = {}
         self._not_reached = _not_reached_into()
+        # objects read in place (argument_objects.py): id -> (argument leaf, attribute path)
+        self.arguments = traced_arguments()
+        self._in_place: dict[int, tuple[int, tuple]] = {}
+        self._pinned: dict[int, Guard] = {}   # arguments guarded by identity after all
         module_globals = vars(torch.nn.modules.module)
         for name in _GLOBAL_HOOKS:
             hooks = module_globals[name]
@@ -505,10 +511,50 @@ class Recorder:
             self.reach(value.__wrapped__, name)
         elif _instance_dict(value) is not None and not callable(value):
             # reads not observable (a builtin type's instance): all its attributes
+            if id(value) in self._in_place:   # a namespace argument: read in place
+                holder = self._members(value)
+                self._guard(f"{name} (its attributes)", holder, EVERY_ATTRIBUTE, Check.CONTENTS,
+                            dict(_instance_dict(value)))
+                for key, v in list(_instance_dict(value).items()):
+                    self._items(holder, key, (), v, f"{name}.{key}")
+                return
             self._guard(f"{name} (its attributes)", _Vars(value), "vars", Check.CONTENTS,
                         dict(_instance_dict(value)))
             for key, v in list(_instance_dict(value).items()):
                 self.reach(v, f"{name}.{key}")
+
+    def reach_argument(self, leaf: int, value, name: str) -> None:
+        """An argument leaf of the step; an object is read in place."""
+        if self.arguments is not None and read_in_place(value):
+            if id(value) in self.known:   # another argument too: read through that one
+                self._pin_leaf(leaf, name)
+            else:
+                self._in_place[id(value)] = (leaf, ())
+        self.reach(value, name)
+
+    def _members(self, obj):
+        """Where obj's __dict__ is read: in place for an argument's object."""
+        where = self._in_place.get(id(obj))
+        return _instance_dict(obj) if where is None else self._in_place_holder(obj, where, False)
+
+    def _attrs(self, obj):
+        """Where obj's computed attributes are read (getattr)."""
+        where = self._in_place.get(id(obj))
+        return Attr(obj) if where is None else self._in_place_holder(obj, where, True)
+
+    def _in_place_holder(self, obj, where: tuple, computed: bool) -> InPlace:
+        return self.arguments.holder(*where, computed, self.known[id(obj)][1])
+
+    def _pin(self, obj) -> None:
+        """Guard by identity the argument an object read in place comes from:
+        something the trace keeps depends on the object itself."""
+        leaf = self._in_place[id(obj)][0]
+        self._pin_leaf(leaf, self.known[id(self.arguments.leaves[leaf])][1])
+
+    def _pin_leaf(self, leaf: int, name: str) -> None:
+        if leaf not in self._pinned:
+            self._pinned[leaf] = Guard(f"{name} (the same object)", ArgumentLeaves(self.arguments),
+                                       leaf, Check.IDENTITY, self.arguments.leaves[leaf])
 
     def root_module(self, module: torch.nn.Module, name: str) -> None:
         for prefix, sub in module.named_modules():
@@ -616,7 +662,7 @@ class Recorder:
                 if holder is None:
                     return value
                 return self._read_place(holder, name, value, f"{known[1]}.{name}")
-            return self._read_place(Attr(obj), name, value, f"{known[1]}.{name}")
+            return self._read_place(self._attrs(obj), name, value, f"{known[1]}.{name}")
         finally:
             self.live = True
 
@@ -627,9 +673,8 @@ class Recorder:
                 or (id(obj), name) in self._read:
             return
         self._read.add((id(obj), name))
-        holder = _instance_dict(obj)
-        self._guard(f"{known[1]}.{name}", holder if holder is not None else Attr(obj), name,
-                    Check.ABSENT, MISSING)
+        holder = self._members(obj) if _instance_dict(obj) is not None else self._attrs(obj)
+        self._guard(f"{known[1]}.{name}", holder, name, Check.ABSENT, MISSING)
 
     def _place(self, obj, name: str):
         """(holder, key) of where obj.name was read from; None for a method or
@@ -642,17 +687,17 @@ class Recorder:
             self._classes[(cls, name)] = found
         members = _instance_dict(obj)
         if found is not None and hasattr(type(found[1]), "__set__"):   # a data descriptor
-            return None if isinstance(found[1], property) else (Attr(obj), name)
+            return None if isinstance(found[1], property) else (self._attrs(obj), name)
         if members is not None and name in members:
-            return members, name
+            return self._members(obj), name
         if found is None:
-            return Attr(obj), name   # computed by a custom __getattribute__
+            return self._attrs(obj), name   # computed by a custom __getattribute__
         klass, attr = found
         if hasattr(type(attr), "__get__"):
             return None
         if members is not None:   # a class attribute, until the instance has its own
-            self._guard(f"{self.known[id(obj)][1]}.{name}", members, name, Check.ABSENT,
-                        MISSING)
+            self._guard(f"{self.known[id(obj)][1]}.{name}", self._members(obj), name,
+                        Check.ABSENT, MISSING)
         return self._class_holder(klass), name
 
     def _code_of(self, obj, name: str, value, owner: str) -> None:
@@ -693,6 +738,14 @@ class Recorder:
             if replaced is not value and not isinstance(holder, _Whole):
                 self._swap(name, holder, key, value, replaced)
             return replaced
+        if isinstance(holder, InPlace) and not holder.computed and id(value) not in self.known \
+                and read_in_place(value):   # an object an argument holds: followed in place
+            self._in_place[id(value)] = (holder.leaf, holder.path + (key,))
+            self._guard(name, holder, key, Check.TYPE, type(value))
+            self.reach(value, label)
+            return value
+        if id(value) in self._in_place and not isinstance(holder, InPlace):
+            self._pin(value)   # reached another way too: that way reads this object
         self._guard(name, holder, key, Check.IDENTITY, value)
         if self.source is not None and _is_generator(value):
             proxy = self.source(value)
@@ -743,8 +796,7 @@ class Recorder:
     # -- writes
 
     def before_write(self, obj, name: str):
-        members = _instance_dict(obj)
-        holder = members if members is not None else Attr(obj)
+        holder = self._members(obj) if _instance_dict(obj) is not None else self._attrs(obj)
         return holder, holder.get(name, MISSING)
 
     def wrote(self, obj, holder, name: str, before) -> None:
@@ -778,6 +830,10 @@ class Recorder:
         for key, g in self.guards.items():
             if key in writes or g.check is Check.LAYOUT or g.holds():
                 continue
+            if isinstance(g.holder, InPlace):   # what it changed is the traced call's object's
+                self._pin(g.holder.obj())
+            if g.check is Check.TYPE:   # rebound where no write was observed: not undone
+                continue
             now = g.current()
             if now is g.original and g.kept is not None:   # changed in place
                 items = _tensors_set(now, g.kept[0][1])
@@ -789,7 +845,8 @@ class Recorder:
             elif now is not g.original:
                 writes[key] = Write(g.name, g.holder, g.key, g.original, now)
         self.hooks.seal()
-        return Guards(list(self.guards.values()), self.hooks), list(writes.values())
+        return (Guards([*self.guards.values(), *self._pinned.values()], self.hooks),
+                list(writes.values()))
 
 
 class _Vars:

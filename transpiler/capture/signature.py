@@ -17,6 +17,7 @@ from . import ambient
 from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params
 from .observed_arrays import is_ndarray
+from .argument_objects import read_in_place
 
 # Registering a parameter, buffer or submodule anywhere bumps this epoch, which
 # invalidates the cached list of a module's tensors (walking a deep module tree
@@ -76,6 +77,8 @@ def signature(step_args: StepArgs) -> tuple:
             sig.append((("input", name), scaler_signature(leaf)))
         elif is_leaf(leaf):
             sig.append((("input", name), (type(leaf).__name__, id(leaf))))
+        elif read_in_place(leaf):   # its reads are the guards' (argument_objects.py)
+            sig.append((("input", name), ("object", type(leaf))))
         else:
             sig.append((("input", name), _hashable(leaf)))
     for name, value in step_args.found:

@@ -762,8 +762,8 @@ def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
     for mi, module in enumerate(modules):
         recorder.root_module(module, found.get(id(module))
                              or (f"model{mi}" if len(modules) > 1 else "model"))
-    for name, leaf in zip(step_args.names, step_args.leaves):
-        recorder.reach(leaf, name)
+    for i, (name, leaf) in enumerate(zip(step_args.names, step_args.leaves)):
+        recorder.reach_argument(i, leaf, name)
     recorder.reach(step_fn, step_name(step_fn))
     for oi, opt in enumerate(step_args.optimizers):
         # an optimizer's own values are the signature's and inputs; the globals

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..capture import Returned, StepArgs, describe_change, grad_signature, signature
+from ..capture.argument_objects import CallArguments, tracing_for
 from ..capture.guards import Guards
 from ..capture.host_random import Draws
 from ..capture.numbers import is_number
@@ -88,6 +89,8 @@ class ProgramCache:
         self._built: dict[tuple, list[Built]] = {}
         self._order: list[tuple[tuple, Built]] = []   # least recently used first
         self._reads_grads: set[tuple] = set()   # signatures keyed with their grads
+        # the call's arguments, where its guards and inputs read an argument's object
+        self.arguments = CallArguments()
         self.limit = limit
         self.build_seconds = 0.0
         self.builds = 0
@@ -158,7 +161,8 @@ class ProgramCache:
         start = time.perf_counter()
         requested = step_args.lifted
         symbolic = bool(step_args.dynamic)
-        built = build(step_args, why)
+        with tracing_for(self.arguments):
+            built = build(step_args, why)
         dropped = {step_args.names[i] for i in requested - step_args.lifted}
         self.lifted -= dropped
         self.per_value |= dropped
@@ -202,6 +206,7 @@ class ProgramCache:
             _check_declared(self.declared, step_args)
             self._checked = True
         step_args.dynamic = self._symbolic(step_args)
+        self.arguments.leaves = step_args.leaves
         sig = signature(step_args)
         key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
         entries = self._built.get(key, [])

@@ -325,7 +325,7 @@ class TranspiledStep:
                     f"verify= runs the eager step on copies of the step's arguments, but the "
                     f"step uses {self._found[0].name} without taking it as an argument: pass "
                     "it as an argument to verify the step")
-        step_args.found = [(path.name, path.read()) for path in self._found]
+        step_args.found = [(path.name, path.read(step_args.leaves)) for path in self._found]
         cut = cut_arguments(self.step_fn, step_args, self.micro_batches) \
             if self.micro_batches is not None else None
         call_args = step_args if cut is None or self._unrolled else cut
