@@ -197,3 +197,58 @@ def test_one_object_given_twice_is_kept_by_identity():
         assert torch.equal(step(model, opt, a, b), two_batches_step(theirs, their_opt, a, b)), i
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), theirs.parameters()))
     assert step.traces == 2
+
+
+def vars_step(model, opt, batch):
+    settings = {k: v for k, v in vars(batch).items() if not isinstance(v, torch.Tensor)}
+    opt.zero_grad()
+    loss = F.cross_entropy(model(batch.x), batch.y) * settings["weight"]
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def keeps_the_batch_step(model, opt, batch):
+    model.last_batch = batch   # an object of the call kept on the host
+    return batch_step(model, opt, batch)
+
+
+def test_what_vars_reads_is_guarded():
+    # vars(batch) reads no attribute by name: every attribute of the call's
+    # object is guarded (a new weight there traces again)
+    step = _against_eager(vars_step, lambda i: Batch(*_xy(i), weight=[1.0, 2.0, 1.0][i]),
+                          calls=3)
+    assert step.traces == 2
+
+
+def test_an_object_the_step_keeps_is_each_calls_own():
+    (model, opt), (theirs, their_opt) = _models()
+    step = transpile(keeps_the_batch_step)
+    for i in range(3):
+        ours, eager = Batch(*_xy(i)), Batch(*_xy(i))
+        assert torch.equal(step(model, opt, ours), keeps_the_batch_step(theirs, their_opt, eager))
+        assert model.last_batch is ours, i
+
+
+def copied_settings_step(model, opt, batch):
+    settings = copy.copy(batch.settings)   # a copy read, not the argument's object
+    settings.weight *= 2
+    opt.zero_grad()
+    loss = F.cross_entropy(model(batch.x), batch.y) * settings.weight
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class Settings:
+    def __init__(self, weight):
+        self.weight = weight
+
+
+def test_an_object_copied_in_the_step_is_guarded_whole():
+    def make(i):
+        batch = Batch(*_xy(i))
+        batch.settings = Settings([1.0, 2.0, 1.0][i])
+        return batch
+    step = _against_eager(copied_settings_step, make, calls=3)
+    assert step.traces == 2

@@ -48,11 +48,13 @@ def _instance_dict(obj) -> dict | None:
 def read_in_place(value) -> bool:
     """Whether an argument (or an object held by one) is read again in each
     call's argument at its place: an instance of a Python class with a
-    __dict__, compared by identity, or a namespace."""
+    __dict__, compared by identity (not of a builtin's subclass, such as a
+    list's, whose items are not attributes), or a namespace."""
     cls = type(value)
     if cls in _NAMESPACES:
         return True
-    return (bool(cls.__flags__ & _HEAPTYPE) and _instance_dict(value) is not None
+    return (all(c is object or c.__flags__ & _HEAPTYPE for c in cls.__mro__)
+            and _instance_dict(value) is not None
             and not isinstance(value, _STEP_OBJECTS)
             and cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__)
 

@@ -41,7 +41,7 @@ import torch
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, read_in_place,
                                traced_arguments)
 from .user_code import library_dirs
-from .guards import (MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
+from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
 
 _ACTIVE: list = [None]   # the Recorder of the trace in progress
@@ -444,6 +444,10 @@ def _attribute_names(code: types.CodeType) -> frozenset[str]:
 # ----- the recorder ----------------------------------------------------------
 
 
+# Reads of an object that take all its attributes (vars(), copy.copy, pickle).
+_WHOLE_READS = frozenset({"__dict__", "__getstate__"})
+
+
 class Recorder:
     """What one trace reads and writes on the host."""
 
@@ -623,6 +627,9 @@ class Recorder:
     def attribute(self, obj, name: str, value):
         """An attribute read through __getattribute__: the value the reader gets."""
         known = self.known.get(id(obj))
+        if name in _WHOLE_READS and id(obj) in self._in_place:   # vars(batch), a copy: all of it
+            self._guard(f"{known[1]} (its attributes)", self._members(obj), EVERY_ATTRIBUTE,
+                        Check.CONTENTS, dict(_instance_dict(obj)))
         if known is None or (name[:2] == "__" and name[-2:] == "__") \
                 or getattr(value, TRACE_ONLY, False):
             return value
@@ -844,6 +851,10 @@ class Recorder:
                     writes[key] = Write(g.name, g.holder, g.key, g.kept, saved(now), in_place=True)
             elif now is not g.original:
                 writes[key] = Write(g.name, g.holder, g.key, g.original, now)
+        for w in writes.values():   # an argument's object kept on the host: that object
+            for obj in _objects_in(w.values()[1]):
+                if id(obj) in self._in_place:
+                    self._pin(obj)
         self.hooks.seal()
         return (Guards([*self.guards.values(), *self._pinned.values()], self.hooks),
                 list(writes.values()))
@@ -872,6 +883,14 @@ class _Whole:
 
     def get(self, key, default=None):
         return self.value
+
+
+def _objects_in(value, depth: int = 2):
+    """The value and what the containers in it hold, a few levels deep."""
+    yield value
+    if depth and isinstance(value, (list, tuple, set, frozenset, dict)):
+        for item in list(value.values() if isinstance(value, dict) else value)[:LARGE]:
+            yield from _objects_in(item, depth - 1)
 
 
 def _tensors_set(now, before: dict) -> list | None:
