@@ -252,3 +252,21 @@ def test_an_object_copied_in_the_step_is_guarded_whole():
         return batch
     step = _against_eager(copied_settings_step, make, calls=3)
     assert step.traces == 2
+
+
+def scheduled_step(model, opt, scheduler, batch):
+    loss = batch_step(model, opt, batch)
+    scheduler.step()   # stepped on the host after the program: this call's scheduler
+    return loss
+
+
+def test_a_scheduler_among_the_arguments_is_kept_by_identity():
+    (model, opt), (theirs, their_opt) = _models()
+    step = transpile(scheduled_step)
+    for i in range(3):
+        ours = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        eager = torch.optim.lr_scheduler.StepLR(their_opt, step_size=1, gamma=0.5)
+        a = step(model, opt, ours, Batch(*_xy(i)))
+        b = scheduled_step(theirs, their_opt, eager, Batch(*_xy(i)))
+        assert torch.equal(a, b) and ours.last_epoch == eager.last_epoch == 1, i
+        assert opt.param_groups[0]["lr"] == their_opt.param_groups[0]["lr"], i

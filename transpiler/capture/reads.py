@@ -530,7 +530,9 @@ class Recorder:
     def reach_argument(self, leaf: int, value, name: str) -> None:
         """An argument leaf of the step; an object is read in place."""
         if self.arguments is not None and read_in_place(value):
-            if id(value) in self.known:   # another argument too: read through that one
+            # another argument too (read through that one), or one whose reads
+            # are not recorded (a scheduler: stepped on the host, by identity)
+            if id(value) in self.known or isinstance(value, self._not_reached):
                 self._pin_leaf(leaf, name)
             else:
                 self._in_place[id(value)] = (leaf, ())
