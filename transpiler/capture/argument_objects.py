@@ -38,7 +38,8 @@ _STEP_OBJECTS = (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, t
                  enum.Enum)
 
 
-def _instance_dict(obj) -> dict | None:
+def instance_dict(obj) -> dict | None:
+    """obj's own __dict__, read past any __getattribute__; None without one."""
     try:
         return object.__getattribute__(obj, "__dict__")
     except (AttributeError, TypeError):
@@ -54,7 +55,7 @@ def read_in_place(value) -> bool:
     if cls in _NAMESPACES:
         return True
     return (all(c is object or c.__flags__ & _HEAPTYPE for c in cls.__mro__)
-            and _instance_dict(value) is not None
+            and instance_dict(value) is not None
             and not isinstance(value, _STEP_OBJECTS)
             and cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__)
 
@@ -119,7 +120,7 @@ class InPlace:
     def obj(self):
         obj = self.arguments.leaves[self.leaf]
         for attr in self.path:
-            obj = _instance_dict(obj)[attr]
+            obj = instance_dict(obj)[attr]
         return obj
 
     def get(self, key, default=None):
@@ -132,7 +133,7 @@ class InPlace:
                 return getattr(obj, key)
             except AttributeError:
                 return default
-        members = _instance_dict(obj)
+        members = instance_dict(obj)
         if members is None:
             return default
         return dict(members) if key is EVERY_ATTRIBUTE else members.get(key, default)
@@ -148,12 +149,12 @@ class InPlace:
             else:
                 object.__setattr__(obj, key, value)
         elif key is EVERY_ATTRIBUTE:
-            _instance_dict(obj).clear()
-            _instance_dict(obj).update(value)
+            instance_dict(obj).clear()
+            instance_dict(obj).update(value)
         elif value is MISSING:
-            _instance_dict(obj).pop(key, None)
+            instance_dict(obj).pop(key, None)
         else:
-            _instance_dict(obj)[key] = value
+            instance_dict(obj)[key] = value
 
     def __repr__(self) -> str:
         return f"InPlace({self.name})"

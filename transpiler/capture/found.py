@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from .scaler import GradScaler
-from .reads import Cell, _global_names, _instance_dict, is_library
+from .argument_objects import instance_dict
+from .reads import Cell, _global_names, is_library
 
 _DEPTH = 3          # how deep into plain objects and containers the walk goes
 _WIDTH = 256        # items of a container or attributes of an object it looks at
@@ -145,14 +146,14 @@ class _Walker:
 
     def members(self, obj, path: FoundPath, depth: int) -> None:
         """What an object holds in its attributes."""
-        members = _instance_dict(obj)
+        members = instance_dict(obj)
         for k, v in [(k, v) for k, v in (members or {}).items() if not k.startswith("__")][:_WIDTH]:
             self.value(v, dataclasses.replace(
                 path, name=f"{path.name}.{k}", steps=path.steps + (("attr", k),)), depth + 1)
 
 
 def _is_plain_object(value) -> bool:
-    return _instance_dict(value) is not None and not isinstance(
+    return instance_dict(value) is not None and not isinstance(
         value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType))
 
 

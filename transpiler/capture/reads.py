@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, read_in_place,
-                               traced_arguments)
+from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
+                               read_in_place, traced_arguments)
 from .user_code import library_dirs
 from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
@@ -413,13 +413,6 @@ def _reset(cls, name, entry) -> None:
         type.__setattr__(cls, name, entry)
 
 
-def _instance_dict(obj) -> dict | None:
-    try:
-        return object.__getattribute__(obj, "__dict__")
-    except (AttributeError, TypeError):
-        return None
-
-
 @functools.lru_cache(maxsize=4096)
 def _global_names(code: types.CodeType) -> frozenset[str]:
     """The names the code (and the code nested in it) loads or stores as globals."""
@@ -513,18 +506,18 @@ class Recorder:
                 self._function(call, f"{name}.__call__")
         elif hasattr(value, "__wrapped__"):   # a C wrapper of a function (lru_cache)
             self.reach(value.__wrapped__, name)
-        elif _instance_dict(value) is not None and not callable(value):
+        elif instance_dict(value) is not None and not callable(value):
             # reads not observable (a builtin type's instance): all its attributes
             if id(value) in self._in_place:   # a namespace argument: read in place
                 holder = self._members(value)
                 self._guard(f"{name} (its attributes)", holder, EVERY_ATTRIBUTE, Check.CONTENTS,
-                            dict(_instance_dict(value)))
-                for key, v in list(_instance_dict(value).items()):
+                            dict(instance_dict(value)))
+                for key, v in list(instance_dict(value).items()):
                     self._items(holder, key, (), v, f"{name}.{key}")
                 return
             self._guard(f"{name} (its attributes)", _Vars(value), "vars", Check.CONTENTS,
-                        dict(_instance_dict(value)))
-            for key, v in list(_instance_dict(value).items()):
+                        dict(instance_dict(value)))
+            for key, v in list(instance_dict(value).items()):
                 self.reach(v, f"{name}.{key}")
 
     def reach_argument(self, leaf: int, value, name: str) -> None:
@@ -541,7 +534,7 @@ class Recorder:
     def _members(self, obj):
         """Where obj's __dict__ is read: in place for an argument's object."""
         where = self._in_place.get(id(obj))
-        return _instance_dict(obj) if where is None else self._in_place_holder(obj, where, False)
+        return instance_dict(obj) if where is None else self._in_place_holder(obj, where, False)
 
     def _attrs(self, obj):
         """Where obj's computed attributes are read (getattr)."""
@@ -631,7 +624,7 @@ class Recorder:
         known = self.known.get(id(obj))
         if name in _WHOLE_READS and id(obj) in self._in_place:   # vars(batch), a copy: all of it
             self._guard(f"{known[1]} (its attributes)", self._members(obj), EVERY_ATTRIBUTE,
-                        Check.CONTENTS, dict(_instance_dict(obj)))
+                        Check.CONTENTS, dict(instance_dict(obj)))
         if known is None or (name[:2] == "__" and name[-2:] == "__") \
                 or getattr(value, TRACE_ONLY, False):
             return value
@@ -665,7 +658,7 @@ class Recorder:
             if isinstance(obj, torch.nn.Module):
                 if id(obj) in self.argument_modules:
                     return value   # traced parameters, buffers and submodules
-                members = _instance_dict(obj)
+                members = instance_dict(obj)
                 holder = next((members[m] for m in _MODULE_MEMBERS
                                if name in members.get(m, {})), None)
                 if holder is None:
@@ -682,7 +675,7 @@ class Recorder:
                 or (id(obj), name) in self._read:
             return
         self._read.add((id(obj), name))
-        holder = self._members(obj) if _instance_dict(obj) is not None else self._attrs(obj)
+        holder = self._members(obj) if instance_dict(obj) is not None else self._attrs(obj)
         self._guard(f"{known[1]}.{name}", holder, name, Check.ABSENT, MISSING)
 
     def _place(self, obj, name: str):
@@ -694,7 +687,7 @@ class Recorder:
             found = next(((k, k.__dict__[name]) for k in cls.__mro__ if name in k.__dict__),
                          None)
             self._classes[(cls, name)] = found
-        members = _instance_dict(obj)
+        members = instance_dict(obj)
         if found is not None and hasattr(type(found[1]), "__set__"):   # a data descriptor
             return None if isinstance(found[1], property) else (self._attrs(obj), name)
         if members is not None and name in members:
@@ -722,7 +715,7 @@ class Recorder:
             self._function(value, f"{owner}.{name}")
 
     def _module_hooks(self, module, name: str, hooks, owner: str) -> None:
-        members = _instance_dict(module)
+        members = instance_dict(module)
         self.hooks.add(f"{owner}.{name}", functools.partial(members.get, name), hooks)
         for key, hook in (hooks or {}).items():
             self.reach(hook, f"{owner}.{name}[{key}]")
@@ -805,7 +798,7 @@ class Recorder:
     # -- writes
 
     def before_write(self, obj, name: str):
-        holder = self._members(obj) if _instance_dict(obj) is not None else self._attrs(obj)
+        holder = self._members(obj) if instance_dict(obj) is not None else self._attrs(obj)
         return holder, holder.get(name, MISSING)
 
     def wrote(self, obj, holder, name: str, before) -> None:
@@ -871,7 +864,7 @@ class _Vars:
         self.obj = obj
 
     def get(self, key, default=None):
-        members = _instance_dict(self.obj)
+        members = instance_dict(self.obj)
         return dict(members) if members is not None else default
 
 
