@@ -15,8 +15,8 @@ Which objects (read_in_place): instances of a Python class with a `__dict__`,
 compared and hashed by identity, other than the step's modules, optimizers and
 scalers, and namespaces (a SimpleNamespace, whose reads are not observed, is
 guarded whole). An object with an `__eq__` or `__hash__` of its own, or an enum
-member, is compared by value in the signature as before: code can compare it
-without reading its attributes. Where a trace keeps something of the object
+member, is compared by value in the signature as before (code can compare it
+without reading its attributes), unless it is unhashable (PyG's `Data`). Where a trace keeps something of the object
 itself (reads.py's `_pin`: a write into a container it holds, a host write
 keeping it, the object reached another way or given twice, a scheduler), the
 argument is guarded by identity after all (ArgumentLeaves).
@@ -53,15 +53,16 @@ def instance_dict(obj) -> dict | None:
 def read_in_place(value) -> bool:
     """Whether an argument (or an object held by one) is read again in each
     call's argument at its place: an instance of a Python class with a
-    __dict__, compared by identity (not of a builtin's subclass, such as a
-    list's, whose items are not attributes), or a namespace."""
+    __dict__, hashed by identity or unhashable (not of a builtin's subclass,
+    such as a list's, whose items are not attributes), or a namespace."""
     cls = type(value)
     if cls in _NAMESPACES:
         return True
     return (all(c is object or c.__flags__ & _HEAPTYPE for c in cls.__mro__)
             and instance_dict(value) is not None
             and not isinstance(value, _STEP_OBJECTS)
-            and cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__)
+            and (cls.__hash__ is None   # unhashable: its __eq__ is no signature's
+                 or (cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__)))
 
 
 class CallArguments:

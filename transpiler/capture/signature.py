@@ -18,6 +18,7 @@ from .arguments import StepArgs, is_leaf
 from .optimizer_state import opt_params
 from .observed_arrays import is_ndarray
 from .argument_objects import read_in_place
+from .guards import MISSING, snapshot
 
 # Registering a parameter, buffer or submodule anywhere bumps this epoch, which
 # invalidates the cached list of a module's tensors (walking a deep module tree
@@ -179,8 +180,28 @@ def _hashable(value):
     try:
         hash(value)
         return value
-    except TypeError:
-        return repr(value)
+    except TypeError:   # a plain value by its repr; an object by identity
+        return repr(value) if snapshot(value) is not MISSING else _Same(value)
+
+
+class _Same:
+    """An unhashable object in a signature: equal only to itself (its repr,
+    such as PyG's `Data(x=[12, 16])`, says nothing of its tensors), kept alive
+    so that no other object takes its id."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"a {type(self.obj).__name__} object"
 
 
 def describe_change(old: tuple, new: tuple) -> str:
