@@ -10,6 +10,7 @@ against the eager step; on 2 ranks the habit bank's PyG step against DDP
 
 import argparse
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -283,3 +284,32 @@ def test_a_scheduler_among_the_arguments_is_kept_by_identity():
         b = scheduled_step(theirs, their_opt, eager, Batch(*_xy(i)))
         assert torch.equal(a, b) and ours.last_epoch == eager.last_epoch == 1, i
         assert opt.param_groups[0]["lr"] == their_opt.param_groups[0]["lr"], i
+
+
+def rank_batch_vs_ddp(mode: str, backend: str) -> list[str]:
+    """batch_step transpiled and under DDP, a new Batch each call on each
+    rank (its own samples): what differs (bit for bit; under inductor, within
+    its rounding, as tests/test_backends.py)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = dist.get_rank()
+    (model, opt), (theirs, their_opt) = _models()
+    ddp = DDP(theirs)
+    step = transpile(batch_step, mode=mode, backend=backend)
+    same = torch.equal if backend == "eager" else functools.partial(torch.allclose, rtol=1e-5,
+                                                                    atol=1e-6)
+    differ = []
+    for i in range(4):
+        a = step(model, opt, Batch(*_xy(10 * i + rank)))
+        b = batch_step(ddp, their_opt, Batch(*_xy(10 * i + rank)))
+        differ += [f"call {i}: loss"] * (not same(a, b))
+        differ += [f"call {i}: {n}" for (n, p), q in zip(model.named_parameters(),
+                                                         theirs.parameters())
+                   if not same(p, q)]
+    return differ + [f"traces {step.traces}"] * (step.traces != 1)
+
+
+@pytest.mark.parametrize("mode,backend", [("fuse_all_reduce", "eager"), ("zero", "eager"),
+                                          ("fuse_all_reduce", "inductor")])
+def test_a_new_batch_object_every_call_equals_ddp_on_2_ranks(mode, backend, ranks2):
+    assert ranks2.run(rank_batch_vs_ddp, mode, backend) == [[], []]
