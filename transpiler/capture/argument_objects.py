@@ -16,10 +16,11 @@ compared and hashed by identity, other than the step's modules, optimizers and
 scalers, and namespaces (a SimpleNamespace, whose reads are not observed, is
 guarded whole). An object with an `__eq__` or `__hash__` of its own, or an enum
 member, is compared by value in the signature as before (code can compare it
-without reading its attributes), unless it is unhashable (PyG's `Data`). Where a trace keeps something of the object
-itself (reads.py's `_pin`: a write into a container it holds, a host write
-keeping it, the object reached another way or given twice, a scheduler), the
-argument is guarded by identity after all (ArgumentLeaves).
+without reading its attributes), unless it is unhashable (PyG's `Data`). Where
+a trace keeps something of the object itself (reads.py's `_pin`: a write into
+a container it holds, a host write keeping it, the object reached another way
+or given twice, a scheduler), the argument is guarded by identity after all
+(ArgumentLeaves).
 """
 
 from __future__ import annotations
