@@ -20,6 +20,7 @@ from transpiler import TranspileError, transpile
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=True),
     "sgd_momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
     "sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
     "sgd_nesterov_maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9,

@@ -252,10 +252,11 @@ def _sgd_update_numbers(group, h, terms, params, grads, momentum_buffer_list):
             param.add_(grad, alpha=-lr)
         return
     for members in _by_device_and_dtype(params):
-        bufs = [momentum_buffer_list[i] for i in members]
+        # Without momentum, torch's SGD gathers no buffers at all (an empty list).
+        bufs = [momentum_buffer_list[i] for i in members] if momentum is not None else None
         _sgd_foreach_numbers(maximize, nesterov, lr, wd, momentum, undamped,
                              [params[i] for i in members], [grads[i] for i in members], bufs)
-        for i, buf in zip(members, bufs):
+        for i, buf in zip(members, bufs or ()):
             momentum_buffer_list[i] = buf
 
 
