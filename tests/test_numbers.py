@@ -8,6 +8,7 @@ import copy
 import logging
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,13 +129,6 @@ def test_a_bool_is_never_lifted():
     assert step._cache.builds == 2 and not step._cache.lifted
 
 
-@pytest.mark.slow
-def test_lifted_numbers_under_inductor():
-    step, worst = _run_against_eager(weighted_step, 4, backend="inductor")
-    assert worst < 1e-5
-    assert step._cache.builds == 2
-
-
 def numbers_vs_ddp(mode: str):
     """The loss weight and divisor changed every call, transpiled and under DDP
     with its defaults, same processes, each rank its own batch."""
@@ -154,3 +148,162 @@ def numbers_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_lifted_numbers_equal_ddp(mode, ranks2):
     assert ranks2.run(numbers_vs_ddp, mode) == [(2, 0.0), (2, 0.0)]
+
+
+# ----- numbers the step reads outside its arguments -----------------------------
+
+LOSS_SCALE = 1.0   # a global the training loop anneals
+
+
+class Tempered(torch.nn.Module):
+    """The MLP with a softmax temperature kept as a plain float attribute
+    (fairseq's GumbelVectorQuantizer.curr_temp, set by set_num_updates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = M.make("mlp")
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+class Schedule:
+    """A config object passed as an argument (read in place), its weight
+    annealed by the loop; a class attribute changed at the end."""
+
+    warmup = 3
+
+    def __init__(self, weight: float):
+        self.weight = weight
+
+
+def annealed_step(model, opt, x, y, schedule):
+    opt.zero_grad()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y) * LOSS_SCALE * (1 - schedule.weight) \
+        + schedule.weight * logits.pow(2).mean() / schedule.warmup
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def deciding_step(model, opt, x, y, schedule):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if schedule.weight > 0.25:   # the value decides control flow
+        loss = loss * 2
+    (loss * LOSS_SCALE).backward()
+    opt.step()
+    return loss
+
+
+def seeded_step(model, opt, x, y, schedule):
+    """fairseq's train_step: torch.manual_seed(args.seed + num_updates) in the step."""
+    torch.manual_seed(1234 + model.num_updates)
+    opt.zero_grad()
+    loss = F.cross_entropy(F.dropout(model(x), 0.3), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _anneal(model, i: int, calls: int) -> "Schedule":
+    """What the loop sets before call i; the class attribute changes at the last call."""
+    global LOSS_SCALE
+    LOSS_SCALE = 1.0 + 0.25 * i
+    model.temperature = 1.0 - 0.05 * i
+    model.num_updates = 10 * i
+    Schedule.warmup = 3 if i < calls - 1 else 5
+    return Schedule(0.1 * i + 0.013)
+
+
+def _run_read_against_eager(fn, calls: int, backend: str = "eager"):
+    model = Tempered()
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step = transpile(fn, backend=backend)
+    worst = 0.0
+    try:
+        for i, (x, y) in enumerate(M.batches("mlp", calls, 8)):
+            ours = step(model, opts[0], x, y, _anneal(model, i, calls))
+            theirs = fn(reference, opts[1], x, y, _anneal(reference, i, calls))
+            worst = max(worst, (ours - theirs).abs().item(), M.max_rel_error(
+                M.state_of(model, opts[0]), M.state_of(reference, opts[1])))
+    finally:
+        _anneal(model, 0, calls)
+    return step, worst
+
+
+def test_numbers_read_outside_the_arguments_are_lifted_after_their_first_change(caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_read_against_eager(annealed_step, 6)
+    assert worst == 0.0
+    # a module's attribute, a global, a field of an argument's object (a new
+    # object every call) and, at the last call, a class attribute
+    assert step._cache.builds == 3
+    names = {"model.temperature", "global 'LOSS_SCALE' of tests.test_numbers",
+             "schedule.weight", "schedule.warmup"}
+    for name in names:
+        assert f"lifting {name} to a program input" in caplog.text
+    lifted = {s.name for s in step.program.inputs if s.kind is InputKind.NUMBER}
+    assert lifted == names
+    assert "model_temperature: f64[] = input(number 'model.temperature')" in str(step.program)
+    assert "schedule_warmup: i64[] = input(number 'schedule.warmup')" in str(step.program)
+
+
+def test_a_number_read_outside_the_arguments_that_decides_traces_per_value(caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_read_against_eager(deciding_step, 4)
+    assert worst == 0.0
+    assert "schedule.weight decides control flow or a shape" in caplog.text
+    assert step._cache.builds == 4
+    assert list(step._cache.per_value_places.values()) == ["schedule.weight"]
+    lifted = {s.name for s in step.program.inputs if s.kind is InputKind.NUMBER}
+    assert lifted == {"global 'LOSS_SCALE' of tests.test_numbers", "model.temperature"}
+
+
+def test_a_seed_from_a_number_read_outside_the_arguments_is_computed_every_call():
+    step, worst = _run_read_against_eager(seeded_step, 4)
+    assert worst == 0.0
+    assert step._cache.builds == 2
+
+
+def test_a_host_value_computed_from_a_lifted_number_traces_per_value():
+    def storing_step(model, opt, x, y, schedule):
+        model.last_temperature = model.temperature   # the host keeps the value
+        return annealed_step(model, opt, x, y, schedule)
+    step, worst = _run_read_against_eager(storing_step, 4)
+    assert worst == 0.0
+    assert step._cache.builds == 4
+
+
+def read_numbers_vs_ddp(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Tempered()
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step, ddp = transpile(annealed_step, mode=mode), DDP(reference)
+    try:
+        for i, batch in enumerate(M.batches("mlp", 5, 16)):
+            x, y = M.shard(batch, rank, world)
+            step(model, opts[0], x, y, _anneal(model, i, 5))
+            annealed_step(ddp, opts[1], x, y, _anneal(reference, i, 5))
+    finally:
+        _anneal(model, 0, 5)
+    ours, theirs = M.states_compared(zip((model, reference), opts), sharded=mode == "zero")
+    return step._cache.builds, M.max_rel_error(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_lifted_numbers_read_outside_the_arguments_equal_ddp(mode, ranks2):
+    assert ranks2.run(read_numbers_vs_ddp, mode) == [(3, 0.0), (3, 0.0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run,fn,builds", [(_run_against_eager, weighted_step, 2),
+                                           (_run_read_against_eager, annealed_step, 3)])
+def test_lifted_numbers_under_inductor(run, fn, builds):
+    step, worst = run(fn, 4, backend="inductor")
+    assert worst < 1e-5
+    assert step._cache.builds == builds

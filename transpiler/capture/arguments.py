@@ -27,6 +27,11 @@ class StepArgs:
     # Leaves that are Python numbers fed as program inputs (numbers.py); the
     # trace drops those it cannot lift.
     lifted: frozenset[int] = frozenset()
+    # Places outside the arguments (reads.place_key) whose numbers are fed as
+    # program inputs (numbers.py), and the input's name -> its place, as the
+    # last trace lifted them; the trace drops those it cannot lift.
+    lift_places: frozenset[tuple] = frozenset()
+    places_lifted: dict[str, tuple] = dataclasses.field(default_factory=dict)
     # Leaf index -> the dimensions of that batch tensor traced as symbols (shapes.py).
     dynamic: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # (name, object) of the modules, optimizers and GradScalers the step

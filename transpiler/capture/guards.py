@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .numbers import is_number
+
 MISSING = object()
 
 # Types whose values a guard compares; containers of them are compared by value.
@@ -307,6 +309,12 @@ class Guards:
         if not self._check():
             return next((g.describe() for g in self.guards if not g.holds()), "a guarded value")
         return self.hooks.changed()
+
+    def changed_numbers(self) -> list[Guard]:
+        """The guards of numbers now of another value (of the same type):
+        those a trace may read from an input instead (numbers.py)."""
+        return [g for g in self.guards if g.check is Check.VALUE and is_number(g.original)
+                and type(g.current()) is type(g.original) and not g.holds()]
 
     def __len__(self) -> int:
         return len(self.guards) + len(self.hooks)

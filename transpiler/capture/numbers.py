@@ -11,6 +11,12 @@ between numbers in Python's precision, and the same type promotion and rounding
 where it meets a tensor (a SymFloat is a scalar operand, not a tensor). Every
 later value runs that program.
 
+A number the step reads outside its arguments (a module's attribute, a
+config's field, a global, a closure cell: reads.py guards it by value) is
+lifted the same way after its value changes between calls: the trace reads it
+from a 0-d input filled through the same host path on every call, and its guard
+becomes one on its type.
+
 A number that decides control flow or a shape cannot be lifted: the trace
 meets a guard on it (`if lr > 0.1`, `range(n)`, `float(x)`) or makes a tensor
 whose shape depends on it (`x[:n]`). Then the argument is traced once per value
@@ -52,9 +58,30 @@ class NumberSlot:
 
     leaf: int
 
+    def number(self, leaves):
+        return leaves[self.leaf]
+
     def read(self, leaves):
-        value = leaves[self.leaf]
-        return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+        return as_input(self.number(leaves))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReachedNumberSlot:
+    """A lifted number the step reads outside its arguments: read through its
+    host path (reads.Place) on every call."""
+
+    place: object
+
+    def number(self, leaves):
+        return self.place.read()
+
+    def read(self, leaves):
+        return as_input(self.number(leaves))
+
+
+def as_input(value) -> torch.Tensor:
+    """A lifted number's input: float64 for a float, int64 for an int."""
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
 def read_number(value: torch.Tensor, name: str, symbols: dict) -> torch.SymFloat | torch.SymInt:

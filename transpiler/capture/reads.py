@@ -15,7 +15,9 @@ a callable step object, a partial's arguments) or was read from a reached place
 globals and closure cells of every function reached (one read as a value, a
 method of a reached object, a hook) are recorded from the names its code loads.
 
-What is read decides the guard: a plain value is compared by value, an object
+What is read decides the guard: a plain value is compared by value (a float or
+int whose value changed since an earlier trace is instead read from a program
+input filled through its place, numbers.py: its type is guarded), an object
 by identity (and its own reads are recorded), a container item by item; a
 tensor (or numpy array) found on such a path is put back by a traced stand-in,
 a program input read through the same path on every call (`stand_in`, given by
@@ -40,6 +42,7 @@ import torch
 
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
                                read_in_place, traced_arguments)
+from .numbers import is_number
 from .user_code import library_dirs
 from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
@@ -186,6 +189,20 @@ def put(holder, key, value) -> None:
             holder[key] = value
     else:
         holder.put(key, value)
+
+
+_BEHIND = {Cell: lambda h: h.cell, Attr: lambda h: h.obj, Defaults: lambda h: h.fn,
+           Items: lambda h: h.seq, ClassAttrs: lambda h: h.cls}
+
+
+def place_key(holder, key) -> tuple:
+    """holder[key] identified across traces (where a number is lifted,
+    numbers.py): an argument's object by its place among the arguments,
+    anything else by the object it is read from."""
+    if isinstance(holder, InPlace):
+        return (InPlace, holder.leaf, holder.path, holder.computed, key)
+    behind = _BEHIND.get(type(holder))
+    return (type(holder), id(holder if behind is None else behind(holder)), key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,8 +462,12 @@ class Recorder:
     """What one trace reads and writes on the host."""
 
     def __init__(self, stand_in: Callable[[Any, str, Place], Any],
-                 argument_modules: set[int]):
+                 argument_modules: set[int], lift: frozenset = frozenset(),
+                 number_stand_in: Callable[[Any, str, Place, tuple], Any] | None = None):
         self.stand_in = stand_in
+        # places (place_key) whose numbers the trace reads from a program input
+        # (numbers.py), and what gives it the symbolic number it reads there
+        self.lift, self.number_stand_in = lift, number_stand_in
         self.argument_modules = argument_modules   # ids of the step's modules and submodules
         self.known: dict[int, tuple[Any, str]] = {}   # reached objects: id -> (object, name)
         self.guards: dict[tuple[int, Any], Guard] = {}
@@ -732,6 +753,8 @@ class Recorder:
             return self._tensor(holder, key, (), value, name, label)
         plain = snapshot(value)
         if plain is not MISSING:
+            if self.lift and is_number(value) and place_key(holder, key) in self.lift:
+                return self._lifted(holder, key, value, name)
             self._guard(name, holder, key, Check.VALUE, value)
             return value
         if isinstance(value, (list, tuple, dict, set, frozenset)):
@@ -755,6 +778,14 @@ class Recorder:
             return proxy
         self.reach(value, label)
         return value
+
+    def _lifted(self, holder, key, value, name: str):
+        """A number read from a program input filled through its place on every
+        call: its type guarded, its symbolic stand-in put there for the trace."""
+        self._guard(name, holder, key, Check.TYPE, type(value))
+        number = self.number_stand_in(value, name, Place(holder, key), place_key(holder, key))
+        self._swap(name, holder, key, value, number)
+        return number
 
     def _items(self, holder, key, path: tuple, value, name: str):
         """Stand-ins for the tensors in a container (in place in a list or a dict;

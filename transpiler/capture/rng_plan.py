@@ -11,8 +11,8 @@ rng_lanes.py lays it out) is redone here, on the host, on every call:
   lane of draws, drawn from the real generator, and may have side lanes, drawn
   from generators of the plan's own (a seeded torch.random.fork_rng inside the
   step). Each lane starts at an origin: the state the call finds (`CALL`), a
-  seed (`SEED`, a constant or an int computed from the step's lifted number
-  arguments), or a state tensor among the arguments (`STATE`);
+  seed (`SEED`, a constant or an int computed from the step's lifted
+  numbers), or a state tensor among the arguments (`STATE`);
 - before the run each lane's generator is set to its origin; after it the real
   generator is set to where the eager step leaves it (an origin, or the end of
   a side lane), unless the main lane already left it there;
@@ -34,7 +34,7 @@ from typing import Callable
 import sympy
 import torch
 
-from .numbers import NumberSlot
+from .numbers import NumberSlot, ReachedNumberSlot
 from .slots import DataSlot
 
 CPU = "cpu"
@@ -49,16 +49,16 @@ class OriginKind(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Seed:
     """A seed the step gives torch.manual_seed: a constant, or an int computed
-    from lifted int arguments (numbers.py), evaluated on every call."""
+    from lifted int numbers (numbers.py), evaluated on every call."""
 
     constant: int | None = None
     expr: sympy.Expr | None = None
-    numbers: tuple[tuple[sympy.Symbol, NumberSlot], ...] = ()
+    numbers: tuple[tuple[sympy.Symbol, NumberSlot | ReachedNumberSlot], ...] = ()
 
     def value(self, leaves) -> int:
         if self.expr is None:
             return self.constant
-        return int(self.expr.xreplace({symbol: sympy.Integer(leaves[slot.leaf])
+        return int(self.expr.xreplace({symbol: sympy.Integer(slot.number(leaves))
                                        for symbol, slot in self.numbers}))
 
     def describe(self) -> str:

@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, 
 from ..errors import TranspileError
 from ..program.program import draws_random
 from .inputs import Inputs
-from .numbers import NumberSlot
+from .numbers import NumberSlot, ReachedNumberSlot
 from .rng_lanes import Event, Read, Reset, Restore, lay_out
 from .rng_plan import CPU, Origin, OriginKind, RngPlan, Seed
 from .slots import DataSlot
@@ -196,7 +196,7 @@ class RngRecorder:
         return value
 
     def _seed_value(self, seed) -> Seed:
-        """A constant, or an int computed from lifted int arguments (anything
+        """A constant, or an int computed from lifted int numbers (anything
         else symbolic is made a constant by int(), which makes the trace
         specialize or refuse as for any number the step decides on)."""
         if isinstance(seed, torch.SymInt):
@@ -204,7 +204,7 @@ class RngRecorder:
             names = {s: self.symbols.get(s) for s in expr.free_symbols}
             if all(names.values()):
                 slots = {spec.name: slot for spec, slot in zip(self.inputs.specs, self.inputs.slots)
-                         if isinstance(slot, NumberSlot)}
+                         if isinstance(slot, (NumberSlot, ReachedNumberSlot))}
                 return Seed(expr=expr, numbers=tuple(
                     (s, slots[name]) for s, name in sorted(names.items(), key=str)))
         value = int(seed)

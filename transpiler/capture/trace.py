@@ -64,7 +64,8 @@ from .optimizer_state import (
     state_set_by_step,
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
-from .numbers import NotLiftable, NumberSlot, check_lifted, guarded_numbers, read_number
+from .numbers import (NotLiftable, NumberSlot, ReachedNumberSlot, as_input, check_lifted,
+                      guarded_numbers, read_number)
 from .memoized import memoized_while_traced
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
@@ -255,7 +256,7 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                             "it is traced once per batch shape from now on: %s",
                             step_name(step_fn), exc)
                 step_args.dynamic = {}
-            elif step_args.lifted:
+            elif step_args.lifted or step_args.lift_places:
                 _drop_lifted(step_args, exc)
             else:
                 raise
@@ -292,15 +293,19 @@ def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
     that decide control flow or a shape per value; after any other failure,
     all of them, which tells whether lifting was the cause."""
     lifted = {step_args.names[i]: i for i in step_args.lifted}
-    if isinstance(exc, NotLiftable) and exc.names & lifted.keys():
-        dropped = sorted(exc.names & lifted.keys())
+    placed = {name: key for name, key in step_args.places_lifted.items()
+              if key in step_args.lift_places}
+    if isinstance(exc, NotLiftable) and exc.names & (lifted.keys() | placed.keys()):
+        dropped = sorted(exc.names & (lifted.keys() | placed.keys()))
         log.info("transpiler: %s decides control flow or a shape, so the step is traced once "
                  "per value of it: %s", " and ".join(dropped), exc)
+        step_args.lift_places -= {placed[name] for name in dropped if name in placed}
     else:
-        dropped = sorted(lifted)
+        dropped = sorted(lifted.keys() | placed.keys())
         log.info("transpiler: tracing with %s lifted to inputs failed, tracing per value: %s",
-                 " and ".join(dropped), exc)
-    step_args.lifted -= {lifted[name] for name in dropped}
+                 " and ".join(dropped) or "numbers", exc)
+        step_args.lift_places = frozenset()
+    step_args.lifted -= {lifted[name] for name in dropped if name in lifted}
 
 
 class _ReadMemoized(TranspileError):
@@ -394,7 +399,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         formulated = formulated_groups(optimizers, traced, hypers)
         late.begin(traced, torch._guards.detect_fake_mode(values))
         host = HostState(Recorder(late.stand_in, {id(m) for module in modules
-                                                  for m in module.modules()}),
+                                                  for m in module.modules()},
+                                  step_args.lift_places, late.number),
                          step_fn, modules, optimizers, traced)
         hosts.append(host)
         _copy_tensor_hooks(inputs, traced, host.recorder)
@@ -517,11 +523,12 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     arrays: dict[int, torch.Tensor] = {}   # id of a numpy argument -> its traced input
     values, tracing_mode = ((symbolic_inputs(inputs, step_args.dynamic), "symbolic")
                             if step_args.dynamic else (list(inputs.values), "fake"))
-    late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic")
+    symbols: dict = {}   # the symbol of each lifted number -> its name
+    late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic", symbols=symbols,
+                       places=step_args.places_lifted)
     cache_casts = torch.is_autocast_cache_enabled()
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
-    symbols: dict = {}   # the symbol of each lifted number -> its name
     rng = RngRecorder(step_fn, inputs, symbols)
     try:
         # The traced module's Python code is never run (it becomes a Program):
@@ -566,7 +573,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             caches.forget_read()
             draws.rewind()
             raise _ReadMemoized(str(exc)) from exc
-        if step_args.lifted:
+        if step_args.lifted or step_args.places_lifted:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
                               if spec.kind is InputKind.NUMBER})
@@ -647,11 +654,13 @@ class _LateInputs:
     drawn again) on every call; the step gets a fake tensor of the trace's mode
     in its place (for an array, torch.from_numpy gives it: outside.py)."""
 
-    def __init__(self, inputs, arrays: dict, symbolic: bool):
+    def __init__(self, inputs, arrays: dict, symbolic: bool, symbols: dict, places: dict):
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
         self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
+        self.symbols = symbols   # symbol of a lifted number -> its input's name
+        self.places = places     # a lifted number's input's name -> its place (reads.place_key)
 
     def begin(self, traced: dict[int, torch.Tensor], fake_mode) -> None:
         self.traced, self.fake_mode = traced, fake_mode
@@ -668,6 +677,14 @@ class _LateInputs:
             if is_ndarray(real):
                 self.arrays[id(real)] = fake
         return real if is_ndarray(real) else found[1]
+
+    def number(self, value, name: str, place, key: tuple):
+        """The traced value of a number the step reads through a host path
+        whose value changed before (numbers.py): a symbolic number."""
+        spec = InputSpec(InputKind.NUMBER, self._unique(name))
+        fake = self.placeholder(spec, ReachedNumberSlot(place), functools.partial(as_input, value))
+        self.places[spec.name] = key
+        return read_number(fake, spec.name, self.symbols)
 
     def drawn(self, value, name: str, what: str, slot):
         """The traced value of a host draw (host_random.py): a symbolic number,

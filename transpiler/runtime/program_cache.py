@@ -23,6 +23,7 @@ from ..capture.guards import Guards
 from ..capture.host_random import Draws
 from ..capture.numbers import is_number
 from ..capture.observed_arrays import ValuesRead, is_ndarray
+from ..capture.reads import place_key
 from ..capture.rng_plan import RngPlan
 from ..capture.shapes import ShapeGuards
 from ..capture.signature import batch_shapes
@@ -99,6 +100,10 @@ class ProgramCache:
         # (their value decides control flow or a shape): capture/numbers.py.
         self.lifted: set[str] = set()
         self.per_value: set[str] = set()
+        # The same for numbers read outside the arguments, by place (reads.place_key):
+        # the places lifted, and the name of each traced per value.
+        self.lifted_places: set[tuple] = set()
+        self.per_value_places: dict[tuple, str] = {}
         # Batch dimensions traced as symbols (capture/shapes.py): those declared
         # (transpile(dynamic={name: dims})), or every one (dynamic=True, or
         # automatically after a batch shape changes unless dynamic=False).
@@ -131,7 +136,8 @@ class ProgramCache:
                 self._order.append((key, found))
             return found
         if entries:
-            why = entries[-1].misfit(step_args.leaves)
+            why = entries[-1].misfit(step_args.leaves) + self._lift_changed_places(
+                step_args, entries[-1])
         elif self.last_built is None:
             why = "first call"
         else:
@@ -159,13 +165,17 @@ class ProgramCache:
     def _build(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built],
                why: str) -> Built:
         start = time.perf_counter()
-        requested = step_args.lifted
+        requested, requested_places = step_args.lifted, step_args.lift_places
         symbolic = bool(step_args.dynamic)
         with tracing_for(self.arguments):
             built = build(step_args, why)
         dropped = {step_args.names[i] for i in requested - step_args.lifted}
         self.lifted -= dropped
         self.per_value |= dropped
+        names = {key: name for name, key in step_args.places_lifted.items()}
+        for key in requested_places - step_args.lift_places:
+            self.lifted_places.discard(key)
+            self.per_value_places[key] = names.get(key, "a number")
         if symbolic and not step_args.dynamic:   # its symbolic trace failed (trace.py)
             self.declared, self.every_dim, self.automatic = {}, False, False
         # Building made the optimizers' state the first step would make
@@ -188,12 +198,14 @@ class ProgramCache:
             self._built[old_key].remove(old)
             log.warning("transpiler: the step has been traced %d times; %d programs are kept, "
                         "the least recently used was dropped. The last trace was for: %s. A "
-                        "number argument used only in arithmetic is fed as an input after its "
-                        "first change; one that decides shapes or control flow (%s) traces "
-                        "once per value: keep it fixed, or compute with it in tensor ops; a "
-                        "module attribute or a global that changes every call belongs in a "
-                        "tensor (an argument, or a buffer of the model)", self.builds,
-                        self.limit, why, ", ".join(sorted(self.per_value)) or "none here")
+                        "number used only in arithmetic (an argument, a module's attribute, a "
+                        "config's field, a global) is fed as an input after its first change; "
+                        "one that decides shapes or control flow (%s) traces once per value: "
+                        "keep it fixed, or compute with it in tensor ops; any other value that "
+                        "changes every call belongs in a tensor (an argument, or a buffer of "
+                        "the model)", self.builds, self.limit, why,
+                        ", ".join(sorted(self.per_value | set(self.per_value_places.values())))
+                        or "none here")
         self.build_seconds += time.perf_counter() - start
         return built
 
@@ -202,6 +214,7 @@ class ProgramCache:
         step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
                                                                             step_args.leaves))
                                      if name in self.lifted and is_number(leaf))
+        step_args.lift_places = frozenset(self.lifted_places)
         if not self._checked:
             _check_declared(self.declared, step_args)
             self._checked = True
@@ -243,6 +256,17 @@ class ProgramCache:
             step_args.lifted |= lifting
             self.lifted |= {step_args.names[i] for i in lifting}
         return "".join(f"; lifting {step_args.names[i]} to a program input" for i in sorted(lifting))
+
+
+    def _lift_changed_places(self, step_args: StepArgs, built: Built) -> str:
+        """Lift the numbers read outside the arguments whose value changed
+        since `built` was traced (capture/numbers.py). Says so, for the log."""
+        changed = [g for g in built.guards.changed_numbers()
+                   if place_key(g.holder, g.key) not in self.per_value_places]
+        keys = {place_key(g.holder, g.key) for g in changed}
+        self.lifted_places |= keys
+        step_args.lift_places |= keys
+        return "".join(f"; lifting {g.name} to a program input" for g in changed)
 
 
 def _is_batch(leaf) -> bool:
