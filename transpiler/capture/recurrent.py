@@ -20,8 +20,13 @@ off eager, forward and backward). The trace records each GRU layer (and each
 GRUCell call) as `transpiler::gru`, torch's composite run as eager runs it,
 and its backward as `transpiler::gru_backward`: the composite run again with
 autograd on, differentiated as eager's engine differentiates it (the forward's
-cost again, for eager's bits). The dropout between a stack's layers stays in
-the program, drawn as eager draws it. nn.RNN, nn.RNNCell and nn.LSTMCell
+cost again, for eager's bits). Eager's engine accumulates a layer's parameter
+gradients one by one as its composite's nodes finish (b_hh, w_hh, b_ih, w_ih),
+the trace's all at once as one node's outputs: each call's eager order is
+recorded (`ready_orders`), read off the composite run on a few numbers, and
+the trace takes it (DDP's reducer builds its buckets by it, and on three ranks
+or more a bucket's layout decides how each sum is rounded). The dropout between
+a stack's layers stays in the program, drawn as eager draws it. nn.RNN, nn.RNNCell and nn.LSTMCell
 compute alike op by op and are traced as they are.
 
 Packing a batch of sequences by their lengths (pack_padded_sequence,
@@ -32,8 +37,10 @@ the user's line, at the first call, before anything runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import TranspileError
 from .user_code import user_line
@@ -116,16 +123,26 @@ _VF_LSTM = torch._VF.lstm
 _TRACED = {"lstm": _lstm_on_cpu_only, "gru": _gru, "gru_cell": _gru_cell}
 
 
+# While a step is traced: for each `transpiler::gru` call's backward, the ids
+# of its parameters in the order eager's engine accumulates their gradients.
+_READY_ORDERS: list[list[list[int]]] = []
+
+
 @contextlib.contextmanager
 def recurrent_layers_traced():
+    """While the step is traced; yields the GRU calls' ready orders (a list
+    filled as the backward is traced)."""
     vf = torch._VF   # a module object whose attributes fall back to torch's C functions
     for name in _REFUSED:
         setattr(vf, name, _refusing(name))
     for name, traced in _TRACED.items():
         setattr(vf, name, traced)
+    orders: list[list[int]] = []
+    _READY_ORDERS.append(orders)
     try:
-        yield
+        yield orders
     finally:
+        _READY_ORDERS.remove(orders)
         for name in (*_REFUSED, *_TRACED):
             delattr(vf, name)
 
@@ -215,13 +232,54 @@ def _gru_setup(ctx, inputs, output):
     ctx.save_for_backward(*tensors)
     ctx.options = cell, has_biases, bidirectional
     ctx.needed = needed
+    ctx.ids = [id(t) for t in tensors]
+    ctx.steps = 1 if cell else tensors[0].shape[0]
     ctx.set_materialize_grads(False)   # an unused output gets no gradient, as in eager
 
 
 def _gru_backward(ctx, grads):
+    if _READY_ORDERS:
+        order = _eager_ready_order(*ctx.options, tuple(ctx.needed),
+                                   tuple(g is not None for g in grads), min(ctx.steps, 2))
+        _READY_ORDERS[-1].append([ctx.ids[i] for i in order])
     got = torch.ops.transpiler.gru_backward(list(ctx.saved_tensors), *ctx.options, list(grads),
                                             ctx.needed)
     return [g if need else None for g, need in zip(got, ctx.needed)], None, None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_ready_order(cell: bool, has_biases: bool, bidirectional: bool, needed: tuple,
+                       used: tuple, steps: int) -> tuple[int, ...]:
+    """The positions of a GRU call's tensors ([input, hx, *parameters]) that
+    need a gradient, in the order eager's engine accumulates them: the
+    composite run on one-number tensors of the same structure (its order
+    depends on which outputs get a gradient and which inputs need one, not on
+    the sizes)."""
+    with _disable_current_modes(), torch.enable_grad():   # outside the trace
+        return _ready_order(cell, has_biases, bidirectional, needed, used, steps)
+
+
+def _ready_order(cell, has_biases, bidirectional, needed, used, steps) -> tuple[int, ...]:
+    directions = 2 if bidirectional else 1
+    if cell:
+        shapes = [(1, 1), (1, 1)]
+    else:
+        shapes = [(steps, 1, 1), (directions, 1, 1)]
+    per_direction = [(3, 1), (3, 1)] + ([(3,), (3,)] if has_biases else [])
+    shapes += per_direction * (1 if cell else directions)
+    leaves = [torch.ones(shape, requires_grad=need) for shape, need in zip(shapes, needed)]
+    order: list[int] = []
+    for i, t in enumerate(leaves):
+        if t.requires_grad:
+            t.register_post_accumulate_grad_hook(functools.partial(_append_index, order, i))
+    outputs = _run_gru(leaves, cell, has_biases, bidirectional)
+    torch.autograd.backward([o for o, u in zip(outputs, used) if u],
+                            [torch.ones_like(o) for o, u in zip(outputs, used) if u])
+    return tuple(order)
+
+
+def _append_index(order: list[int], index: int, _tensor) -> None:
+    order.append(index)
 
 
 _gru_op.register_autograd(_gru_backward, setup_context=_gru_setup)

@@ -442,7 +442,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
-            stack.enter_context(recurrent_layers_traced())
+            gru_orders = stack.enter_context(recurrent_layers_traced())
             stack.enter_context(synced_batch_norms())
             stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
@@ -494,6 +494,10 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                                          real_state[id(opt)].get(p, {})):
                         created.append((opt, p, key))
                         new_state.append(value)
+            names = {id(t): inputs.param_names[i] for i, t in traced.items()
+                     if i in inputs.param_names}
+            for order in gru_orders:   # as eager's engine accumulates them (recurrent.py)
+                in_eager_order(accumulated, [names[i] for i in order if i in names])
             ready = {name: k for k, name in enumerate(accumulated)}   # in the last backward()
             for name, node in markers.reduced.items():
                 node.meta[PARAM] = name
@@ -768,6 +772,15 @@ def _accumulation_order(inputs, traced: dict[int, torch.Tensor]) -> list[str]:
 
 def _append_name(order: list[str], name: str, _param) -> None:
     order.append(name)
+
+
+def in_eager_order(accumulated: list[str], eager: list[str]) -> None:
+    """Put the names `eager` into that order, in the places they hold in
+    `accumulated` (each name's last one: where a backward() ends)."""
+    places = sorted(max(i for i, n in enumerate(accumulated) if n == name)
+                    for name in eager if name in accumulated)
+    for place, name in zip(places, [n for n in eager if n in accumulated]):
+        accumulated[place] = name
 
 
 def _reach_roots(recorder: Recorder, step_fn, step_args: StepArgs) -> None:
