@@ -80,16 +80,67 @@ def test_numbers_in_arithmetic_are_lifted_after_their_first_change(caplog):
     assert "k: i64[] = input(number 'k')" in listing
 
 
-@pytest.mark.parametrize("fn", [branching_step, slicing_step])
-def test_numbers_deciding_control_flow_or_shapes_trace_per_value(fn, caplog):
+def test_a_lifted_number_deciding_control_flow_traces_per_outcome(caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
-        step, worst = _run_against_eager(fn, 4)
+        step, worst = _run_against_eager(branching_step, 5)
+    assert worst == 0.0
+    # weight 0.013 (traced with the value), 0.113 (lifted: weight <= 0.25),
+    # 0.213 (the same program), 0.313 (weight > 0.25), 0.413 (the same)
+    assert step._cache.builds == 3
+    assert "(weight <= 0.25 at " in caplog.text
+    assert "no longer holds (weight = 0.313" in caplog.text
+    assert step._cache.lifted == {"weight", "k"} and not step._cache.per_value
+    guards = [g.condition() for _, built in step._cache._order for g in built.number_guards]
+    assert guards == ["weight <= 0.25", "0.25 < weight"]
+
+
+def test_a_number_deciding_a_shape_traces_per_value(caplog):
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_against_eager(slicing_step, 4)
     assert worst == 0.0
     # One program per value of the deciding number; the other one stays lifted.
     assert step._cache.builds == 4
-    decided, other = ("k", "weight") if fn is slicing_step else ("weight", "k")
-    assert f"transpiler: {decided} decides control flow or a shape" in caplog.text
-    assert step._cache.per_value == {decided} and step._cache.lifted == {other}
+    assert "transpiler: k decides control flow or a shape" in caplog.text
+    assert step._cache.per_value == {"k"} and step._cache.lifted == {"weight"}
+
+
+def counting_step(model, opt, x, y, weight, k):
+    """cleanrl's `if global_step > args.learning_starts`, ignite's gradient
+    accumulation `if (iteration - 1) % accumulation_steps == 0: zero_grad()`."""
+    if (k - 1) % 2 == 0:
+        opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if k > 7:
+        loss = loss * weight
+    loss.backward()
+    if k % 2 == 0:
+        opt.step()
+    return loss
+
+
+def test_integer_conditions_on_a_lifted_number_trace_per_outcome():
+    step, worst = _run_against_eager(counting_step, 8, optimizer="sgd")
+    assert worst == 0.0
+    # k = 5 (traced with the value), then 6..12 lifted: one program per parity
+    # and side of 7
+    assert step._cache.builds == 5
+    assert not step._cache.per_value
+
+
+def test_a_condition_computed_in_floating_point_traces_per_value(caplog):
+    def decaying_step(model, opt, x, y, weight, k):
+        """timm's ModelEmaV3.get_decay: 1 - (1 + step / gamma) ** -power, clamped."""
+        opt.zero_grad()
+        decay = min(max(1 - (1 + k / 10) ** -0.75, 0.0), 0.9999)
+        loss = F.cross_entropy(model(x), y) * decay
+        loss.backward()
+        opt.step()
+        return loss
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step, worst = _run_against_eager(decaying_step, 4)
+    assert worst == 0.0
+    assert "a condition computed in floating point" in caplog.text
+    assert step._cache.builds == 4 and step._cache.per_value == {"k"}
 
 
 def test_a_numpy_float64_is_lifted_as_a_float():
@@ -252,15 +303,17 @@ def test_numbers_read_outside_the_arguments_are_lifted_after_their_first_change(
     assert "schedule_warmup: i64[] = input(number 'schedule.warmup')" in str(step.program)
 
 
-def test_a_number_read_outside_the_arguments_that_decides_traces_per_value(caplog):
+def test_a_number_read_outside_the_arguments_that_decides_traces_per_outcome(caplog):
     with caplog.at_level(logging.INFO, logger="transpiler"):
-        step, worst = _run_read_against_eager(deciding_step, 4)
+        step, worst = _run_read_against_eager(deciding_step, 5)
     assert worst == 0.0
-    assert "schedule.weight decides control flow or a shape" in caplog.text
-    assert step._cache.builds == 4
-    assert list(step._cache.per_value_places.values()) == ["schedule.weight"]
+    # 0.013 (traced with the value), 0.113 (lifted), 0.213, 0.313 (the other
+    # branch), 0.413
+    assert step._cache.builds == 3 and not step._cache.per_value_places
+    assert "(schedule.weight <= 0.25 at " in caplog.text
     lifted = {s.name for s in step.program.inputs if s.kind is InputKind.NUMBER}
-    assert lifted == {"global 'LOSS_SCALE' of tests.test_numbers", "model.temperature"}
+    assert lifted == {"global 'LOSS_SCALE' of tests.test_numbers", "model.temperature",
+                      "schedule.weight"}
 
 
 def test_a_seed_from_a_number_read_outside_the_arguments_is_computed_every_call():

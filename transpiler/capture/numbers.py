@@ -17,20 +17,37 @@ lifted the same way after its value changes between calls: the trace reads it
 from a 0-d input filled through the same host path on every call, and its guard
 becomes one on its type.
 
-A number that decides control flow or a shape cannot be lifted: the trace
-meets a guard on it (`if lr > 0.1`, `range(n)`, `float(x)`) or makes a tensor
-whose shape depends on it (`x[:n]`). Then the argument is traced once per value
-from then on, the programs kept bounded (program_cache.py).
+A lifted number may decide control flow (`if step > warmup`, `(it - 1) %
+accum == 0`): the trace takes the branch this call's value takes and the
+program assumes it, a number guard (the condition as torch's shape environment
+states it, over the numbers' symbols) checked on the host before every run: a
+later value that decides otherwise traces again, a program per outcome
+(NumberGuard). Only conditions that Python and the guard evaluate alike are
+taken: integer arithmetic, and a number compared with a constant or another
+number; one computed in floating point (`1 - (1 + s / g) ** -p > 0.9999`,
+which torch restates as another computation that may round otherwise) is not.
+
+A number that decides otherwise, or a shape, cannot be lifted: the trace meets
+a guard it cannot state exactly, or makes a tensor whose shape depends on it
+(`x[:n]`). Then the number is traced once per value from then on, the programs
+kept bounded (program_cache.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Callable
+from unittest import mock
 
+import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.utils._sympy import functions as sympy_functions
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 
 class NotLiftable(Exception):
@@ -84,12 +101,108 @@ def as_input(value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
-def read_number(value: torch.Tensor, name: str, symbols: dict) -> torch.SymFloat | torch.SymInt:
+def read_number(value: torch.Tensor, name: str, symbols: dict, real) -> torch.SymFloat | torch.SymInt:
     """What the traced step gets for a lifted number: the input's value as a
-    symbolic Python number. `symbols` learns its symbol's name (guarded_numbers)."""
+    symbolic Python number. `symbols` learns its symbol's name (guarded_numbers);
+    the shape environment learns its value `real`, which a condition on it
+    takes (a number guard: take_number_guards)."""
     number = value.item()
     symbols[number.node.expr] = name
+    number.node.shape_env.set_real_tensor_prop_unbacked_vals(number.node.expr, real)
     return number
+
+
+def conditions_unlogged():
+    """torch logs a warning for each condition it takes from a value it was
+    given (read_number's): the log says what was traced instead."""
+    return mock.patch.object(ShapeEnv, "_log_real_tensor_propagation", lambda *a: None)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberGuard:
+    """What a program assumes of lifted numbers: `expr` over their symbols
+    holds, as it did for the call it was traced on; `slots` reads each
+    symbol's number for a call, `where` is the user's line that decided."""
+
+    expr: sympy.Basic
+    slots: tuple   # (symbol, its name, NumberSlot or ReachedNumberSlot)
+    where: str
+
+    def holds(self, leaves) -> bool:
+        env = {symbol: slot.number(leaves) for symbol, _, slot in self.slots}
+        return bool(sympy_interp(PythonReferenceAnalysis, env, self.expr))
+
+    def condition(self) -> str:
+        """The condition over the numbers' names."""
+        return str(self.expr.xreplace({symbol: sympy.Symbol(name)
+                                       for symbol, name, _ in self.slots}))
+
+    def describe(self, leaves) -> str:
+        values = ", ".join(f"{name} = {slot.number(leaves)!r}" for _, name, slot in self.slots)
+        return f"{self.condition()}{self.where} no longer holds ({values})"
+
+
+def take_number_guards(shape_env: ShapeEnv, symbols: dict, slots: dict, leaves,
+                       where: Callable, decided_on_values: bool) -> list[NumberGuard]:
+    """The conditions a trace assumed of its lifted numbers (`symbols`: each
+    one's symbol -> its input's name; `slots`: name -> its slot), taken out of
+    the shape environment's deferred runtime asserts (where read_number's
+    values make torch put them) as number guards, each checked to hold for
+    `leaves`, the call traced. A condition that also reads a tensor's value
+    stays, a decision (decisions.py) where the trace `decided_on_values`; one
+    that cannot be evaluated exactly on the host raises NotLiftable."""
+    guards = []
+    for ras in shape_env.deferred_runtime_asserts.values():
+        kept = []
+        for ra in ras:
+            mine = sorted(ra.expr.free_symbols & symbols.keys(), key=str)
+            if not mine:
+                kept.append(ra)
+                continue
+            names = {symbols[symbol] for symbol in mine}
+            line = where(ra)
+            if ra.expr.free_symbols - symbols.keys():
+                if decided_on_values:
+                    kept.append(ra)
+                    continue
+                raise NotLiftable(names, f"the step decides on {ra.expr}{line}, which reads "
+                                         "other values than the lifted numbers")
+            guard = NumberGuard(ra.expr, tuple((s, symbols[s], slots[symbols[s]]) for s in mine),
+                                line)
+            if not _exact(ra.expr) or not guard.holds(leaves):
+                raise NotLiftable(names, f"the step decides on {ra.expr}{line}, a condition "
+                                         "computed in floating point")
+            guards.append(guard)
+        ras[:] = kept
+    return guards
+
+
+# Integer functions whose results Python computes exactly (sympy_interp's
+# reference analysis evaluates each as Python does).
+_INTEGER_OPS = (sympy.Add, sympy.Mul, sympy.Max, sympy.Min, sympy.Abs, sympy.Mod,
+                sympy_functions.Max, sympy_functions.Min, sympy_functions.Mod,
+                sympy_functions.PythonMod, sympy_functions.FloorDiv)
+
+
+def _exact(expr: sympy.Basic) -> bool:
+    """Whether a condition evaluates on the host as the step's own Python did:
+    relations between integer arithmetic, lone numbers and constants (for a
+    float, torch's restated condition is another computation, rounded otherwise)."""
+    if isinstance(expr, (sympy.And, sympy.Or, sympy.Not)):
+        return all(_exact(a) for a in expr.args)
+    if isinstance(expr, sympy.core.relational.Relational):
+        return all(_integral(side) or side.is_Symbol or side.is_Number for side in expr.args)
+    return False
+
+
+def _integral(expr: sympy.Basic) -> bool:
+    if expr.is_Integer:
+        return True
+    if expr.is_Symbol:
+        return symbol_is_type(expr, SymT.UNBACKED_INT)
+    if isinstance(expr, sympy.Pow):
+        return _integral(expr.base) and expr.exp.is_Integer and expr.exp >= 0
+    return isinstance(expr, _INTEGER_OPS) and all(_integral(a) for a in expr.args)
 
 
 def guarded_numbers(exc: BaseException, symbols: dict) -> set[str]:

@@ -64,8 +64,9 @@ from .optimizer_state import (
     state_set_by_step,
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
-from .numbers import (NotLiftable, NumberSlot, ReachedNumberSlot, as_input, check_lifted,
-                      guarded_numbers, read_number)
+from .numbers import (NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
+                      check_lifted, conditions_unlogged, guarded_numbers, read_number,
+                      take_number_guards)
 from .memoized import memoized_while_traced
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
@@ -170,6 +171,8 @@ class Captured:
     rng: RngPlan = dataclasses.field(default_factory=RngPlan)
     # what the program assumes of tensor values, checked as it runs (decisions.py)
     decisions: list[Decision] = dataclasses.field(default_factory=list)
+    # what it assumes of its lifted numbers, checked before each run (numbers.py)
+    number_guards: list[NumberGuard] = dataclasses.field(default_factory=list)
     # done to the call's arguments after each run (argument_writes.py: keys
     # popped, tensors made to require grad)
     argument_edits: list = dataclasses.field(default_factory=list)
@@ -378,7 +381,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     values_read.setdefault, slot.leaf, spec.name))
                 arrays[id(leaves[slot.leaf])] = value
             elif isinstance(slot, NumberSlot):
-                leaves[slot.leaf] = read_number(value, spec.name, symbols)
+                leaves[slot.leaf] = read_number(value, spec.name, symbols,
+                                                slot.number(step_args.leaves))
             else:
                 leaves[slot.leaf] = value
 
@@ -541,7 +545,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 outside_tensors(step_fn, arrays, _group_tensors(optimizers),
                                 _outside_hint(step_args)) as check_outside, \
                 memoized_while_traced() as caches, \
-                (on_real_values() if on_values else contextlib.nullcontext()):
+                (on_real_values() if on_values else conditions_unlogged()):
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
@@ -568,6 +572,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
 
     host = hosts[0]
     try:
+        number_guards = take_number_guards(
+            late.fake_mode.shape_env, symbols,
+            {spec.name: slot for spec, slot in zip(inputs.specs, inputs.slots)
+             if spec.kind is InputKind.NUMBER}, step_args.leaves,
+            lambda ra: user_line(step_fn, frames=ra.stack.summary()), on_values) if symbols else []
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
         try:
             check_outside(gm)
@@ -635,7 +644,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         reads_grads, host.guards, ShapeGuards.of(program, slots),
                         rolled=(step_args.start, step_args.per) if watches else None,
                         host_writes=host.kept + flags, draws=draws, rng=rng_plan,
-                        decisions=decisions,
+                        decisions=decisions, number_guards=number_guards,
                         argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves),
                         steps=bool(markers.steps))
@@ -688,7 +697,7 @@ class _LateInputs:
         spec = InputSpec(InputKind.NUMBER, self._unique(name))
         fake = self.placeholder(spec, ReachedNumberSlot(place), functools.partial(as_input, value))
         self.places[spec.name] = key
-        return read_number(fake, spec.name, self.symbols)
+        return read_number(fake, spec.name, self.symbols, value)
 
     def drawn(self, value, name: str, what: str, slot):
         """The traced value of a host draw (host_random.py): a symbolic number,

@@ -61,6 +61,8 @@ class Built:
     made_state: list = dataclasses.field(default_factory=list)
     # what its programs assume of tensor values (capture/decisions.py)
     decisions: list = dataclasses.field(default_factory=list)
+    # what they assume of lifted numbers, checked on the host (capture/numbers.py)
+    number_guards: list = dataclasses.field(default_factory=list)
     # done to the call's arguments after each run (capture/argument_writes.py)
     argument_edits: list = dataclasses.field(default_factory=list)
     # numpy arguments whose values the trace read on the host (capture/observed_arrays.py)
@@ -71,12 +73,16 @@ class Built:
         """Whether a call with this signature may run these programs."""
         return not self.guards.changed() and (
             self.shape_guards is None or self.shape_guards.holds(leaves)) and (
-            self.values_read is None or self.values_read.holds(leaves))
+            self.values_read is None or self.values_read.holds(leaves)) and all(
+            g.holds(leaves) for g in self.number_guards)
 
     def misfit(self, leaves) -> str:
         """Why a call does not fit, in one line."""
         if self.values_read is not None and not self.values_read.holds(leaves):
             return self.values_read.describe(leaves)
+        failed = next((g for g in self.number_guards if not g.holds(leaves)), None)
+        if failed is not None:
+            return failed.describe(leaves)
         return self.guards.changed() or self.shape_guards.describe(leaves)
 
 
@@ -124,16 +130,16 @@ class ProgramCache:
 
     def find(self, step_args: StepArgs) -> Built | None:
         """What was built for these arguments, if anything: no building."""
-        return self._lookup(step_args)[3]
+        return self._lookup(step_args)[2]
 
     def get(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built]) -> Built:
         """What was built for these arguments; build(step_args, why) builds it
         when there is none, `why` saying in one line what is new."""
-        sig, key, entries, found = self._lookup(step_args)
+        sig, entries, found = self._lookup(step_args)
         if found is not None:
             if self._order[-1][1] is not found:
-                self._order.remove((key, found))
-                self._order.append((key, found))
+                at = next(i for i, (_, b) in enumerate(self._order) if b is found)
+                self._order.append(self._order.pop(at))
             return found
         if entries:
             why = entries[-1].misfit(step_args.leaves) + self._lift_changed_places(
@@ -151,7 +157,7 @@ class ProgramCache:
         """What was built for these arguments with other decisions on tensor
         values (capture/decisions.py) than those `tried` on this call, or built
         now from its values; put first among the entries of its signature."""
-        _, key, entries, _ = self._lookup(step_args)
+        _, entries, _ = self._lookup(step_args)
         found = next((b for b in entries if b not in tried and b.fits(step_args.leaves)), None)
         if found is None:
             log.info("transpiler: %s: tracing the step for this call's decisions", why)
@@ -210,7 +216,10 @@ class ProgramCache:
         return built
 
     def _lookup(self, step_args: StepArgs) -> tuple:
-        """(signature, key, the entries under the key, the one that fits or None)."""
+        """(signature, the entries built for it, the one that fits or None). The
+        entries of programs that read the .grad the step starts with are kept
+        under the signature with which parameters have one; the others, under
+        the signature alone, fit whatever the .grad."""
         step_args.lifted = frozenset(i for i, (name, leaf) in enumerate(zip(step_args.names,
                                                                             step_args.leaves))
                                      if name in self.lifted and is_number(leaf))
@@ -221,9 +230,10 @@ class ProgramCache:
         step_args.dynamic = self._symbolic(step_args)
         self.arguments.leaves = step_args.leaves
         sig = signature(step_args)
-        key = sig + grad_signature(step_args) if sig in self._reads_grads else sig
-        entries = self._built.get(key, [])
-        return sig, key, entries, next((b for b in entries if b.fits(step_args.leaves)), None)
+        entries = self._built.get(sig, [])
+        if sig in self._reads_grads:
+            entries = self._built.get(sig + grad_signature(step_args), []) + entries
+        return sig, entries, next((b for b in entries if b.fits(step_args.leaves)), None)
 
     def _symbolic(self, step_args: StepArgs) -> dict[int, frozenset[int]]:
         """Leaf index -> the dimensions of that batch tensor to trace as symbols."""

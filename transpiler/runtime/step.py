@@ -574,7 +574,8 @@ class TranspiledStep:
                            captured.reads_grads, captured.guards, _sharded_params(captured, programs),
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
-                           captured.argument_edits, captured.values_read, captured.steps)
+                           captured.number_guards, captured.argument_edits,
+                           captured.values_read, captured.steps)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
