@@ -127,6 +127,21 @@ def test_integer_conditions_on_a_lifted_number_trace_per_outcome():
     assert not step._cache.per_value
 
 
+def test_a_warmup_factor_from_a_lifted_counter_traces_per_outcome():
+    def warmup_step(model, opt, x, y, weight, k):
+        """Lightning's KL annealing: min(1.0, self.global_step / warmup)."""
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * min(1.0, k / 8) + max(weight, k / 100.0)
+        loss.backward()
+        opt.step()
+        return loss
+    step, worst = _run_against_eager(warmup_step, 6)
+    assert worst == 0.0
+    # k = 5 (traced with the value), 6, 7 (k / 8 < 1.0), 8, 9, 10 (not); weight
+    # against k / 100.0 goes one way from the second call
+    assert step._cache.builds == 3 and not step._cache.per_value
+
+
 def test_a_condition_computed_in_floating_point_traces_per_value(caplog):
     def decaying_step(model, opt, x, y, weight, k):
         """timm's ModelEmaV3.get_decay: 1 - (1 + step / gamma) ** -power, clamped."""

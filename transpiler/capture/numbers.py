@@ -23,9 +23,10 @@ program assumes it, a number guard (the condition as torch's shape environment
 states it, over the numbers' symbols) checked on the host before every run: a
 later value that decides otherwise traces again, a program per outcome
 (NumberGuard). Only conditions that Python and the guard evaluate alike are
-taken: integer arithmetic, and a number compared with a constant or another
-number; one computed in floating point (`1 - (1 + s / g) ** -p > 0.9999`,
-which torch restates as another computation that may round otherwise) is not.
+taken: integer arithmetic, divisions, and a number compared with a constant or
+another number (`min(1.0, step / warmup)`); a sum or product in floating point
+(`1 - (1 + s / g) ** -p > 0.9999`, which torch restates as another
+computation that may round otherwise) is not.
 
 A number that decides otherwise, or a shape, cannot be lifted: the trace meets
 a guard it cannot state exactly, or makes a tensor whose shape depends on it
@@ -186,13 +187,24 @@ _INTEGER_OPS = (sympy.Add, sympy.Mul, sympy.Max, sympy.Min, sympy.Abs, sympy.Mod
 
 def _exact(expr: sympy.Basic) -> bool:
     """Whether a condition evaluates on the host as the step's own Python did:
-    relations between integer arithmetic, lone numbers and constants (for a
-    float, torch's restated condition is another computation, rounded otherwise)."""
+    relations between integer arithmetic, divisions as Python divides, lone
+    numbers and constants. A sum or product of floats is not: sympy reorders
+    and folds them, and torch restates a condition by moving its terms (`w * 2
+    - 0.1 > 0` becomes `0.1 < 2.0*w`), another computation, rounded otherwise."""
     if isinstance(expr, (sympy.And, sympy.Or, sympy.Not)):
         return all(_exact(a) for a in expr.args)
     if isinstance(expr, sympy.core.relational.Relational):
-        return all(_integral(side) or side.is_Symbol or side.is_Number for side in expr.args)
+        return all(_as_python(side) for side in expr.args)
     return False
+
+
+def _as_python(expr: sympy.Basic) -> bool:
+    """A number computed as Python computes it (`step / warmup`, `float(n) / 1000.0`)."""
+    if expr.is_Number or expr.is_Symbol or _integral(expr):
+        return True
+    if isinstance(expr, (sympy_functions.IntTrueDiv, sympy_functions.ToFloat)):
+        return all(_integral(a) for a in expr.args)
+    return isinstance(expr, sympy_functions.FloatTrueDiv) and all(map(_as_python, expr.args))
 
 
 def _integral(expr: sympy.Basic) -> bool:
