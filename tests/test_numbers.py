@@ -195,18 +195,18 @@ def test_a_bool_is_never_lifted():
     assert step._cache.builds == 2 and not step._cache.lifted
 
 
-def numbers_vs_ddp(mode: str):
+def numbers_vs_ddp(mode: str, fn=weighted_step):
     """The loss weight and divisor changed every call, transpiled and under DDP
     with its defaults, same processes, each rank its own batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = M.make("mlp")
     reference = copy.deepcopy(model)
     opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
-    step, ddp = transpile(weighted_step, mode=mode), DDP(reference)
+    step, ddp = transpile(fn, mode=mode), DDP(reference)
     for i, batch in enumerate(M.batches("mlp", 5, 16)):
         x, y = M.shard(batch, rank, world)
         step(model, opts[0], x, y, *_values(i))
-        weighted_step(ddp, opts[1], x, y, *_values(i))
+        fn(ddp, opts[1], x, y, *_values(i))
     ours, theirs = M.states_compared(zip((model, reference), opts), sharded=mode == "zero")
     return step._cache.builds, M.max_rel_error(ours, theirs)
 
@@ -214,6 +214,13 @@ def numbers_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_lifted_numbers_equal_ddp(mode, ranks2):
     assert ranks2.run(numbers_vs_ddp, mode) == [(2, 0.0), (2, 0.0)]
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_a_program_per_outcome_equals_ddp(mode, ranks2):
+    # weight 0.013 (traced with the value), 0.113 (lifted), 0.213, 0.313 (the
+    # other branch), 0.413: three programs, every rank alike
+    assert ranks2.run(numbers_vs_ddp, mode, branching_step) == [(3, 0.0), (3, 0.0)]
 
 
 # ----- numbers the step reads outside its arguments -----------------------------
@@ -370,6 +377,7 @@ def test_lifted_numbers_read_outside_the_arguments_equal_ddp(mode, ranks2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run,fn,builds", [(_run_against_eager, weighted_step, 2),
+                                           (_run_against_eager, counting_step, 4),
                                            (_run_read_against_eager, annealed_step, 3)])
 def test_lifted_numbers_under_inductor(run, fn, builds):
     step, worst = run(fn, 4, backend="inductor")
