@@ -103,6 +103,37 @@ def test_a_replaced_state_tensor_is_captured_again(nccl, caplog):
     assert M.max_rel_error(graphed, compiled) <= 1e-6
 
 
+def annealed_step(model, opt, x, y, k):
+    """A temperature the loop anneals on the module and a branch on the call's
+    counter: lifted numbers (capture/numbers.py), the branch a number guard."""
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x) / model.temperature, y)
+    if k % 2 == 0:
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _train_annealed(backend):
+    model = M.make("mlp").cuda()
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(annealed_step, backend=backend) if backend else annealed_step
+    for i, batch in enumerate(M.batches("mlp", 4, 12)):
+        model.temperature = 1.0 - 0.05 * i
+        step(model, opt, *(t.cuda() for t in batch), i)
+    return M.state_of(model, opt), step
+
+
+@pytest.mark.parametrize("backend", ["eager", "cudagraphs"])
+def test_lifted_numbers_and_their_guards_on_cuda(backend, nccl):
+    ours, step = _train_annealed(backend)
+    theirs, _ = _train_annealed(None)
+    # call 0 traced with the values, then lifted: a program per parity
+    assert step._cache.builds == 3
+    assert M.max_rel_error(ours, theirs) <= (0.0 if backend == "eager" else 1e-5)
+
+
 def _teardown_after_capture(store: str) -> None:
     _init_nccl(store)
     _train("cudagraphs", "fuse_all_reduce", "sgd", {})

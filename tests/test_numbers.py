@@ -338,6 +338,29 @@ def test_a_number_read_outside_the_arguments_that_decides_traces_per_outcome(cap
                       "schedule.weight"}
 
 
+def test_a_number_argument_and_an_attribute_changed_in_the_same_call_are_lifted_together():
+    def tempered_step(model, opt, x, y, weight, k):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if k % 2 == 0:
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        return loss
+    model = Tempered()
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    step = transpile(tempered_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 5, 8)):
+        model.temperature = reference.temperature = 1.0 - 0.05 * i
+        ours = step(model, opts[0], x, y, *_values(i))
+        assert torch.equal(ours, tempered_step(reference, opts[1], x, y, *_values(i)))
+    M.assert_states_equal(M.state_of(model, opts[0]), M.state_of(reference, opts[1]))
+    # k = 5 (traced with the values), then k and the temperature lifted at
+    # once: a program per parity
+    assert step._cache.builds == 3
+
+
 def test_a_seed_from_a_number_read_outside_the_arguments_is_computed_every_call():
     step, worst = _run_read_against_eager(seeded_step, 4)
     assert worst == 0.0

@@ -149,7 +149,8 @@ class ProgramCache:
         else:
             full = sig + grad_signature(step_args)
             why = describe_change(self.last_built, full) \
-                + self._lift_changed_numbers(step_args) + self._symbolic_batch(step_args, full)
+                + self._lift_changed_numbers(step_args) + self._symbolic_batch(step_args, full) \
+                + self._lift_changed_places(step_args, self._order[-1][1])
         return self._build(step_args, build, why)
 
     def redecide(self, step_args: StepArgs, build: Callable[[StepArgs, str], Built],
