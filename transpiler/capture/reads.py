@@ -753,8 +753,9 @@ class Recorder:
             return self._tensor(holder, key, (), value, name, label)
         plain = snapshot(value)
         if plain is not MISSING:
-            if self.lift and is_number(value) and place_key(holder, key) in self.lift:
-                return self._lifted(holder, key, value, name)
+            where = place_key(holder, key) if self.lift and is_number(value) else None
+            if where in self.lift:
+                return self._lifted(holder, key, where, value, name)
             self._guard(name, holder, key, Check.VALUE, value)
             return value
         if isinstance(value, (list, tuple, dict, set, frozenset)):
@@ -779,11 +780,11 @@ class Recorder:
         self.reach(value, label)
         return value
 
-    def _lifted(self, holder, key, value, name: str):
+    def _lifted(self, holder, key, where: tuple, value, name: str):
         """A number read from a program input filled through its place on every
         call: its type guarded, its symbolic stand-in put there for the trace."""
         self._guard(name, holder, key, Check.TYPE, type(value))
-        number = self.number_stand_in(value, name, Place(holder, key), place_key(holder, key))
+        number = self.number_stand_in(value, name, Place(holder, key), where)
         self._swap(name, holder, key, value, number)
         return number
 
