@@ -56,6 +56,8 @@ INPUTS = "inputs and state written back"
 HOST_WRITE = "host-side writes refused"
 DECISION = "decision on a tensor's value traced on the call's values"
 PHASES = "update phases"
+RETURNED = "numbers returned, read after the call"
+GROUP_READS = "optimizer values read from inputs"
 
 
 @dataclasses.dataclass
@@ -5549,7 +5551,7 @@ def _ignite_call(step, s, i, d):
        source="pytorch/ignite ignite/engine/__init__.py create_supervised_trainer -> "
               "supervised_training_step.update (output_transform default: loss.item())",
        what="the step is a closure over model, optimizer and loss_fn; returns a Python float",
-       expect=REFUSED, rule=HOST_WRITE, setup=_ignite_setup(),
+       expect=EQUAL, rule=RETURNED, setup=_ignite_setup(),
        bind=lambda s: s.engine._process_function, call=_ignite_call, between=_ignite_between)
 def _ignite_unused(*a):
     raise AssertionError
@@ -6461,3 +6463,143 @@ def _cyclegan_setup():
        call=lambda step, s, i, d: step(d.img(2), d.img(2)))
 def _unused_cyclegan(*a):
     raise AssertionError
+
+
+# ----------------------------------------------------------------- numbers returned; optimizer values read
+
+@seeded
+def _trainer_setup():
+    s = mlp_sgd.__wrapped__()
+    s.opt = torch.optim.AdamW(s.model.parameters(), lr=1e-2, weight_decay=0.01)
+    s.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(s.opt, lambda k: min(1.0, (k + 1) / 3))
+    return s
+
+
+def _trainer_ddp(s):
+    wrap_model(s)
+
+
+@habit(id="hf_trainer_logs_loss_item_and_last_lr",
+       source="huggingface/transformers src/transformers/trainer.py inner training loop: "
+              "self.optimizer.step(); self.lr_scheduler.step(); model.zero_grad(); then "
+              "_maybe_log_save_evaluate: logs['loss'] from tr_loss.item(), "
+              "logs['learning_rate'] = self._get_learning_rate() (lr_scheduler.get_last_lr()[0]), "
+              "logs['grad_norm'] from grad_norm.item(), with a warmup LambdaLR",
+       what="the step returns a dict of Python numbers: .item() of the loss and of the clipped "
+            "gradient norm, the scheduler's last lr read after its step() inside the step, the "
+            "param group's lr, and a string",
+       expect=EQUAL, rule=RETURNED, setup=_trainer_setup, ranks=True, ddp=_trainer_ddp, calls=5,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.lr_scheduler, d.vec(), d.cls()))
+def hf_trainer_logs_step(model, optimizer, lr_scheduler, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    lr_scheduler.step()
+    model.zero_grad()
+    return {"loss": round(loss.item(), 4), "grad_norm": grad_norm.item(),
+            "learning_rate": lr_scheduler.get_last_lr()[0],
+            "group_lr": optimizer.param_groups[0]["lr"], "epoch": lr_scheduler.last_epoch,
+            "phase": "train"}
+
+
+@seeded
+def _fastai_wd_setup():
+    s = mlp_sgd.__wrapped__()
+    s.opt = torch.optim.Adam(s.model.parameters(), lr=1e-2)
+    s.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(s.opt, T_max=4)
+    return s
+
+
+def _fastai_between(s, i):
+    if i:
+        s.scheduler.step()
+
+
+def _fastai_weight_decay(optimizer, wd):
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            current_lr = group["lr"]
+            param.data = param.data.add(param.data, alpha=-wd * group["lr"])
+    return optimizer, current_lr
+
+
+@habit(id="fastai_weight_decay_reads_group_lr",
+       source="fast.ai's 'AdamW and super-convergence' post (2018-07-02), its weight_decay("
+              "optimizer, wd) helper as copied into many repositories: for each group, "
+              "param.data = param.data.add(-wd * group['lr'], param.data) before "
+              "optimizer.step(); the cosine schedule stepped per epoch outside the step",
+       what="the step's own Python reads param_groups[0]['lr'], which the scheduler outside "
+            "changes between calls, for a decoupled weight decay, and returns it",
+       expect=EQUAL, rule=GROUP_READS, setup=_fastai_wd_setup, between=_fastai_between,
+       ranks=True, call=xy)
+def fastai_weight_decay_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer, lr = _fastai_weight_decay(optimizer, 1e-2)
+    optimizer.step()
+    return loss, lr
+
+
+@seeded
+def _wgan_setup():
+    s = mlp_sgd.__wrapped__()
+    s.model = MLP(out=1)
+    s.opt = torch.optim.RMSprop(s.model.parameters(), lr=5e-3)
+    return s
+
+
+@habit(id="wgan_critic_weight_clipping",
+       source="martinarjovsky/WassersteinGAN main.py: the critic's loop clamps every "
+              "parameter in place (for p in netD.parameters(): p.data.clamp_(clamp_lower, "
+              "clamp_upper)) before errD_real and errD_fake, RMSprop",
+       what="parameters clamped through .data in place inside the step, then a backward() of "
+            "a difference of two means and the optimizer's step",
+       expect=EQUAL, rule=INPUTS, setup=_wgan_setup, ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.vec()))
+def wgan_critic_step(netD, optimizerD, real, fake, clamp=0.05):
+    for p in netD.parameters():
+        p.data.clamp_(-clamp, clamp)
+    netD.zero_grad()
+    errD = netD(real).mean() - netD(fake).mean()
+    errD.backward()
+    optimizerD.step()
+    return errD
+
+
+class _PackedClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(64, 8, padding_idx=0)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, text, text_lengths):
+        embedded = self.embedding(text)
+        packed = nn.utils.rnn.pack_padded_sequence(embedded, text_lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (hidden, _) = self.rnn(packed)
+        return self.fc(hidden[-1])
+
+
+@seeded
+def _packed_setup():
+    model = _PackedClassifier()
+    return SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters(), lr=1e-2))
+
+
+@habit(id="sentiment_pack_padded_sequence_lengths",
+       source="bentrevett/pytorch-sentiment-analysis (the LSTM notebook): "
+              "nn.utils.rnn.pack_padded_sequence(embedded, text_lengths, batch_first=True, "
+              "enforce_sorted=False) before nn.LSTM, the lengths a tensor of the batch",
+       what="the recurrent layer runs a packed batch whose lengths are read on the host",
+       expect=REFUSED, rule=DECISION, match="pack_padded_sequence", setup=_packed_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.tok(4, 8), torch.tensor([8, 5, 3, 6]),
+                                       d.cls(4)))
+def packed_sentiment_step(model, optimizer, text, text_lengths, label):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(text, text_lengths), label)
+    loss.backward()
+    optimizer.step()
+    return loss

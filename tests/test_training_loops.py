@@ -281,6 +281,24 @@ def test_stale_gradients_equal_ddp(ranks2):
         assert _max_rel_error(ours, ddp) == 0.0
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_step_ending_in_zero_grad_after_one_that_leaves_grad(optimizer):
+    """Two transpiled steps take turns on one model: the one that ends with
+    zero_grad() (the HF Trainer's order) was traced with no .grad and later
+    finds the other's: it accumulates onto it, as eager does (a program of
+    its own)."""
+    model = M.make("mlp", seed=0)
+    reference = M.make("mlp", seed=0)
+    opts = [M.make_optimizer(optimizer, m) for m in (model, reference)]
+    fns = (zero_grad_after_step, M.classify_step)
+    steps = [transpile(fn) for fn in fns]
+    for i, (x, y) in enumerate(M.batches("mlp", 6, 8)):
+        fn = fns[i % 2]
+        assert torch.equal(steps[i % 2](model, opts[0], x, y), fn(reference, opts[1], x, y))
+        assert M.max_rel_error(M.state_of(model, opts[0]), M.state_of(reference, opts[1])) == 0.0
+    assert [step._cache.builds for step in steps] == [2, 1]
+
+
 @pytest.mark.parametrize("fn_name", sorted(STEP_FNS))
 def test_single_process_equals_eager(fn_name):
     """Without a process group every idiom is the eager step, .grad included."""

@@ -18,7 +18,8 @@ from .build import identifier
 from .markers import compiling_flag, intercepted_schedulers
 from .optimizer_state import make_first_state
 from .signature import describe_change, grad_signature, signature
-from .slots import HeldSlot, Returned
+from .returned import Returned
+from .slots import HeldSlot
 from .trace import Captured, trace_step
 
 __all__ = ["Captured", "HeldSlot", "Returned", "StepArgs", "compiling_flag", "identifier",

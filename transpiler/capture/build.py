@@ -13,6 +13,7 @@ from ..errors import TranspileError
 from ..program.program import InputKind, OutputKind, OutputSpec, Program, graph_module
 from ..program.roles import CARRY, GRAD_AT, INPUT, PARAM, READY
 from .inputs import Inputs
+from .numbers import OptimizerValueSlot
 from .slots import GradSlot, StateSlot
 
 _DETACH = torch.ops.aten.detach.default
@@ -96,7 +97,8 @@ def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
     graph.eliminate_dead_code()
     kept = []
     for node, spec, slot in zip(placeholders, inputs.specs, inputs.slots):
-        if spec.kind in (InputKind.GRAD, InputKind.STATE, InputKind.REACHED) and not node.users:
+        if (spec.kind in (InputKind.GRAD, InputKind.STATE, InputKind.REACHED)
+                or isinstance(slot, OptimizerValueSlot)) and not node.users:
             graph.erase_node(node)
         else:
             kept.append((spec, slot))

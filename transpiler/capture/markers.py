@@ -157,10 +157,12 @@ def intercepted_schedulers(optimizers, on_step: Callable):
             cls.step = original
 
 
-def scheduler_marker(markers: Markers, optimizers, step_fn):
+def scheduler_marker(markers: Markers, optimizers, step_fn,
+                     after: Callable | None = None):
     """A scheduler of one of the step's optimizers stepped inside the step is not
     run by the trace (its change would be frozen into the program): it is
-    recorded, and the runtime steps it on the host after every call."""
+    recorded (then after(scheduler) is called), and the runtime steps it on the
+    host after every call."""
     def record(scheduler, *args, **kwargs):
         where = user_line(step_fn)
         if args or kwargs:
@@ -174,6 +176,8 @@ def scheduler_marker(markers: Markers, optimizers, step_fn):
                 f"{step_name(step_fn)}{where}: call it after optimizer.step() (the order torch "
                 "requires) or outside the step")
         markers.schedulers.append(scheduler)
+        if after is not None:
+            after(scheduler)
     return intercepted_schedulers(optimizers, record)
 
 

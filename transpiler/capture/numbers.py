@@ -97,6 +97,13 @@ class ReachedNumberSlot:
         return as_input(self.number(leaves))
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerValueSlot(ReachedNumberSlot):
+    """A value of an optimizer's param group that the step's own Python may
+    read (group_reads.py): made for every such value, kept as an input only
+    where the program reads it."""
+
+
 def as_input(value) -> torch.Tensor:
     """A lifted number's input: float64 for a float, int64 for an int."""
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
@@ -227,15 +234,16 @@ def guarded_numbers(exc: BaseException, symbols: dict) -> set[str]:
     return set()
 
 
-def check_lifted(gm: fx.GraphModule, names: dict[fx.Node, str]) -> None:
+def check_lifted(gm: fx.GraphModule, names: dict[fx.Node, str], suspects: set[str]) -> None:
     """Refuse a trace where a tensor's layout depends on a lifted number.
-    `names`: each lifted number's placeholder -> the argument's name."""
+    `names`: each lifted number's placeholder -> the argument's name; where
+    the numbers behind a layout cannot be told, the `suspects` are named."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         for v in val if isinstance(val, (tuple, list)) else [val]:
             if isinstance(v, torch.Tensor) and \
                     free_unbacked_symbols((v.shape, v.stride(), v.storage_offset())):
-                culprits = _numbers_behind(node, names) or set(names.values())
+                culprits = _numbers_behind(node, names) or suspects
                 raise NotLiftable(culprits, f"the shape of {node.name} ({node.target}) depends "
                                             f"on {' and '.join(sorted(culprits))}")
 

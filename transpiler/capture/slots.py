@@ -10,7 +10,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .optimizers import hyper_value
 from .observed_arrays import is_ndarray
@@ -219,22 +218,3 @@ class AssignSlot:
 
     def mirror(self, memo: dict):
         return None   # the eager step's copy assigns its own
-
-
-@dataclasses.dataclass(frozen=True)
-class Returned:
-    """The structure of what the step returns: a pytree whose leaves are tensors
-    (outputs of the program, in order) or None."""
-
-    spec: pytree.TreeSpec
-    nones: tuple[bool, ...]   # per leaf: None
-
-    @property
-    def num_tensors(self) -> int:
-        return self.nones.count(False)
-
-    def rebuild(self, outputs) -> Any:
-        tensors = iter(outputs)
-        return pytree.tree_unflatten([None if none else next(tensors) for none in self.nones],
-                                     self.spec)
-

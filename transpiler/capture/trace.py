@@ -78,7 +78,9 @@ from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .reads import Recorder, Write
 from .buffer_sync import buffer_sync_points
-from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Returned, StateSlot
+from .group_reads import group_reads
+from .returned import Returned, returned_as_read
+from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
 from ..program.collectives import WAIT
@@ -248,6 +250,13 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                 log.info("transpiler: %s reads a memoized value computed before the trace: "
                          "tracing it again with that cache emptied (%s)", step_name(step_fn), exc)
                 continue
+            if isinstance(exc, NotLiftable) and not exc.names & _lifted_names(step_args):
+                raise TranspileError(
+                    f"{exc}; {' and '.join(sorted(exc.names))} is a value of the optimizer of "
+                    f"{step_name(step_fn)}, which the program reads from an input on every call "
+                    "(an LR scheduler changes it without a new trace), so the program cannot "
+                    "hold that condition: compare the value itself with a constant "
+                    "(`if lr < 0.01:`), or decide outside the step") from exc
             if isinstance(exc, _StoppedAtDecision):
                 _refuse_without_values(step_fn, step_args, exc)
                 log.info("transpiler: %s decides on a tensor value: tracing it again on this "
@@ -289,6 +298,12 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
         for w in reversed(writes):
             w.undo()
         raise refuse_repeated(step_fn, writes, again.host_writes)
+
+
+def _lifted_names(step_args: StepArgs) -> set[str]:
+    """The names of the numbers the cache asked to lift (numbers.py); a lifted
+    number not among them is an optimizer's value (group_reads.py)."""
+    return {step_args.names[i] for i in step_args.lifted} | set(step_args.places_lifted)
 
 
 def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
@@ -456,7 +471,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(backward_marker(markers, grads_now, zero_unused_grads))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(buffer_sync_points(markers, modules))
-            stack.enter_context(scheduler_marker(markers, optimizers, step_fn))
+            reads = stack.enter_context(group_reads(optimizers, late.number, step_name(step_fn)))
+            stack.enter_context(scheduler_marker(markers, optimizers, step_fn, reads.scheduled))
             stack.enter_context(traced_scalers(step_args.scalers, scaled, optimizers, node_of,
                                                step_name(step_fn)))
             if isinstance(step_args, CutArgs):
@@ -472,6 +488,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                             step_args.leaves[slot.leaf])
             for i, (zeros, _) in zeroed.items():   # no backward() gave it a gradient
                 node_of(zeros).meta[UNUSED] = inputs.param_names[i]
+            reads.restore()   # before the host-state check: the step's own writes stay
             host.finish()
             flags.extend(flags_changed(inputs.params, traced, inputs.param_names))
             late.check_no_grads(step_fn)
@@ -481,15 +498,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # across calls, as under no_sync)
             if markers.steps or not optimizers:
                 markers.reduced = dict(markers.grads)
-            out_leaves, spec = pytree.tree_flatten(result)
-            returned.append(Returned(spec, tuple(o is None for o in out_leaves)))
-            out_leaves = [o for o in out_leaves if o is not None]
-            for o in out_leaves:
-                if not isinstance(o, torch.Tensor):
-                    raise TranspileError(
-                        f"{step_name(step_fn)} returned a {type(o).__name__}; a transpiled step "
-                        "may return only tensors (any pytree of them): return the loss tensor "
-                        "and convert it with .item() outside the step")
+            returned.append(Returned.of(result, step_name(step_fn)))
+            out_leaves = returned[-1].outputs(result)
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:
@@ -508,6 +518,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 if name in ready:
                     node.meta[READY] = ready[name]
             grads = []
+            given = {name for end in markers.ends for name in end}   # by a backward()
             for p in inputs.params:
                 tp = traced[id(p)]
                 if tp.grad is not None and tp.grad.layout is not torch.strided:
@@ -522,7 +533,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 else:
                     cleared.append((inputs.param_names[id(p)], p))
                 # one the step gives a gradient, onto the .grad it started with
-                if tp.requires_grad and id(tp) not in markers.reset and tp.grad is not None:
+                # (whether or not a zero_grad() at its end drops it after)
+                if tp.requires_grad and id(tp) not in markers.reset \
+                        and (tp.grad is not None or inputs.param_names[id(p)] in given):
                     kept.append(p)
             return (tuple(out_leaves) + tuple(new_state) + tuple(grads)
                     + tuple(w.after for w in host.assigned) + tuple(t for _, t in arg_writes.set)
@@ -578,6 +591,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
              if spec.kind is InputKind.NUMBER}, step_args.leaves,
             lambda ra: user_line(step_fn, frames=ra.stack.summary()), on_values) if symbols else []
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
+        returned_as_read(gm.graph, returned[0])
         try:
             check_outside(gm)
         except TranspileError as exc:
@@ -589,7 +603,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         if step_args.lifted or step_args.places_lifted:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
-                              if spec.kind is InputKind.NUMBER})
+                              if spec.kind is InputKind.NUMBER}, _lifted_names(step_args))
         _check_matmul_dtypes(step_fn, gm, step_args)
         if watches and arg_writes:
             raise NotRollable("the step changes the containers among its arguments: traced "
@@ -630,7 +644,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                     node.meta.setdefault(MICRO, node.args[0].meta[MICRO])
         rng_plan = rng.plan(fgm, rolled=bool(watches))
         program, slots, targets = to_program(
-            fgm, inputs, returned[0].num_tensors, created, left,
+            fgm, inputs, returned[0].num_outputs, created, left,
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned]
             + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set]
             + [(f"{e.name}.grad", ArgumentGradSlot(e)) for e, _ in arg_writes.grads])
@@ -691,12 +705,15 @@ class _LateInputs:
                 self.arrays[id(real)] = fake
         return real if is_ndarray(real) else found[1]
 
-    def number(self, value, name: str, place, key: tuple):
+    def number(self, value, name: str, place, key: tuple | None = None,
+               slot: type = ReachedNumberSlot):
         """The traced value of a number the step reads through a host path
-        whose value changed before (numbers.py): a symbolic number."""
+        (numbers.py: one whose value changed before, known to the cache by
+        `key`; group_reads.py: an optimizer's value): a symbolic number."""
         spec = InputSpec(InputKind.NUMBER, self._unique(name))
-        fake = self.placeholder(spec, ReachedNumberSlot(place), functools.partial(as_input, value))
-        self.places[spec.name] = key
+        fake = self.placeholder(spec, slot(place), functools.partial(as_input, value))
+        if key is not None:
+            self.places[spec.name] = key
         return read_number(fake, spec.name, self.symbols, value)
 
     def drawn(self, value, name: str, what: str, slot):

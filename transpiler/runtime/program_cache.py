@@ -86,6 +86,15 @@ class Built:
         return self.guards.changed() or self.shape_guards.describe(leaves)
 
 
+@dataclasses.dataclass(frozen=True)
+class _WithGrads:
+    """The key of a program that depends on which parameters have a .grad when
+    the call starts (one that accumulates onto it, or reads it): never equal
+    to a signature alone, even where no parameter had one."""
+    sig: tuple
+    grads: tuple
+
+
 class ProgramCache:
     """Built programs by signature (capture.signature), each with its guards.
     Where the programs read the .grad the step starts with, the key also says
@@ -93,7 +102,7 @@ class ProgramCache:
     pay for computing it."""
 
     def __init__(self, limit: int = CACHE_LIMIT, dynamic: bool | dict | None = None):
-        self._built: dict[tuple, list[Built]] = {}
+        self._built: dict[tuple | _WithGrads, list[Built]] = {}
         self._order: list[tuple[tuple, Built]] = []   # least recently used first
         self._reads_grads: set[tuple] = set()   # signatures keyed with their grads
         # the call's arguments, where its guards and inputs read an argument's object
@@ -174,6 +183,7 @@ class ProgramCache:
         start = time.perf_counter()
         requested, requested_places = step_args.lifted, step_args.lift_places
         symbolic = bool(step_args.dynamic)
+        grads = grad_signature(step_args)   # as the call found them (building makes some)
         with tracing_for(self.arguments):
             built = build(step_args, why)
         dropped = {step_args.names[i] for i in requested - step_args.lifted}
@@ -193,10 +203,10 @@ class ProgramCache:
         sig = signature(step_args)
         for write in built.host_writes:
             write.redo()
-        self.last_built = full = sig + grad_signature(step_args)
+        self.last_built = sig + grads
         if built.reads_grads:
             self._reads_grads.add(sig)
-        key = full if built.reads_grads else sig
+        key = _WithGrads(sig, grads) if built.reads_grads else sig
         self._built.setdefault(key, []).append(built)
         self._order.append((key, built))
         self.builds += 1
@@ -233,7 +243,7 @@ class ProgramCache:
         sig = signature(step_args)
         entries = self._built.get(sig, [])
         if sig in self._reads_grads:
-            entries = self._built.get(sig + grad_signature(step_args), []) + entries
+            entries = self._built.get(_WithGrads(sig, grad_signature(step_args)), []) + entries
         return sig, entries, next((b for b in entries if b.fits(step_args.leaves)), None)
 
     def _symbolic(self, step_args: StepArgs) -> dict[int, frozenset[int]]:

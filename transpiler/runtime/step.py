@@ -417,7 +417,7 @@ class TranspiledStep:
             # (a rank that has joined keeps its model until the join ends)
             self._check_due = False
             self._raise_if_divergent()
-        return built.returned.rebuild(outputs[:built.returned.num_tensors])
+        return built.returned.rebuild(outputs[:built.returned.num_outputs])
 
     def _run(self, runnable: Runnable, built: Built, step_args, leaves, states):
         if self.schedule.step < self.verify_steps:
@@ -757,9 +757,10 @@ class TranspiledStep:
             built.draws.restore(drawn)
         with built.rng.drawing(step_args.leaves):
             outputs = self._executor.run_uncommitted(runnable, leaves)
-        n_user = built.returned.num_tensors
+        n_user = built.returned.num_outputs
         names = [f"returned value {i}" for i in range(n_user)]
-        ours, theirs = outputs[:n_user], expected
+        ours = outputs[:n_user]
+        theirs = [o.detach() for o in built.returned.outputs(expected)]
         for spec, target, value in zip(runnable.program.outputs[n_user:],
                                        runnable.targets[n_user:], outputs[n_user:]):
             mirrored = target.mirror(memo) if target is not None else None

@@ -36,10 +36,10 @@ program run without in-place updates.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from ..capture import StepArgs, intercepted_schedulers
 from .control_plane import all_gather_values
@@ -55,19 +55,19 @@ class Reference:
         # original): whether its next forward first broadcasts rank 0's buffers.
         self._forward_sync: dict[int, bool] = {}
 
-    def run(self, step_fn, step_args: StepArgs) -> tuple[dict, list]:
+    def run(self, step_fn, step_args: StepArgs) -> tuple[dict, Any]:
         """Returns the deep-copy memo (id of an original object -> its copy)
-        and the step's output tensors."""
+        and what the step returned."""
         world_size = world()[0]
         forward_sync = dict(self._forward_sync)
         run = _Run(step_args, world_size, forward_sync, sync=True)
-        memo, outputs = run(step_fn)
+        memo, result = run(step_fn)
         if not run.stepped and world_size > 1:
             # Gradient merge's accumulating call: DDP users run it under no_sync.
             forward_sync = dict(self._forward_sync)
-            memo, outputs = _Run(step_args, world_size, forward_sync, sync=False)(step_fn)
+            memo, result = _Run(step_args, world_size, forward_sync, sync=False)(step_fn)
         self._forward_sync = forward_sync
-        return memo, outputs
+        return memo, result
 
 
 class _Run:
@@ -83,7 +83,7 @@ class _Run:
         self._pending: set[int] = set()   # id of each parameter this backward() accumulated into
         self._modules: list[tuple[torch.nn.Module, int]] = []   # the copied modules, by key
 
-    def __call__(self, step_fn) -> tuple[dict, list]:
+    def __call__(self, step_fn) -> tuple[dict, Any]:
         memo: dict = {}
         leaves = _copies(self.step_args, memo)
         handles = self._hook(leaves) if self.world_size > 1 else []
@@ -97,8 +97,7 @@ class _Run:
                 handle.remove()
         for module, key in self._modules:   # what DDP's next forward starts from
             self._before_forward(module, key)
-        outputs = [o.detach() for o in pytree.tree_leaves(result) if o is not None]
-        return memo, outputs
+        return memo, result
 
     def _hook(self, leaves) -> list:
         handles, seen = [], set()

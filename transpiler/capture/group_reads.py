@@ -1,0 +1,169 @@
+"""What the step's own Python reads of its optimizers' param groups.
+
+The values of a group that leave the signature (optimizers.Formulation's
+lifted keys: SGD's lr, momentum, dampening and weight decay; Adam's lr, betas,
+eps and weight decay) change between calls without a new trace: an LR
+scheduler sets them, the program's update reads them from inputs. A read of
+one by the step's own code (`lr = optimizer.param_groups[0]["lr"]` for a
+manual weight decay, a loss scale, or a value it returns) would otherwise bake
+the trace's value into the program. For the trace each such value in the
+group is a symbolic number read from a program input filled from the group on
+every call (float64, as eager's double), except while an optimizer's own
+step() runs (it reads the real values; its update takes its inputs).
+
+An LR scheduler stepped inside the step runs on the host after the call
+(markers.scheduler_marker). A value it sets, read after its step() in the
+same call (the group's numbers, `scheduler.get_last_lr()`,
+`scheduler.last_epoch`), is known only after the call: for the rest of the
+trace it is an `AfterTheCall`, which the step may return (the call returns the
+value read once the scheduler stepped) and not otherwise use (TranspileError,
+at the user's line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ..errors import TranspileError
+from .numbers import OptimizerValueSlot
+from .optimizers import formulation_of
+from .reads import Place
+from .user_code import user_line
+
+_SYMBOLIC = (torch.SymFloat, torch.SymInt)
+
+
+class AfterTheCall:
+    """A value an LR scheduler stepped inside the step sets, known only after
+    the call: `read()` reads it then."""
+
+    __slots__ = ("read", "what", "refusal")
+
+    def __init__(self, read: Callable[[], Any], what: str, refusal: str):
+        self.read, self.what, self.refusal = read, what, refusal
+
+    def __repr__(self) -> str:
+        return f"<{self.what}, known after the call>"
+
+    def refuse(self, *_):
+        raise TranspileError(self.refusal.format(what=self.what, where=user_line(None)))
+
+    __hash__ = object.__hash__
+
+
+_USES = ("float", "int", "index", "bool", "complex", "round", "trunc", "floor", "ceil", "format",
+         "str", "neg", "pos", "abs", "lt", "le", "gt", "ge", "eq", "ne", "getitem", "iter", "len")
+_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "divmod", "matmul")
+for _name in _USES + _ARITHMETIC + tuple("r" + name for name in _ARITHMETIC):
+    setattr(AfterTheCall, f"__{_name}__", AfterTheCall.refuse)
+del _name
+
+
+class GroupReads:
+    """While active (trace.py, inside the trace), the lifted values of the
+    formulated optimizers' groups are symbolic numbers from program inputs
+    (`number(value, name, place)`: trace._LateInputs.number) outside their
+    optimizers' step(); `scheduled(scheduler)` turns the values the scheduler
+    sets into AfterTheCall. `restore()` puts every value back that the step did
+    not itself assign (a write the host-state check then refuses)."""
+
+    def __init__(self, optimizers, number: Callable, step: str):
+        self.step = step
+        self._real: list[tuple[Any, str, Any]] = []   # (holder, key or attribute, real value)
+        self._stand_in: dict[tuple[int, str], Any] = {}
+        self._handles = []
+        for oi, opt in enumerate(optimizers):
+            form = formulation_of(opt)
+            oname = f"optimizer {oi}" if len(optimizers) > 1 else "optimizer"
+            for gi, group in enumerate(opt.param_groups if form else ()):
+                for key in form.keys_lifted(group):
+                    name = f"{oname}.param_groups[{gi}][{key!r}]"
+                    value = group[key]
+                    stand_in = (tuple(number(v, f"{name}[{j}]", Place(group, key, (j,)),
+                                             slot=OptimizerValueSlot)
+                                      for j, v in enumerate(value))
+                                if isinstance(value, tuple) else
+                                number(value, name, Place(group, key), slot=OptimizerValueSlot))
+                    self._put(group, key, stand_in)
+            self._handles += [opt.register_step_pre_hook(self._own_step),
+                              opt.register_step_post_hook(self._after_own_step)]
+
+    def _put(self, group: dict, key: str, stand_in) -> None:
+        if (id(group), key) not in self._stand_in:
+            self._real.append((group, key, group[key]))
+        self._stand_in[(id(group), key)] = stand_in
+        group[key] = stand_in
+
+    def _swap(self, opt, real: bool) -> None:
+        for group, key, value in self._real:
+            if isinstance(group, dict) and any(group is g for g in opt.param_groups) \
+                    and group.get(key) is (self._stand_in[(id(group), key)] if real else value):
+                group[key] = value if real else self._stand_in[(id(group), key)]
+
+    def _own_step(self, opt, *_):
+        self._swap(opt, real=True)
+
+    def _after_own_step(self, opt, *_):
+        self._swap(opt, real=False)
+
+    def scheduled(self, scheduler) -> None:
+        """The scheduler's step() was recorded: what it sets is known after the call."""
+        kind = type(scheduler).__name__
+        refusal = (f"{{what}} is read after {kind}.step() inside {self.step}{{where}}: the "
+                   "program steps its LR schedulers on the host after each call, so the value "
+                   "the scheduler sets is known only then; return it from the step as it is "
+                   "(the call returns it, read after the scheduler stepped), or read it after "
+                   "the call")
+        for gi, group in enumerate(scheduler.optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and _number_or_numbers(value):
+                    what = f"param_groups[{gi}][{key!r}]"
+                    self._put(group, key, tuple(
+                        AfterTheCall(Place(group, key, (j,)).read, f"{what}[{j}]", refusal)
+                        for j in range(len(value))) if isinstance(value, tuple) else
+                        AfterTheCall(Place(group, key).read, what, refusal))
+        last = getattr(scheduler, "_last_lr", None)
+        if isinstance(last, list):
+            self._set(scheduler, "_last_lr", [
+                AfterTheCall(lambda i=i: scheduler._last_lr[i], f"{kind}.get_last_lr()[{i}]",
+                             refusal) for i in range(len(last))])
+        if isinstance(getattr(scheduler, "last_epoch", None), int):
+            self._set(scheduler, "last_epoch", AfterTheCall(
+                lambda: scheduler.last_epoch, f"{kind}.last_epoch", refusal))
+
+    def _set(self, obj, attribute: str, stand_in) -> None:
+        self._real.append((obj, attribute, getattr(obj, attribute)))
+        self._stand_in[(id(obj), attribute)] = stand_in
+        object.__setattr__(obj, attribute, stand_in)
+
+    def restore(self) -> None:
+        for holder, key, value in reversed(self._real):
+            stand_in = self._stand_in.get((id(holder), key))
+            if isinstance(holder, dict):
+                if holder.get(key) is stand_in:
+                    holder[key] = value
+            elif getattr(holder, key, None) is stand_in:
+                object.__setattr__(holder, key, value)
+        self._real.clear()
+        self._stand_in.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _number_or_numbers(value) -> bool:
+    if isinstance(value, tuple):
+        return bool(value) and all(_number_or_numbers(v) for v in value)
+    return isinstance(value, (int, float) + _SYMBOLIC) and not isinstance(value, bool)
+
+
+@contextlib.contextmanager
+def group_reads(optimizers, number: Callable, step: str):
+    reads = GroupReads(optimizers, number, step)
+    try:
+        yield reads
+    finally:
+        reads.restore()
