@@ -83,6 +83,39 @@ def test_new_batch_shape_recompiles_once_and_says_why(caplog):
     assert (step.traces, step.compiles) == (2, 2)   # the step's own counts say the same
 
 
+def _flattening_step(model, opt, x, y):
+    """A reshape: a view of a contiguous batch, a copy of any other."""
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x.reshape(x.shape[0], -1)), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_batch_in_another_memory_layout_gets_a_program_of_its_own(backend, caplog):
+    """contiguous, channels_last, a transposed view, then each again: each
+    layout traced once (a compiled kernel asserts its input's strides; a
+    reshape traced on a contiguous batch is a view) and the result eager's."""
+    model, reference = M.make("mlp"), M.make("mlp")
+    opts = [M.make_optimizer("sgd", m) for m in (model, reference)]
+    step = transpile(_flattening_step, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    layouts = [lambda x: x, lambda x: x.contiguous(memory_format=torch.channels_last),
+               lambda x: x.transpose(2, 3).contiguous().transpose(2, 3)]
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        for i in range(9):
+            x = layouts[i % 3](torch.randn(8, 2, 4, 2, generator=g))
+            y = torch.randint(0, 4, (8,), generator=g)
+            ours, theirs = step(model, opts[0], x, y), _flattening_step(reference, opts[1], x, y)
+            assert torch.equal(ours, theirs) if backend == "eager" else \
+                torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert step.traces == 3
+    assert "(strides in the order of dims [0, 2, 3, 1])" in caplog.text
+    error = M.max_rel_error(M.state_of(model, opts[0]), M.state_of(reference, opts[1]))
+    assert error == 0.0 if backend == "eager" else error <= 1e-5
+
+
 def test_a_warm_inductor_cache_holds_the_program(tmp_path, monkeypatch):
     """The same program compiled again (a new process, a restarted job) is read
     from inductor's caches in TORCHINDUCTOR_CACHE_DIR (AOTAutograd's, over the

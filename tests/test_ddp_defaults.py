@@ -166,6 +166,45 @@ def test_broadcast_buffers_false_drops_the_pass():
         {"warmup": True, "local": False, "sync": False}
 
 
+def rank_wrapper_options(given: bool):
+    """The model passed in a DDP wrapper made with broadcast_buffers=False and
+    an fp16 comm hook: refused unless transpile is given both (then each rank
+    equals the same step with the same wrapper in eager); the model untouched
+    by the refusal."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = [M.shard(b, rank, world_size) for b in M.batches("bn", STEPS, BATCH)]
+    results = []
+    for transpiled in (True, False):
+        model = M.make("bn", seed=0)
+        opt = M.make_optimizer("sgd", model)
+        wrapper = _ddp(model, broadcast_buffers=False)
+        wrapper.register_comm_hook(None, fp16_compress_hook)
+        before = _state(model, opt)
+        step = M.classify_step
+        if transpiled:
+            options = {"broadcast_buffers": False, "comm_hook": (None, fp16_compress_hook)}
+            step = transpile(step, mode="fuse_all_reduce", **(options if given else {}))
+        try:
+            for batch in batches:
+                step(wrapper, opt, *batch)
+        except TranspileError as e:
+            return str(e), M.max_rel_error(_state(model, opt), before)
+        results.append(_state(model, opt))
+    return M.max_rel_error(*results)
+
+
+def test_a_ddp_wrapper_with_other_options_is_refused_naming_them(ranks2):
+    for message, changed in ranks2.run(rank_wrapper_options, False):
+        assert "wrapped in DDP with options its transpiled step was not given" in message
+        assert "(broadcast_buffers=False, comm_hook=(state, fp16_compress_hook))" in message
+        assert changed == 0.0
+
+
+def test_a_ddp_wrapper_with_the_options_given_equals_it(ranks2):
+    assert ranks2.run(rank_wrapper_options, True) == [0.0, 0.0]
+
+
 # ------------------------------------------------ averaged at every backward() whose gradients are read
 
 RHO = 0.05

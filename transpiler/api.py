@@ -177,7 +177,8 @@ def transpile(step_fn: Callable, mode: str | ModeSpec | None = None, *,
                           verify=verify, verify_tolerance=float(verify_tolerance),
                           groups=common.reduce_groups,
                           sharded_state=resolve(SHARD_OPTIMIZER) in used, dynamic=dynamic,
-                          micro_batches=micro_batches, process_group=common.process_group)
+                          micro_batches=micro_batches, process_group=common.process_group,
+                          broadcast_buffers=common.broadcast_buffers)
 
 
 def _dynamic_dims(dynamic) -> bool | dict[str, frozenset[int]] | None:

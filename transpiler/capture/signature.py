@@ -128,7 +128,32 @@ def grad_signature(step_args: StepArgs) -> tuple:
 
 
 def _tensor_sig(t: torch.Tensor, dynamic: frozenset[int] | None = None):
-    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad)
+    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad, memory_layout(t))
+
+
+def memory_layout(t: torch.Tensor):
+    """What a program assumes of a tensor's memory besides its sizes, the same
+    for every size: contiguous, or the order of its strides and whether it is
+    dense. The trace decides on it (a reshape of a contiguous tensor is a view,
+    of a channels_last one a copy) and a compiler's kernels are generated for
+    it: a batch that arrives in another layout needs a program of its own."""
+    if t.layout is not torch.strided:
+        return str(t.layout)
+    if t.is_contiguous():
+        return "contiguous"
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order, _dense(t, order)
+
+
+def _dense(t: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether the tensor's elements fill its memory, in this order of dims."""
+    step = 1
+    for d in reversed(order):
+        if t.size(d) != 1:
+            if t.stride(d) != step:
+                return False
+            step *= t.size(d)
+    return True
 
 
 def _shape(shape, dynamic: frozenset[int] | None) -> tuple:
@@ -161,7 +186,7 @@ def _sized(v) -> tuple | None:
 
 
 def _is_tensor_sig(v) -> bool:
-    return isinstance(v, tuple) and len(v) == 4 and isinstance(v[1], torch.dtype)
+    return isinstance(v, tuple) and len(v) == 5 and isinstance(v[1], torch.dtype)
 
 
 def _group_value(value):
@@ -233,8 +258,11 @@ def _fmt(v) -> str:
     if v is _MISSING:
         return "absent"
     if _is_tensor_sig(v):
-        shape, dtype, device, _ = v
+        shape, dtype, device, _, layout = v
         dims = ", ".join("*" if s is None else str(s) for s in shape)
-        return f"{str(dtype).replace('torch.', '')}[{dims}] on {device}"
+        return f"{str(dtype).replace('torch.', '')}[{dims}] on {device}" \
+            + ("" if layout == "contiguous" else
+               f" (strides in the order of dims {list(layout[0])}"
+               f"{'' if layout[1] else ', not dense'})")
     return str(v)
 

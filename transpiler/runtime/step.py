@@ -34,6 +34,7 @@ from ..capture import Captured, HeldSlot, decisions, flatten_args, trace_step
 from ..capture.ambient import refuse_untraceable, snapshot
 from ..capture.found import discover
 from ..capture.argument_writes import arguments_of
+from ..capture.ddp_wrapper import refuse_other_options
 from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
 from ..capture.optimizers import numbers_where_needed
@@ -80,8 +81,10 @@ class TranspiledStep:
                  verify_tolerance: float = 1e-3,
                  groups: tuple[reduce_groups.ReduceGroup, ...] = (),
                  sharded_state: bool = False, dynamic: bool | dict | None = None,
-                 micro_batches: str | None = None, process_group=None):
+                 micro_batches: str | None = None, process_group=None,
+                 broadcast_buffers: bool = True):
         self.step_fn = step_fn
+        self.broadcast_buffers = broadcast_buffers   # a DDP wrapper's must agree
         # The group the step is data parallel over (None: every rank): all it
         # does runs inside world.over(process_group) (_over_its_group).
         self.process_group = process_group
@@ -704,6 +707,9 @@ class TranspiledStep:
     def _trace(self, step_args, why: str) -> Captured:
         fn_name = getattr(self.step_fn, "__name__", "step")
         refuse_untraceable(self.step_fn, snapshot())
+        refuse_other_options(step_args.modules, step_name(self.step_fn), self.broadcast_buffers,
+                             self.settings.find_unused, self.settings.comm_hook,
+                             self.process_group)
         start = time.perf_counter()
         with self._timed("trace"), numbers_where_needed(self.backend == "eager"):
             captured = trace_step(self.step_fn, step_args,
