@@ -117,7 +117,7 @@ def rank_reference_vs_ddp(fn_name, model_name):
     for batch in batches:
         memo, out = reference.run(fn, flatten_args(fn, (model, opt, *batch), {}))
         _adopt(model, opt, memo)
-        ours.append(out)
+        ours.append(_outputs(out))
     model_ddp = _make(model_name)
     opt_ddp = M.make_optimizer("sgd", model_ddp)
     ddp = DDP(model_ddp)
