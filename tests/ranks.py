@@ -19,6 +19,7 @@ import signal
 import tempfile
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
 
@@ -50,7 +51,11 @@ def _worker(rank, world_size, store_path, tasks, results, pg_timeout_s):
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            # pickled here: the queue's feeder thread would drop what cannot be
+            # (a tensor that requires grad), leaving the test to wait for it
+            ForkingPickler.dumps(result)
+            results.put((rank, True, result))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
