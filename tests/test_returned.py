@@ -243,3 +243,29 @@ def returned_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
 def test_returned_numbers_and_group_reads_equal_ddp(mode, ranks2):
     assert ranks2.run(returned_vs_ddp, mode) == [(1, 0.0), (1, 0.0)]
+
+
+def last_lr_step(model, opt, scheduler, x, y):
+    """The lr the scheduler left at the start of the call, read before its
+    step() inside the step and used in the loss."""
+    lr = scheduler.get_last_lr()[0]
+    loss = F.cross_entropy(model(x), y) * (1 + lr)
+    loss.backward()
+    opt.step()
+    scheduler.step()
+    opt.zero_grad()
+    return loss, lr
+
+
+def test_get_last_lr_before_the_scheduler_steps_is_read_every_call():
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("adamw", m) for m in (model, reference)]
+    schedulers = [_warmup(o) for o in opts]
+    step = transpile(last_lr_step)
+    for x, y in M.batches("mlp", 4, 8):
+        ours = step(model, opts[0], schedulers[0], x, y)
+        theirs = last_lr_step(reference, opts[1], schedulers[1], x, y)
+        assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1]
+    assert M.max_rel_error(M.state_of(model, opts[0]), M.state_of(reference, opts[1])) == 0.0
+    assert step._cache.builds == 1

@@ -9,7 +9,9 @@ manual weight decay, a loss scale, or a value it returns) would otherwise bake
 the trace's value into the program. For the trace each such value in the
 group is a symbolic number read from a program input filled from the group on
 every call (float64, as eager's double), except while an optimizer's own
-step() runs (it reads the real values; its update takes its inputs).
+step() runs (it reads the real values; its update takes its inputs). So is
+what an LR scheduler of those optimizers returns from `get_last_lr()`, read
+from its `_last_lr` on every call.
 
 An LR scheduler stepped inside the step runs on the host after the call
 (markers.scheduler_marker). A value it sets, read after its step() in the
@@ -26,11 +28,12 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..errors import TranspileError
 from .numbers import OptimizerValueSlot
 from .optimizers import formulation_of
-from .reads import Place
+from .reads import Attr, Place
 from .user_code import user_line
 
 _SYMBOLIC = (torch.SymFloat, torch.SymInt)
@@ -75,6 +78,12 @@ class GroupReads:
         self._real: list[tuple[Any, str, Any]] = []   # (holder, key or attribute, real value)
         self._stand_in: dict[tuple[int, str], Any] = {}
         self._handles = []
+        self._ours = {id(opt) for opt in optimizers}
+        self._last_lrs: dict[int, list] = {}   # id of a scheduler -> its get_last_lr()
+        self._scheduled: set[int] = set()
+        self._number = number
+        self._get_last_lr = LRScheduler.get_last_lr
+        LRScheduler.get_last_lr = lambda scheduler: self._last_lr(scheduler)
         for oi, opt in enumerate(optimizers):
             form = formulation_of(opt)
             oname = f"optimizer {oi}" if len(optimizers) > 1 else "optimizer"
@@ -109,8 +118,25 @@ class GroupReads:
     def _after_own_step(self, opt, *_):
         self._swap(opt, real=False)
 
+    def _last_lr(self, scheduler) -> list:
+        """get_last_lr() of a scheduler of the step's optimizers: before its
+        step() in this call, numbers read from its `_last_lr` on every call
+        (a scheduler's attributes are no guarded read: they change every call)."""
+        if id(getattr(scheduler, "optimizer", None)) not in self._ours:
+            return self._get_last_lr(scheduler)
+        if id(scheduler) in self._scheduled:
+            return list(scheduler._last_lr)
+        if id(scheduler) not in self._last_lrs:
+            name = f"{type(scheduler).__name__}.get_last_lr()"
+            self._last_lrs[id(scheduler)] = [
+                self._number(v, f"{name}[{i}]", Place(Attr(scheduler), "_last_lr", (i,)),
+                             slot=OptimizerValueSlot)
+                for i, v in enumerate(self._get_last_lr(scheduler))]
+        return list(self._last_lrs[id(scheduler)])
+
     def scheduled(self, scheduler) -> None:
         """The scheduler's step() was recorded: what it sets is known after the call."""
+        self._scheduled.add(id(scheduler))
         kind = type(scheduler).__name__
         refusal = (f"{{what}} is read after {kind}.step() inside {self.step}{{where}}: the "
                    "program steps its LR schedulers on the host after each call, so the value "
@@ -140,6 +166,7 @@ class GroupReads:
         object.__setattr__(obj, attribute, stand_in)
 
     def restore(self) -> None:
+        LRScheduler.get_last_lr = self._get_last_lr
         for holder, key, value in reversed(self._real):
             stand_in = self._stand_in.get((id(holder), key))
             if isinstance(holder, dict):
