@@ -266,3 +266,24 @@ def last_lr_step(model, opt, scheduler, x, y):
 
 def test_get_last_lr_before_the_scheduler_steps_is_read_every_call():
     _scheduled_against_eager(last_lr_step)
+
+
+def twice_then_used(model, opt, scheduler, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    scheduler.step()
+    scheduler.step()
+    return loss * scheduler.get_last_lr()[0]
+
+
+def test_a_refused_step_leaves_a_scheduler_it_stepped_twice_as_it_was():
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    scheduler = _warmup(opt)
+    before = scheduler.state_dict()
+    x, y = M.batches("mlp", 1, 8)[0]
+    with pytest.raises(TranspileError, match=r"LambdaLR.get_last_lr\(\)\[0\] is read after"):
+        transpile(twice_then_used)(model, opt, scheduler, x, y)
+    assert scheduler.state_dict() == before
+    assert all(type(lr) is float for lr in scheduler._last_lr)

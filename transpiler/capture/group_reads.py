@@ -78,12 +78,18 @@ class GroupReads:
         self._real: list[tuple[Any, str, Any]] = []   # (holder, key or attribute, real value)
         self._stand_in: dict[tuple[int, str], Any] = {}
         self._handles = []
+        self._optimizers = optimizers
         self._ours = {id(opt) for opt in optimizers}
         self._last_lrs: dict[int, list] = {}   # id of a scheduler -> its get_last_lr()
         self._scheduled: set[int] = set()
         self._number = number
         self._get_last_lr = LRScheduler.get_last_lr
+
+    def start(self) -> None:
+        """Put the stand-ins in place (restore() undoes what was done, also
+        after a failure here)."""
         LRScheduler.get_last_lr = lambda scheduler: self._last_lr(scheduler)
+        number, optimizers = self._number, self._optimizers
         for oi, opt in enumerate(optimizers):
             form = formulation_of(opt)
             oname = f"optimizer {oi}" if len(optimizers) > 1 else "optimizer"
@@ -100,11 +106,17 @@ class GroupReads:
             self._handles += [opt.register_step_pre_hook(self._own_step),
                               opt.register_step_post_hook(self._after_own_step)]
 
-    def _put(self, group: dict, key: str, stand_in) -> None:
-        if (id(group), key) not in self._stand_in:
-            self._real.append((group, key, group[key]))
-        self._stand_in[(id(group), key)] = stand_in
-        group[key] = stand_in
+    def _put(self, holder, key: str, stand_in) -> None:
+        """holder[key] (a param group's) or holder.key (a scheduler's) is
+        stand_in until restore(), which puts back the value found first."""
+        if (id(holder), key) not in self._stand_in:
+            self._real.append((holder, key, holder[key] if isinstance(holder, dict)
+                               else getattr(holder, key)))
+        self._stand_in[(id(holder), key)] = stand_in
+        if isinstance(holder, dict):
+            holder[key] = stand_in
+        else:
+            object.__setattr__(holder, key, stand_in)
 
     def _swap(self, opt, real: bool) -> None:
         for group, key, value in self._real:
@@ -153,17 +165,12 @@ class GroupReads:
                         AfterTheCall(Place(group, key).read, what, refusal))
         last = getattr(scheduler, "_last_lr", None)
         if isinstance(last, list):
-            self._set(scheduler, "_last_lr", [
+            self._put(scheduler, "_last_lr", [
                 AfterTheCall(lambda i=i: scheduler._last_lr[i], f"{kind}.get_last_lr()[{i}]",
                              refusal) for i in range(len(last))])
         if isinstance(getattr(scheduler, "last_epoch", None), int):
-            self._set(scheduler, "last_epoch", AfterTheCall(
+            self._put(scheduler, "last_epoch", AfterTheCall(
                 lambda: scheduler.last_epoch, f"{kind}.last_epoch", refusal))
-
-    def _set(self, obj, attribute: str, stand_in) -> None:
-        self._real.append((obj, attribute, getattr(obj, attribute)))
-        self._stand_in[(id(obj), attribute)] = stand_in
-        object.__setattr__(obj, attribute, stand_in)
 
     def restore(self) -> None:
         LRScheduler.get_last_lr = self._get_last_lr
@@ -191,6 +198,7 @@ def _number_or_numbers(value) -> bool:
 def group_reads(optimizers, number: Callable, step: str):
     reads = GroupReads(optimizers, number, step)
     try:
+        reads.start()
         yield reads
     finally:
         reads.restore()

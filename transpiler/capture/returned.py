@@ -36,8 +36,7 @@ class LeafKind(enum.Enum):
 
 # The dtype each kind of Python number is output in: every value of it exactly.
 _NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64,
-                  torch.SymBool: torch.bool, float: torch.float64, int: torch.int64,
-                  bool: torch.bool}
+                  torch.SymBool: torch.bool}
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
@@ -64,7 +63,7 @@ class Returned:
         for value in values:
             if isinstance(value, torch.Tensor):
                 leaves.append(ReturnedLeaf(LeafKind.TENSOR))
-            elif isinstance(value, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+            elif type(value) in _NUMBER_DTYPES:
                 leaves.append(ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(value)]))
             elif isinstance(value, AfterTheCall):
                 leaves.append(ReturnedLeaf(LeafKind.AFTER, value=value.read))
