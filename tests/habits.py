@@ -6603,3 +6603,51 @@ def packed_sentiment_step(model, optimizer, text, text_lengths, label):
     loss.backward()
     optimizer.step()
     return loss
+
+
+def _class_weights_between(s, i):
+    """The epoch's class weights, set anew as the criterion's weight."""
+    s.criterion.weight = torch.tensor([1.0, 2.0, 0.5, 1.0]) * (1 + i)
+
+
+@seeded
+def _class_weights_setup():
+    model = MLP()
+    return SimpleNamespace(model=model, opt=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                           criterion=nn.CrossEntropyLoss(weight=torch.ones(4)))
+
+
+@habit(id="class_weights_set_anew_each_epoch",
+       source="a class-balanced loss: nn.CrossEntropyLoss(weight=w) whose weights are "
+              "recomputed from the label counts at each epoch and assigned "
+              "(`criterion.weight = torch.tensor(w)`: its weight is a registered buffer)",
+       what="a buffer replaced by another tensor of the same shape between calls",
+       expect=EQUAL, rule=GUARD, setup=_class_weights_setup,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.criterion, d.vec(), d.cls()),
+       between=_class_weights_between, ranks=True)
+def class_weighted_step(model, optimizer, criterion, x, y):
+    optimizer.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _new_head_between(s, i):
+    if i == 2:
+        s.model.fc2 = nn.Linear(32, 4)
+
+
+@habit(id="head_replaced_optimizer_kept",
+       source="a transfer-learning script that swaps the classifier "
+              "(`model.fc = nn.Linear(num_ftrs, n)`, pytorch/tutorials' transfer learning "
+              "tutorial) after its optimizer was made, and keeps that optimizer",
+       what="a parameter replaced by a new one of the same shape between calls; the "
+            "optimizer still holds the old one (eager leaves the new head untrained)",
+       expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy, between=_new_head_between)
+def head_replaced_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss

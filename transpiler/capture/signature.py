@@ -4,6 +4,7 @@ traces again, and describe_change says what changed in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -93,6 +94,9 @@ def signature(step_args: StepArgs) -> tuple:
                     "such as nn.LazyLinear): run one forward pass of the model on a batch "
                     "before the first call of the step, e.g. `with torch.no_grad(): model(x)`")
             sig.append((("module", mi, name), _tensor_sig(t)))
+            # The program reads this tensor object: another one assigned in its
+            # place (a new nn.Parameter, a buffer set anew) needs a program of its own.
+            sig.append((("module", mi, name, "object"), _Object(id(t))))
         # train() or eval(): dropout, BatchNorm's statistics
         sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))
     for oi, opt in enumerate(step_args.optimizers):
@@ -110,6 +114,13 @@ def signature(step_args: StepArgs) -> tuple:
                 sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
                             if isinstance(value, torch.Tensor) else _hashable(value)))
     return tuple(sig)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Object:
+    """A tensor's identity in a signature (the tensor lives as long as the
+    programs that read it, so its id is not reused meanwhile)."""
+    id: int
 
 
 def grad_signature(step_args: StepArgs) -> tuple:
@@ -247,6 +258,9 @@ def describe_change(old: tuple, new: tuple) -> str:
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
     if first == ("ambient",):
         return ambient.describe_change(old_d[first], new_d[first]) + more
+    if first[0] == "module" and first[-1] == "object" and first in old_d:
+        return (f"module {first[1]} {first[2]} is another tensor than the program was "
+                f"traced with (assigned anew){more}")
     what = " ".join(map(str, first))
     return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
 
