@@ -39,6 +39,7 @@ import types
 from typing import Any, Callable
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
                                read_in_place, traced_arguments)
@@ -60,11 +61,19 @@ MODULE_BOOKKEEPING = (frozenset(vars(torch.nn.Module())) - {"training"}) | {"_co
 _MODULE_MEMBERS = ("_parameters", "_buffers", "_modules")
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                  "_backward_pre_hooks")
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                  "_global_backward_hooks", "_global_backward_pre_hooks")
 
 def is_library(filename: str) -> bool:
     return not filename or filename.startswith(library_dirs()) or filename.startswith("<frozen")
+
+
+def _users(hook) -> bool:
+    """Whether a hook is the user's code (not torch's, not this package's own:
+    those the trace registers to follow the optimizer's step)."""
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    return code is not None and not is_library(code.co_filename)
 
 
 def _not_reached_into() -> tuple[type, ...]:
@@ -495,6 +504,11 @@ class Recorder:
                            functools.partial(module_globals.get, name), hooks)
             for key, hook in hooks.items():
                 self.reach(hook, f"{name}[{key}]")
+        # the optimizers' global step hooks (which hooks there are is the signature's)
+        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+            for key, hook in vars(torch_optimizer)[name].items():
+                if _users(hook):
+                    self.reach(hook, f"torch.optim.optimizer.{name}[{key}]")
 
     # -- roots and reached objects
 
@@ -513,6 +527,11 @@ class Recorder:
                 self.known[id(value)] = (value, name)
                 self._patches.module(value)
             return
+        if isinstance(value, torch.optim.Optimizer):   # not reached into, but its step's hooks
+            for attr in _OPTIMIZER_HOOKS:
+                for key, hook in getattr(value, attr, {}).items():
+                    if _users(hook):
+                        self.reach(hook, f"{name}.{attr}[{key}]")
         if isinstance(value, self._not_reached):
             return
         self.known[id(value)] = (value, name)
@@ -716,6 +735,10 @@ class Recorder:
         if found is None:
             return self._attrs(obj), name   # computed by a custom __getattribute__
         klass, attr = found
+        if members is not None and isinstance(attr, types.FunctionType):
+            # a method, until the instance has its own (a forward patched on it)
+            self._guard(f"{self.known[id(obj)][1]}.{name}", self._members(obj), name,
+                        Check.ABSENT, MISSING)
         if hasattr(type(attr), "__get__"):
             return None
         if members is not None:   # a class attribute, until the instance has its own

@@ -4,11 +4,11 @@ traces again, and describe_change says what changed in one line."""
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
+from torch.optim import optimizer as torch_optimizer
 
 from ..errors import TranspileError
 from .optimizers import formulation_of
@@ -48,14 +48,14 @@ def registrations() -> int:
 
 
 def _walk(module) -> tuple[list, list]:
-    """(name, tensor) of every parameter (tied ones once) and buffer, and every
-    submodule; cached."""
+    """(name, tensor) of every parameter (tied ones once) and buffer, and
+    (name, submodule) of the module and every submodule; cached."""
     cached = _module_state.get(module)
     if cached is None or cached[0] != _epoch[0]:
         cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()],
-                  list(module.modules())[1:])
+                  list(module.named_modules())[1:])
         _module_state[module] = cached
-    return cached[1], [module, *cached[2]]
+    return cached[1], [("", module), *cached[2]]
 
 
 def named_state(module) -> list:
@@ -96,9 +96,12 @@ def signature(step_args: StepArgs) -> tuple:
             sig.append((("module", mi, name), _tensor_sig(t)))
             # The program reads this tensor object: another one assigned in its
             # place (a new nn.Parameter, a buffer set anew) needs a program of its own.
-            sig.append((("module", mi, name, "object"), _Object(id(t))))
+            sig.append((("module", mi, name, "object"), _Same(t)))
+        # The submodules the program was traced through (the trace does not guard
+        # what the step's modules hold: one assigned in another's place is new).
+        sig.append((("module", mi, "submodules"), tuple((n, _Same(m)) for n, m in submodules[1:])))
         # train() or eval(): dropout, BatchNorm's statistics
-        sig.append((("module", mi, "training"), tuple(m.training for m in submodules)))
+        sig.append((("module", mi, "training"), tuple(m.training for _, m in submodules)))
     for oi, opt in enumerate(step_args.optimizers):
         form = formulation_of(opt)
         for gi, group in enumerate(opt.param_groups):
@@ -113,14 +116,25 @@ def signature(step_args: StepArgs) -> tuple:
             for key, value in opt.state.get(p, {}).items():
                 sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
                             if isinstance(value, torch.Tensor) else _hashable(value)))
+        sig.append((("optimizer", oi, "step hooks"), _step_hooks(
+            getattr(opt, "_optimizer_step_pre_hooks", {}),
+            getattr(opt, "_optimizer_step_post_hooks", {}))))
+    if step_args.optimizers:
+        sig.append((("optimizer", "global", "step hooks"), _step_hooks(
+            torch_optimizer._global_optimizer_pre_hooks,
+            torch_optimizer._global_optimizer_post_hooks)))
     return tuple(sig)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Object:
-    """A tensor's identity in a signature (the tensor lives as long as the
-    programs that read it, so its id is not reused meanwhile)."""
-    id: int
+# Marks a step hook of this package's runtime, which no trace runs.
+OWN_HOOK = "_transpiler_own_hook"
+
+
+def _step_hooks(pre: dict, post: dict) -> tuple:
+    """The optimizer step's pre- and post-hooks by their handles' ids (never
+    reused): the program holds what those of its trace did."""
+    return tuple(tuple(k for k, hook in hooks.items() if not getattr(hook, OWN_HOOK, False))
+                 for hooks in (pre, post))
 
 
 def grad_signature(step_args: StepArgs) -> tuple:
@@ -261,11 +275,28 @@ def describe_change(old: tuple, new: tuple) -> str:
     if first[0] == "module" and first[-1] == "object" and first in old_d:
         return (f"module {first[1]} {first[2]} is another tensor than the program was "
                 f"traced with (assigned anew){more}")
+    if first[0] == "optimizer" and first[-1] == "step hooks" and first in old_d:
+        (pre, post), (pre_now, post_now) = old_d[first], new_d[first]
+        whose = "global" if first[1] == "global" else f"optimizer {first[1]}'s"
+        return (f"{whose} step hooks: {len(pre)} -> {len(pre_now)} pre-hooks, {len(post)} -> "
+                f"{len(post_now)} post-hooks{more}")
+    if first[0] == "module" and first[-1] == "submodules" and first in old_d:
+        return _submodule_change(first[1], old_d[first], new_d[first]) + more
     what = " ".join(map(str, first))
     return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
 
 
 _MISSING = object()
+
+
+def _submodule_change(mi: int, old: tuple, new: tuple) -> str:
+    before = dict(old)
+    for name, now in new:
+        if before.get(name, now) != now:
+            return (f"module {mi} {name} is another module than the program was traced with "
+                    f"({type(before[name].obj).__name__} -> {type(now.obj).__name__}, "
+                    "assigned anew)")
+    return f"module {mi}'s submodules: {len(old)} -> {len(new)}"
 
 
 def _fmt(v) -> str:

@@ -20,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TranspileError
+from ..capture.signature import OWN_HOOK
 from ..capture.user_code import user_line
 
 # optimizer -> the name of the step that left its gradients unreduced
@@ -37,6 +38,9 @@ def _refuse(opt: torch.optim.Optimizer, args, kwargs) -> None:
         f"{step}, whose last call left each rank's own gradients unreduced: a call that does "
         "not step its optimizer accumulates for a later call that does. Call "
         "optimizer.step() inside the step (on the calls that update); nothing was updated")
+
+
+setattr(_refuse, OWN_HOOK, True)   # not the step's: no program runs it
 
 
 def leave_unreduced(step: str, optimizers) -> None:
