@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 import random
+import types
 from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
@@ -6651,3 +6652,266 @@ def head_replaced_step(model, optimizer, x, y):
     loss.backward()
     optimizer.step()
     return loss
+
+
+def _patch_forward_between(s, i):
+    if i == 2:   # the outputs scaled from now on, through a forward set on the instance
+        model = unwrap(s.model)
+        forward = type(model).forward
+        model.forward = types.MethodType(lambda self, x: forward(self, x) / 2.0, model)
+
+
+@habit(id="forward_patched_on_the_instance",
+       source="accelerate's prepare_model and peft assign a wrapped forward on the model "
+              "instance (`model.forward = MethodType(f, model)`); here a script does so "
+              "after training began",
+       what="an instance attribute assigned between calls takes the place of a method the "
+            "trace called",
+       expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy, between=_patch_forward_between)
+def patched_forward_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _dropout_off_between(s, i):
+    if i == 2:   # the last epochs without dropout
+        unwrap(s.model).drop = nn.Identity()
+
+
+@habit(id="dropout_replaced_by_identity_for_the_last_epochs",
+       source="a script that turns a regularizer off for the final epochs by replacing the "
+              "module (`model.drop = nn.Identity()`), keeping its optimizer",
+       what="a submodule without parameters replaced by another between calls",
+       expect=EQUAL, rule=GUARD, setup=mlp_dropout_sgd, call=xy, between=_dropout_off_between,
+       ranks=True)
+def dropout_off_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _clip_hook_between(s, i):
+    if i == 2:   # after the warm-up: every step clips the weights it updated
+        model = unwrap(s.model)
+
+        def clip(optimizer, args, kwargs):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.05, 0.05)
+        s.opt.register_step_post_hook(clip)
+
+
+@habit(id="weight_clipping_step_post_hook_registered_after_warmup",
+       source="WGAN's weight clipping (`p.data.clamp_(-c, c)` after each optimizer step) "
+              "written as an optimizer step post-hook "
+              "(`optimizer.register_step_post_hook`), registered once the warm-up ends",
+       what="an optimizer hook registered between calls",
+       expect=EQUAL, rule=HOOKS, setup=mlp_sgd, call=xy, between=_clip_hook_between, ranks=True)
+def clip_hook_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@seeded
+def _sac_alpha_setup():
+    actor = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    log_alpha = torch.zeros(1, requires_grad=True)
+    return SimpleNamespace(actor=actor, log_alpha=log_alpha,
+                           actor_optimizer=torch.optim.Adam(actor.parameters(), lr=3e-4),
+                           a_optimizer=torch.optim.Adam([log_alpha], lr=1e-3))
+
+
+@habit(id="cleanrl_sac_log_alpha_argument",
+       source="vwxyzjn/cleanrl sac_continuous_action.py: `log_alpha = torch.zeros(1, "
+              "requires_grad=True)`, `a_optimizer = optim.Adam([log_alpha], lr=args.q_lr)`, "
+              "the actor's loss weighted by `alpha = log_alpha.exp().item()`, then "
+              "`alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()`; here "
+              "log_alpha is the step's argument",
+       what="a tensor stepped by an optimizer, passed to the step itself (not in a module)",
+       expect=EQUAL, rule=INPUTS, setup=_sac_alpha_setup,
+       call=lambda step, s, i, d: step(s.actor, s.log_alpha, s.actor_optimizer, s.a_optimizer,
+                                       d.vec()))
+def sac_alpha_step(actor, log_alpha, actor_optimizer, a_optimizer, obs):
+    alpha = log_alpha.exp().item()
+    log_pi = F.log_softmax(actor(obs), -1).max(-1).values
+    actor_loss = (alpha * log_pi - log_pi.exp()).mean()
+    actor_optimizer.zero_grad()
+    actor_loss.backward()
+    actor_optimizer.step()
+    target_entropy = -4.0
+    alpha_loss = (-log_alpha.exp() * (log_pi.detach() + target_entropy)).mean()
+    a_optimizer.zero_grad()
+    alpha_loss.backward()
+    a_optimizer.step()
+    return actor_loss, alpha
+
+
+class _TinyUNet(nn.Module):
+    """An encoder, a bilinear upsampling decoder and a skip connection."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Conv2d(3, 4, 3, padding=1)
+        self.down = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.dec = nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x):
+        e = F.relu(self.enc(x))
+        up = F.interpolate(F.relu(self.down(e)), scale_factor=2, mode="bilinear",
+                           align_corners=False)
+        return self.dec(torch.cat([e, up], 1))
+
+
+@seeded
+def _unet_setup():
+    model = _TinyUNet()
+    return SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
+@habit(id="unet_bilinear_upsampling_last_batch_smaller",
+       source="milesial/Pytorch-UNet's Up block (`nn.Upsample(scale_factor=2, mode='bilinear', "
+              "align_corners=True)`; segmentation_models' decoders call F.interpolate) trained "
+              "with a DataLoader whose last batch is smaller (drop_last=False)",
+       what="a batch of another size traces with symbolic sizes: the upsampling runs "
+            "eager's kernel there too (torch's Python decomposition rounds otherwise)",
+       expect=EQUAL, rule=GUARD, setup=_unet_setup, calls=5,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.img(n=(8, 8, 8, 5, 8)[i]),
+                                       torch.randint(0, 2, ((8, 8, 8, 5, 8)[i], 8, 8),
+                                                     generator=d.g)))
+def unet_step(model, optimizer, images, masks):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(images), masks)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _multilabel_target(y: torch.Tensor) -> torch.Tensor:
+    """Two labels per sample, padded with -1 (MultiLabelMarginLoss's targets)."""
+    pad = torch.full_like(y, -1)
+    return torch.stack([y, (y + 1) % 4, pad, pad], 1)
+
+
+@habit(id="multilabel_margin_loss_last_batch_smaller",
+       source="multi-label classification with nn.MultiLabelMarginLoss (its targets padded "
+              "with -1), the last batch of the epoch smaller",
+       what="a loss whose Python decomposition computes another value than its kernel, in "
+            "the program traced with symbolic sizes",
+       expect=EQUAL, rule=GUARD, setup=mlp_sgd, calls=4,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(n=(8, 8, 6, 8)[i]),
+                                       _multilabel_target(d.cls(n=(8, 8, 6, 8)[i]))))
+def multilabel_step(model, optimizer, x, target):
+    optimizer.zero_grad()
+    loss = nn.MultiLabelMarginLoss()(model(x), target)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+class _PerSample(nn.Module):
+    """A loop over the batch's samples in forward (per-sample attention pooling,
+    as set-based and graph models write it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.stack([h[i] * h[i].softmax(0) for i in range(h.shape[0])]))
+
+
+@seeded
+def _per_sample_setup():
+    model = _PerSample()
+    return SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@habit(id="loop_over_the_batch_size_varying_batches",
+       source="a forward that loops `for i in range(x.shape[0])` over its samples, called "
+              "with batches of several sizes",
+       what="a symbolic trace that reads the batch size as a number holds the program at "
+            "that size: a batch of another size gets a program of its own",
+       expect=EQUAL, rule=GUARD, setup=_per_sample_setup, calls=6,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(n=(4, 4, 6, 4, 5, 6)[i]),
+                                       d.cls(n=(4, 4, 6, 4, 5, 6)[i])))
+def per_sample_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _unfreeze_at_epoch(model, optimizer, x, y, epoch):
+    if epoch == 2 and len(optimizer.param_groups) == 1:   # unfreeze the backbone
+        model.fc1.requires_grad_(True)
+        optimizer.add_param_group({"params": model.fc1.parameters(), "lr": 0.01})
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@seeded
+def _frozen_backbone_setup():
+    model = MLP()
+    model.fc1.requires_grad_(False)
+    return SimpleNamespace(model=model, opt=torch.optim.SGD(model.fc2.parameters(), lr=0.1))
+
+
+@habit(id="unfreeze_backbone_add_param_group_in_step",
+       source="fine-tuning scripts that unfreeze the backbone at an epoch inside the training "
+              "step (`optimizer.add_param_group({'params': backbone.parameters(), 'lr': ...})`, "
+              "Lightning's BackboneFinetuning callback does it between epochs)",
+       what="a param group added by the step itself",
+       expect=REFUSED, rule=HOST_WRITE, setup=_frozen_backbone_setup, refused_at=2,
+       match="param_groups", call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls(), i))
+def unfreeze_step(model, optimizer, x, y, epoch):
+    return _unfreeze_at_epoch(model, optimizer, x, y, epoch)
+
+
+class _ClippingTrainer:
+    """allennlp's GradientDescentTrainer: its first batch registers a hook on
+    every parameter that clamps its gradient (enable_gradient_clipping)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.hooked = model, optimizer, False
+
+    def train_step(self, x, y):
+        if not self.hooked:
+            for p in self.model.parameters():
+                p.register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+            self.hooked = True
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
+@seeded
+def _clipping_trainer_setup():
+    s = mlp_sgd()
+    s.trainer = _ClippingTrainer(s.model, s.opt)
+    return s
+
+
+HABITS.append(Habit(
+       id="allennlp_gradient_clipping_hooks_registered_by_the_first_step",
+       source="allenai/allennlp training/util.py enable_gradient_clipping: "
+              "`parameter.register_hook(lambda grad: nn_util.clamp_tensor(grad, ...))` for "
+              "every parameter, called from the trainer's first batch",
+       what="hooks on parameters registered by the step itself",
+       expect=REFUSED, rule=HOOKS, setup=_clipping_trainer_setup, match="registers a hook",
+       bind=lambda s: s.trainer.train_step, step=_ClippingTrainer.train_step,
+       call=lambda step, s, i, d: step(d.vec(), d.cls())))

@@ -27,6 +27,8 @@ class Inputs:
     values: list[torch.Tensor] = dataclasses.field(default_factory=list)
     param_names: dict[int, str] = dataclasses.field(default_factory=dict)
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # by param_names order
+    # argument leaves that are a parameter or buffer input: leaf index -> that tensor
+    state_leaves: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def add(self, spec, slot, value):
         self.specs.append(spec)
@@ -87,8 +89,13 @@ def collect_inputs(step_args: StepArgs, state_stand_in: Callable | None = None) 
     device = inputs.params[0].device if inputs.params else torch.device("cpu")
     for name, slot in scaler_slots(step_args.scalers, device):
         inputs.add(InputSpec(InputKind.SCALER, name), slot, slot.read(None))
+    held = {id(slot.tensor): slot.tensor for slot in inputs.slots if isinstance(slot, ParamSlot)}
     for i, leaf in enumerate(step_args.leaves):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and id(leaf) in held:
+            # a parameter or buffer passed itself (SAC's log_alpha beside the optimizer
+            # that steps it): the step reads that input, as eager reads the tensor
+            inputs.state_leaves[i] = leaf
+        elif isinstance(leaf, torch.Tensor):
             inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), DataSlot(i), leaf)
         elif is_ndarray(leaf):
             inputs.add(InputSpec(InputKind.DATA, step_args.names[i]), ArraySlot(i),

@@ -132,7 +132,8 @@ def forget_state(made) -> None:
 @contextlib.contextmanager
 def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, dict]):
     """Point an optimizer at traced tensors for the duration of the trace."""
-    saved_groups = [dict(g) for g in opt.param_groups]
+    groups = list(opt.param_groups)
+    saved_groups = [dict(g) for g in groups]
     saved_state = opt.state
     formulated = formulation_of(opt) is not None
     try:
@@ -153,9 +154,17 @@ def redirect_optimizer(opt, traced: dict[int, torch.Tensor], state: dict[int, di
         yield
     finally:
         opt.state = saved_state
-        for group, saved in zip(opt.param_groups, saved_groups):
+        added = len(opt.param_groups) - len(groups)
+        opt.param_groups[:] = groups   # a group added while traced holds stand-ins
+        for group, saved in zip(groups, saved_groups):
             group.clear()
             group.update(saved)
+    if added:
+        raise TranspileError(
+            f"the step changes the param groups of {type(opt).__name__} ({len(groups)} -> "
+            f"{len(groups) + added}: add_param_group inside the step): the program updates "
+            "the groups it was traced with, on every call. Add the group outside the step, "
+            "between calls (the next call traces again with it); nothing was changed")
 
 
 def formulated_groups(optimizers, traced: dict[int, torch.Tensor],

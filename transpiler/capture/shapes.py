@@ -65,6 +65,13 @@ def is_symbolic(value) -> bool:
         for s in value.shape)
 
 
+def _traced_symbolic(value) -> bool:
+    """A fake tensor traced with a symbolic dimension, even one the trace then
+    specialized to a single size."""
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                                   for s in value.shape)
+
+
 @dataclasses.dataclass
 class ShapeGuards:
     """What a program traced with symbolic dimensions assumes of the batch's
@@ -78,13 +85,14 @@ class ShapeGuards:
     shape_env: ShapeEnv
     _code: object = None
     _count: int = -1
+    _fixed: list = dataclasses.field(default_factory=list)   # per input: _fixed_sizes
 
     @classmethod
     def of(cls, program, slots) -> ShapeGuards | None:
         """The guards of a captured program; None when no input is symbolic."""
         found = [(spec.name, slot, node.meta["val"])
                  for spec, slot, node in zip(program.inputs, slots, program.placeholders)
-                 if spec.kind is InputKind.DATA and is_symbolic(node.meta["val"])]
+                 if spec.kind is InputKind.DATA and _traced_symbolic(node.meta["val"])]
         if not found:
             return None
         names, slots, values = map(list, zip(*found))
@@ -96,10 +104,30 @@ class ShapeGuards:
             self._count = len(self.shape_env.guards)
             source = self.shape_env.produce_guards_expression(self.values)
             self._code = compile(source, "<shape guards>", "eval") if source else None
-        if self._code is None:
-            return True
-        return self.shape_env.evaluate_guards_expression(
-            self._code, [slot.read(leaves) for slot in self.slots])
+            self._fixed = [self._fixed_sizes(v) for v in self.values]
+        args = [slot.read(leaves) for slot in self.slots]
+        if self._unfit(args):
+            return False
+        return self._code is None or self.shape_env.evaluate_guards_expression(self._code, args)
+
+    def _fixed_sizes(self, value) -> list[tuple[int, int]]:
+        """(dimension, size) of each dimension the program holds at one size: a
+        symbol the trace specialized (it read the size as a number: `range(n)`,
+        `x.shape[0] == 4`), which the ShapeEnv's guards do not check, as a
+        static dimension is not theirs to check."""
+        fixed = []
+        for d, size in enumerate(value.shape):
+            expr = self.shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) \
+                else size
+            if not isinstance(size, torch.SymInt) or expr.is_number:
+                fixed.append((d, int(expr)))
+        return fixed
+
+    def _unfit(self, args) -> list[str]:
+        """The fixed sizes the arguments do not have, as guards read."""
+        return [f"{name}.size()[{d}] == {n}"
+                for name, a, fixed in zip(self.names, args, self._fixed)
+                for d, n in fixed if a.shape[d] != n]
 
     def describe(self, leaves) -> str:
         """Why a call's shapes fail the guards, in one line."""
@@ -107,9 +135,10 @@ class ShapeGuards:
                            for name, slot in zip(self.names, self.slots))
         traced = ", ".join(f"{name} {list(v.shape)}" for name, v in zip(self.names, self.values))
         args = [slot.read(leaves) for slot in self.slots]
-        failed = [guard for guard in self.shape_env.produce_guards(
-                      self.values, [LocalSource(f"t{i}") for i in range(len(self.values))])
-                  if not self.shape_env.evaluate_guards_expression(guard, args)]
+        failed = self._unfit(args) + [
+            guard for guard in self.shape_env.produce_guards(
+                self.values, [LocalSource(f"t{i}") for i in range(len(self.values))])
+            if not self.shape_env.evaluate_guards_expression(guard, args)]
         text = " and ".join(failed) or "none"
         for i, name in enumerate(self.names):   # the guards name input i L['t<i>']
             text = text.replace(f"L['t{i}']", name)

@@ -68,6 +68,7 @@ from .numbers import (NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, a
                       check_lifted, conditions_unlogged, guarded_numbers, read_number,
                       take_number_guards)
 from .memoized import memoized_while_traced
+from .eager_kernels import eager_dispatch
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
 from .meta_fallback import kernels_where_meta_refuses
@@ -400,6 +401,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                                 slot.number(step_args.leaves))
             else:
                 leaves[slot.leaf] = value
+        for leaf, tensor in inputs.state_leaves.items():
+            leaves[leaf] = traced[id(tensor)]
 
         def later_hyper(group: dict, key: str, ahead: int) -> torch.Tensor:
             """The input of a value derived from the step count for the group's
@@ -424,6 +427,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         hosts.append(host)
         _copy_tensor_hooks(inputs, traced, host.recorder)
         accumulated = _accumulation_order(inputs, traced)
+        hooks_before = _tensor_hooks(inputs, traced)
 
         def grads_now():
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
@@ -482,6 +486,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
             result = step_args.call(step_fn, leaves, arg_writes)
+            _check_no_new_tensor_hooks(step_fn, hooks_before, _tensor_hooks(inputs, traced))
             for spec, slot in zip(inputs.specs, inputs.slots):
                 if isinstance(slot, DataSlot) and isinstance(leaves[slot.leaf], torch.Tensor):
                     arg_writes.grad_enabled(slot.leaf, spec.name, leaves[slot.leaf],
@@ -558,6 +563,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 outside_tensors(step_fn, arrays, _group_tensors(optimizers),
                                 _outside_hint(step_args)) as check_outside, \
                 memoized_while_traced() as caches, \
+                eager_dispatch(tracing_mode == "symbolic"), \
                 (on_real_values() if on_values else conditions_unlogged()):
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
@@ -774,14 +780,38 @@ def _copy_tensor_hooks(inputs, traced: dict[int, torch.Tensor], recorder: Record
     reduction, as under DDP. They are guarded like module hooks."""
     for p in inputs.params:
         name = inputs.param_names[id(p)]
-        for attr, register in (("_backward_hooks", "register_hook"),
-                               ("_post_accumulate_grad_hooks",
-                                "register_post_accumulate_grad_hook")):
+        for attr, register in _TENSOR_HOOKS:
             hooks = getattr(p, attr, None)
             recorder.hooks.add(f"{name}.{attr}", functools.partial(getattr, p, attr, None), hooks)
             for key, hook in (hooks or {}).items():
                 getattr(traced[id(p)], register)(hook)
                 recorder.reach(hook, f"{name}.{attr}[{key}]")
+
+
+_TENSOR_HOOKS = (("_backward_hooks", "register_hook"),
+                 ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook"))
+
+
+def _tensor_hooks(inputs, traced: dict[int, torch.Tensor]) -> dict[tuple[str, str], set]:
+    """(parameter, how it was registered) -> the keys of its stand-in's hooks."""
+    return {(inputs.param_names[i], register): set(getattr(t, attr, None) or ())
+            for i, t in traced.items() if i in inputs.param_names
+            for attr, register in _TENSOR_HOOKS}
+
+
+def _check_no_new_tensor_hooks(step_fn, before: dict, after: dict) -> None:
+    """A hook the step registered on a parameter would be registered on its
+    traced stand-in alone, and run in no program: refused (a hook it removes
+    again, within the call, is fine)."""
+    new = next((key for key, hooks in after.items() if hooks - before[key]), None)
+    if new is not None:
+        name, register = new
+        raise TranspileError(
+            f"{step_name(step_fn)} registers a hook on parameter {name} ({register}) and "
+            "keeps it past the call: the program runs the hooks the parameter had when it was "
+            "traced, and registering one on every call would stack them as eager does. "
+            "Register it once outside the step, before the call (a hook added between calls "
+            "traces again with it)")
 
 
 def _accumulation_order(inputs, traced: dict[int, torch.Tensor]) -> list[str]:
@@ -1109,7 +1139,8 @@ def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphMod
         for arg, new in mutated:
             arg.copy_(new)
         return outputs
-    with kernels_where_meta_refuses():   # as the first trace ran them (meta_fallback.py)
+    with kernels_where_meta_refuses(), \
+            eager_dispatch(tracing_mode == "symbolic"):   # as the first trace ran them
         gm = make_fx(run, tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=True)(*[v.detach() for v in values])
     for node in gm.graph.nodes:   # the sizes of symbolic inputs, read as they are wrapped
