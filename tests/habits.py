@@ -6915,3 +6915,71 @@ HABITS.append(Habit(
        expect=REFUSED, rule=HOOKS, setup=_clipping_trainer_setup, match="registers a hook",
        bind=lambda s: s.trainer.train_step, step=_ClippingTrainer.train_step,
        call=lambda step, s, i, d: step(d.vec(), d.cls())))
+
+
+class _DynamicRope(nn.Module):
+    """transformers' dynamic RoPE update (modeling_rope_utils.dynamic_rope_update),
+    its few lines: a longer sequence than cached rescales the frequencies and
+    caches its length (a 0-d tensor); a sequence back under the original
+    length restores them and the cached length as the int it was."""
+
+    def __init__(self, alias: bool):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.original_max_seq_len = self.max_seq_len_cached = 8
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+        # transformers keeps the buffer's own tensor (`self.original_inv_freq = self.inv_freq`)
+        self.original_inv_freq = self.inv_freq if alias else self.inv_freq.clone()
+
+    def forward(self, x):
+        seq_len = torch.max(torch.arange(x.shape[0])) + 1
+        if seq_len > self.max_seq_len_cached:   # growth
+            self.register_buffer("inv_freq", self.original_inv_freq * 0.5, persistent=False)
+            self.max_seq_len_cached = seq_len
+        if seq_len < self.original_max_seq_len and self.max_seq_len_cached > self.original_max_seq_len:
+            self.original_inv_freq = self.original_inv_freq.to(x.device)   # reset
+            self.register_buffer("inv_freq", self.original_inv_freq, persistent=False)
+            self.max_seq_len_cached = self.original_max_seq_len
+        return self.fc(x) * self.inv_freq
+
+
+def _dynamic_rope_setup(alias: bool):
+    @seeded
+    def setup():
+        model = _DynamicRope(alias)
+        return SimpleNamespace(model=model, opt=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return setup
+
+
+def _rope_call(step, s, i, d):
+    n = (6, 12, 16, 6, 12)[i]
+    return step(s.model, s.opt, d.vec(n=n), d.cls(n=n))
+
+
+@habit(id="dynamic_rope_cache_grows_and_resets",
+       source="huggingface/transformers modeling_rope_utils.py dynamic_rope_update: "
+              "`self.max_seq_len_cached = seq_len` (a tensor) on growth, "
+              "`self.max_seq_len_cached = self.original_max_seq_len` (an int) on reset, "
+              "inv_freq registered anew each time; the original frequencies a copy",
+       what="a module attribute that the step sets to a tensor, then back to an int: the "
+            "program traced from the tensor runs from the state the call found, and the "
+            "step's writes follow it",
+       expect=EQUAL, rule=LAZY, setup=_dynamic_rope_setup(alias=False), calls=5, call=_rope_call)
+def dynamic_rope_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+HABITS.append(Habit(
+    id="hf_dynamic_rope_original_inv_freq_is_the_buffer",
+    source="huggingface/transformers LlamaRotaryEmbedding with rope_type 'dynamic': "
+           "`self.original_inv_freq = self.inv_freq` in __init__, then dynamic_rope_update "
+           "registers a new inv_freq on growth",
+    what="the step replaces a buffer whose tensor it also reads through another attribute: "
+         "eager leaves that tensor as it was, a transpiled step would write into it",
+    expect=REFUSED, rule=HOST_WRITE, setup=_dynamic_rope_setup(alias=True), calls=5,
+    refused_at=1, match="also reads as model.original_inv_freq", call=_rope_call,
+    step=dynamic_rope_step))

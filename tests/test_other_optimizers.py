@@ -54,3 +54,44 @@ def rank_fsdp_radam():
 def test_a_decision_traced_after_the_first_call_of_mode_fsdp_is_refused_on_every_rank(ranks2):
     for error in ranks2.run(rank_fsdp_radam):
         assert error is not None and "kept as shards between the steps of mode fsdp" in error
+
+
+class SophiaLike(torch.optim.Optimizer):
+    """Liuhong99/Sophia's state layout: its step a 1-element tensor beside
+    moments shaped like the parameter (a flat entry, not a shard of mode zero)."""
+
+    def __init__(self, params, lr=0.1, beta=0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((1,))
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["hessian"] = torch.ones_like(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.addcdiv_(state["exp_avg"], state["hessian"], value=-group["lr"])
+
+
+def test_a_custom_optimizers_one_element_step_saves_and_resumes_as_eager():
+    runs = []
+    for transpiled in (True, False):
+        model = M.make("mlp", seed=0)
+        opt = SophiaLike(model.parameters())
+        step = transpile(M.classify_step) if transpiled else M.classify_step
+        batches = M.batches("mlp", 4, 12)
+        for batch in batches[:2]:
+            step(model, opt, *batch)
+        saved = opt.state_dict()   # refused before as "this rank's shards of mode zero"
+        opt.load_state_dict(saved)
+        for batch in batches[2:]:
+            step(model, opt, *batch)
+        runs.append((model.state_dict(), opt.state_dict()["state"]))
+    (ours, ours_state), (eager, eager_state) = runs
+    assert all(torch.equal(ours[k], eager[k]) for k in eager)
+    assert all(torch.equal(ours_state[i][k], eager_state[i][k])
+               for i in eager_state for k in eager_state[i])

@@ -12,6 +12,7 @@ it is where the conversion changes nothing, as in eager; else refused."""
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -23,8 +24,11 @@ _APPLY = torch.nn.Module._apply
 
 
 @contextlib.contextmanager
-def state_writes_kept(step_fn, modules, traced: set[int]):
-    """`traced`: ids of the traced parameters and buffers now in the modules."""
+def state_writes_kept(step_fn, modules, traced: set[int],
+                      read_elsewhere: Callable[[torch.Tensor], str | None]):
+    """`traced`: ids of the traced parameters and buffers now in the modules;
+    `read_elsewhere(t)`: the path through which the step also read the tensor
+    that t stands in for (an alias held in a plain attribute), or None."""
     installed = [(name, sub, kind, key, t) for module in modules
                  for name, sub in module.named_modules()
                  for kind in ("_parameters", "_buffers")
@@ -73,7 +77,16 @@ def state_writes_kept(step_fn, modules, traced: set[int]):
         now = getattr(sub, kind).get(key)
         if now is not t:
             getattr(sub, kind)[key] = t
-            _copy_into(step_fn, t, now, f"{name + '.' if name else ''}{key}")
+            what = f"{name + '.' if name else ''}{key}"
+            alias = read_elsewhere(t)
+            if alias is not None:
+                raise TranspileError(
+                    f"{step_name(step_fn)} replaces {what}{user_line(step_fn)}, whose tensor it "
+                    f"also reads as {alias}: eager points {what} at the new tensor and leaves "
+                    f"{alias} as it was, where a transpiled step writes the new value into the "
+                    f"tensor in place, which {alias} would see. Keep a copy "
+                    f"({alias} = {key}.clone()) where the module is built")
+            _copy_into(step_fn, t, now, what)
 
 
 def _unshare(pair) -> None:

@@ -454,8 +454,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 # (else the second path's swap, which returned the stand-in, puts it back)
                 stack.enter_context(_reparametrize_module(module, mapping, tie_weights=True,
                                                           stack_weights=True))
+            real_of = {id(traced[id(slot.tensor)]): slot.tensor for slot in inputs.slots
+                       if isinstance(slot, ParamSlot) and id(slot.tensor) in traced}
+
+            def read_elsewhere(stand_in: torch.Tensor) -> str | None:
+                real = real_of.get(id(stand_in))
+                return next((s.name for s in host.recorder.swaps if s.real is real), None)
             stack.enter_context(state_writes_kept(step_fn, modules,
-                                                  {id(t) for t in traced.values()}))
+                                                  {id(t) for t in traced.values()},
+                                                  read_elsewhere))
             for opt in optimizers:
                 stack.enter_context(redirect_optimizer(opt, traced, state[id(opt)]))
             host.group_inputs.update(group_tensors_as_inputs(optimizers, late.stand_in))

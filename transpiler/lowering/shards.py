@@ -121,11 +121,16 @@ def from_dtensor(value: DTensor, like: torch.Tensor) -> torch.Tensor:
     return F.pad(local, (0, shard_numel(like.numel(), world()[0]) - local.numel()))
 
 
-def _flattened(param: torch.Tensor, value) -> bool:
+def _flattened(param: torch.Tensor, value, entries: dict) -> bool:
     """A state entry laid out as mode zero's shards: 1-D, not its parameter's
-    shape. (torch's optimizers keep each entry that has dimensions shaped like
-    its parameter; Adafactor's factors keep their parameter's rank.)"""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape != param.shape
+    shape, among entries (the parameter's state) none of which has that shape,
+    as mode zero leaves them all flat. (torch's optimizers keep each entry that
+    has dimensions shaped like its parameter; Adafactor's factors keep their
+    parameter's rank; a custom optimizer's 1-element step counter, Sophia's,
+    sits beside moments shaped like the parameter.)"""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape != param.shape \
+        and not any(isinstance(v, torch.Tensor) and v.dim() and v.shape == param.shape
+                    for v in entries.values())
 
 
 def _describe_flat(index: int, param: torch.Tensor, key, value: torch.Tensor) -> str:
@@ -153,7 +158,7 @@ def _first_flat(entries_by_param) -> str | None:
     entries), or None."""
     for index, param, entries in entries_by_param:
         for key, value in entries.items() if isinstance(entries, dict) else ():
-            if _flattened(param, value):
+            if _flattened(param, value, entries):
                 return _describe_flat(index, param, key, value)
     return None
 
@@ -319,9 +324,9 @@ class ShardedState:
             value = entries[key] = shard_of(entries[key], sharding.index, sharding.count)
             self._shards[id(value)] = weakref.ref(value)
 
-    def _holds_shard(self, param: torch.Tensor, value) -> bool:
+    def _holds_shard(self, param: torch.Tensor, value, entries: dict) -> bool:
         """A shard this step placed, or one another step in mode zero left."""
-        return self.is_shard(value) or _flattened(param, value)
+        return self.is_shard(value) or _flattened(param, value, entries)
 
     def stand_in(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """What the trace sees of a state entry: a shard's full layout
@@ -344,7 +349,7 @@ class ShardedState:
             full[index] = dict(entries)
             for key in sorted(entries):
                 value = optimizer.state[p][key]
-                if self._holds_shard(p, value):
+                if self._holds_shard(p, value, optimizer.state[p]):
                     full[index][key] = full_of(value, p, self.sharding).clone()
         return {"state": full, "param_groups": state["param_groups"]}
 
@@ -390,7 +395,7 @@ class ShardedState:
             sharded[index] = dict(entries)
             for key in entries:
                 value = optimizer.state[p][key]
-                if self._holds_shard(p, value):
+                if self._holds_shard(p, value, optimizer.state[p]):
                     sharded[index][key] = as_dtensor(value, p, mesh)
         return {"state": sharded, "param_groups": state["param_groups"]}
 

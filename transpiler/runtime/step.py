@@ -359,6 +359,9 @@ class TranspiledStep:
             self._run_prelude(built, runnable)
             sharded_params.free(built.sharded_params)   # after the startup cut their shards
             fresh = runnable.uncompiled()
+            if traced_now:   # the run starts from the host state the call found, as traced
+                for write in reversed(built.host_writes):
+                    write.undo()
             # what the step draws on the host, drawn for this run
             states = built.draws.for_run() if built.draws else None
             generators = decisions.torch_generators() if built.decisions else None
