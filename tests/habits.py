@@ -6983,3 +6983,35 @@ HABITS.append(Habit(
     expect=REFUSED, rule=HOST_WRITE, setup=_dynamic_rope_setup(alias=True), calls=5,
     refused_at=1, match="also reads as model.original_inv_freq", call=_rope_call,
     step=dynamic_rope_step))
+
+
+class _TwoRoutedLayers(nn.Module):
+    """Two top-1 routed expert layers, dropout before each router (Switch
+    Transformers' dropout on the router's input): the second routing decides
+    on values computed from a random draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.fc, self.router = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.1)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def route(self, h):
+        top = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e in torch.bincount(top, minlength=4).nonzero():
+            idx = torch.where(top == e[0])[0]
+            out = out.index_add(0, idx, self.experts[e[0]](h[idx]))
+        return out
+
+    def forward(self, x):
+        return self.fc(self.route(self.drop(self.route(self.drop(self.a(x))))))
+
+
+habit(id="two_routed_layers_after_dropout",
+      source="Switch Transformers / Mixtral-style top-1 routing (`torch.where(top == e)` per hit "
+             "expert) in two stacked layers, dropout on each router's input",
+      what="decisions on values computed from a random draw, traced on the call's values",
+      expect=EQUAL, rule=DECISION,
+      setup=_model_setup(_TwoRoutedLayers, lambda p: torch.optim.AdamW(p, lr=0.1)),
+      call=xy)(plain_step)

@@ -408,3 +408,45 @@ def _warmup_step(model, opt, x, n):
 def test_a_decision_torch_cannot_check_is_pinned_to_its_value():
     step = _over_values(_warmup_step, [3, 5, 3, 9])
     assert step.traces == 3   # a program per value: 3, 5, 9
+
+
+class _RoutedTwiceAfterDropout(nn.Module):
+    """Top-1 routing, dropout on its output, routing again into the same sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.fc = nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 4)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.router = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.drop(self.a(x))
+        top = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e in torch.bincount(top, minlength=4).nonzero():
+            idx = torch.where(top == e[0])[0]
+            out.index_add_(0, idx, self.experts[e[0]](h[idx]))
+        h2 = self.drop(out)
+        top2 = self.router(h2).argmax(-1)
+        for e in torch.bincount(top2, minlength=4).nonzero():
+            idx = torch.where(top2 == e[0])[0]
+            out = out.index_add(0, idx, self.experts[e[0]](h2[idx]))
+        return self.fc(out)
+
+
+def test_a_first_run_whose_decision_goes_otherwise_is_refused_with_the_generators_put_back():
+    """Traced on the call's values, the run's second routing decides otherwise
+    (its dropout draws are not the trace's): the first call is refused, with
+    nothing written and torch's generator as the call found it."""
+    torch.manual_seed(0)
+    model = _RoutedTwiceAfterDropout()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = transpile(M.classify_step)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    params = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    with pytest.raises(TranspileError, match="went otherwise as it ran"):
+        step(model, opt, x, y)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p, q) for p, q in zip(params, model.parameters()))

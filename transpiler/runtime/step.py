@@ -376,7 +376,10 @@ class TranspiledStep:
                 change = decisions.changed(exc, built.decisions)
                 if change is None:
                     raise
-                if traced_now:
+                if traced_now:   # refused: the generators as the call found them
+                    decisions.set_torch_generators(generators)
+                    if states:
+                        built.draws.restore(states)
                     error = decisions.traced_otherwise(change)
                     if world()[0] > 1:   # the others wait in their first collective
                         rebuild.abandon(str(error), error)
