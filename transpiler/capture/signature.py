@@ -47,15 +47,48 @@ def registrations() -> int:
     return _epoch[0]
 
 
-def _walk(module) -> tuple[list, list]:
-    """(name, tensor) of every parameter (tied ones once) and buffer, and
-    (name, submodule) of the module and every submodule; cached."""
+def _walk(module) -> tuple[list, list, _Objects]:
+    """(name, tensor) of every parameter (tied ones once) and buffer, (name,
+    submodule) of the module and every submodule, and those tensors and
+    submodules by identity; cached."""
     cached = _module_state.get(module)
     if cached is None or cached[0] != _epoch[0]:
-        cached = (_epoch[0], [*module.named_parameters(), *module.named_buffers()],
-                  list(module.named_modules())[1:])
+        state, submodules = ([*module.named_parameters(), *module.named_buffers()],
+                             list(module.named_modules())[1:])
+        cached = (_epoch[0], state, submodules, _Objects(state + submodules))
         _module_state[module] = cached
-    return cached[1], [("", module), *cached[2]]
+    return cached[1], [("", module), *cached[2]], cached[3]
+
+
+class _Objects:
+    """A module's tensors and submodules by identity, in a signature: the
+    program reads those objects, and the trace does not guard what the step's
+    modules hold, so another one assigned in a place (a new nn.Parameter, a
+    buffer set anew, `model.drop = nn.Identity()`) needs a program of its own.
+    They are held, so that no other object takes their ids meanwhile."""
+
+    __slots__ = ("named", "_ids")
+
+    def __init__(self, named: list):
+        self.named = named
+        self._ids = tuple(id(obj) for _, obj in named)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Objects) and self._ids == other._ids
+
+    def __hash__(self) -> int:
+        return hash(self._ids)
+
+    def first_change(self, before: _Objects) -> str:
+        """What another object is in, or what appeared or went, since `before`."""
+        was = dict(before.named)
+        for name, obj in self.named:
+            old = was.pop(name, None)
+            if old is not obj:
+                kind = "tensor" if isinstance(obj, torch.Tensor) else "module"
+                return (f"{name} is another {kind} than the program was traced with "
+                        f"(assigned anew)" if old is not None else f"{name} was added")
+        return f"{next(iter(was))} was removed" if was else "nothing changed"
 
 
 def named_state(module) -> list:
@@ -86,7 +119,7 @@ def signature(step_args: StepArgs) -> tuple:
     for name, value in step_args.found:
         sig.append((("found", name), (type(value).__name__, id(value))))
     for mi, module in enumerate(step_args.modules):
-        state, submodules = _walk(module)
+        state, submodules, objects = _walk(module)
         for name, t in state:
             if isinstance(t, UninitializedTensorMixin):
                 raise TranspileError(
@@ -94,12 +127,7 @@ def signature(step_args: StepArgs) -> tuple:
                     "such as nn.LazyLinear): run one forward pass of the model on a batch "
                     "before the first call of the step, e.g. `with torch.no_grad(): model(x)`")
             sig.append((("module", mi, name), _tensor_sig(t)))
-            # The program reads this tensor object: another one assigned in its
-            # place (a new nn.Parameter, a buffer set anew) needs a program of its own.
-            sig.append((("module", mi, name, "object"), _Same(t)))
-        # The submodules the program was traced through (the trace does not guard
-        # what the step's modules hold: one assigned in another's place is new).
-        sig.append((("module", mi, "submodules"), tuple((n, _Same(m)) for n, m in submodules[1:])))
+        sig.append((("module", mi, "objects"), objects))
         # train() or eval(): dropout, BatchNorm's statistics
         sig.append((("module", mi, "training"), tuple(m.training for _, m in submodules)))
     for oi, opt in enumerate(step_args.optimizers):
@@ -272,31 +300,18 @@ def describe_change(old: tuple, new: tuple) -> str:
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
     if first == ("ambient",):
         return ambient.describe_change(old_d[first], new_d[first]) + more
-    if first[0] == "module" and first[-1] == "object" and first in old_d:
-        return (f"module {first[1]} {first[2]} is another tensor than the program was "
-                f"traced with (assigned anew){more}")
+    if first[0] == "module" and first[-1] == "objects" and first in old_d:
+        return f"module {first[1]} {new_d[first].first_change(old_d[first])}{more}"
     if first[0] == "optimizer" and first[-1] == "step hooks" and first in old_d:
         (pre, post), (pre_now, post_now) = old_d[first], new_d[first]
         whose = "global" if first[1] == "global" else f"optimizer {first[1]}'s"
         return (f"{whose} step hooks: {len(pre)} -> {len(pre_now)} pre-hooks, {len(post)} -> "
                 f"{len(post_now)} post-hooks{more}")
-    if first[0] == "module" and first[-1] == "submodules" and first in old_d:
-        return _submodule_change(first[1], old_d[first], new_d[first]) + more
     what = " ".join(map(str, first))
     return f"{what}: {_fmt(old_d.get(first, _MISSING))} -> {_fmt(new_d.get(first, _MISSING))}{more}"
 
 
 _MISSING = object()
-
-
-def _submodule_change(mi: int, old: tuple, new: tuple) -> str:
-    before = dict(old)
-    for name, now in new:
-        if before.get(name, now) != now:
-            return (f"module {mi} {name} is another module than the program was traced with "
-                    f"({type(before[name].obj).__name__} -> {type(now.obj).__name__}, "
-                    "assigned anew)")
-    return f"module {mi}'s submodules: {len(old)} -> {len(new)}"
 
 
 def _fmt(v) -> str:
