@@ -6639,19 +6639,14 @@ def _new_head_between(s, i):
         s.model.fc2 = nn.Linear(32, 4)
 
 
-@habit(id="head_replaced_optimizer_kept",
-       source="a transfer-learning script that swaps the classifier "
-              "(`model.fc = nn.Linear(num_ftrs, n)`, pytorch/tutorials' transfer learning "
-              "tutorial) after its optimizer was made, and keeps that optimizer",
-       what="a parameter replaced by a new one of the same shape between calls; the "
-            "optimizer still holds the old one (eager leaves the new head untrained)",
-       expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy, between=_new_head_between)
-def head_replaced_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="head_replaced_optimizer_kept",
+      source="a transfer-learning script that swaps the classifier "
+             "(`model.fc = nn.Linear(num_ftrs, n)`, pytorch/tutorials' transfer learning "
+             "tutorial) after its optimizer was made, and keeps that optimizer",
+      what="a parameter replaced by a new one of the same shape between calls; the "
+           "optimizer still holds the old one (eager leaves the new head untrained)",
+      expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy,
+      between=_new_head_between)(plain_step)
 
 
 def _patch_forward_between(s, i):
@@ -6661,19 +6656,14 @@ def _patch_forward_between(s, i):
         model.forward = types.MethodType(lambda self, x: forward(self, x) / 2.0, model)
 
 
-@habit(id="forward_patched_on_the_instance",
-       source="accelerate's prepare_model and peft assign a wrapped forward on the model "
-              "instance (`model.forward = MethodType(f, model)`); here a script does so "
-              "after training began",
-       what="an instance attribute assigned between calls takes the place of a method the "
-            "trace called",
-       expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy, between=_patch_forward_between)
-def patched_forward_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="forward_patched_on_the_instance",
+      source="accelerate's prepare_model and peft assign a wrapped forward on the model "
+             "instance (`model.forward = MethodType(f, model)`); here a script does so "
+             "after training began",
+      what="an instance attribute assigned between calls takes the place of a method the "
+           "trace called",
+      expect=EQUAL, rule=GUARD, setup=mlp_sgd, call=xy,
+      between=_patch_forward_between)(plain_step)
 
 
 def _dropout_off_between(s, i):
@@ -6681,18 +6671,12 @@ def _dropout_off_between(s, i):
         unwrap(s.model).drop = nn.Identity()
 
 
-@habit(id="dropout_replaced_by_identity_for_the_last_epochs",
-       source="a script that turns a regularizer off for the final epochs by replacing the "
-              "module (`model.drop = nn.Identity()`), keeping its optimizer",
-       what="a submodule without parameters replaced by another between calls",
-       expect=EQUAL, rule=GUARD, setup=mlp_dropout_sgd, call=xy, between=_dropout_off_between,
-       ranks=True)
-def dropout_off_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="dropout_replaced_by_identity_for_the_last_epochs",
+      source="a script that turns a regularizer off for the final epochs by replacing the "
+             "module (`model.drop = nn.Identity()`), keeping its optimizer",
+      what="a submodule without parameters replaced by another between calls",
+      expect=EQUAL, rule=GUARD, setup=mlp_dropout_sgd, call=xy, between=_dropout_off_between,
+      ranks=True)(plain_step)
 
 
 def _clip_hook_between(s, i):
@@ -6706,18 +6690,13 @@ def _clip_hook_between(s, i):
         s.opt.register_step_post_hook(clip)
 
 
-@habit(id="weight_clipping_step_post_hook_registered_after_warmup",
-       source="WGAN's weight clipping (`p.data.clamp_(-c, c)` after each optimizer step) "
-              "written as an optimizer step post-hook "
-              "(`optimizer.register_step_post_hook`), registered once the warm-up ends",
-       what="an optimizer hook registered between calls",
-       expect=EQUAL, rule=HOOKS, setup=mlp_sgd, call=xy, between=_clip_hook_between, ranks=True)
-def clip_hook_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="weight_clipping_step_post_hook_registered_after_warmup",
+      source="WGAN's weight clipping (`p.data.clamp_(-c, c)` after each optimizer step) "
+             "written as an optimizer step post-hook "
+             "(`optimizer.register_step_post_hook`), registered once the warm-up ends",
+      what="an optimizer hook registered between calls",
+      expect=EQUAL, rule=HOOKS, setup=mlp_sgd, call=xy, between=_clip_hook_between,
+      ranks=True)(plain_step)
 
 
 @seeded
@@ -6776,22 +6755,16 @@ def _unet_setup():
     return SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters(), lr=1e-3))
 
 
-@habit(id="unet_bilinear_upsampling_last_batch_smaller",
-       source="milesial/Pytorch-UNet's Up block (`nn.Upsample(scale_factor=2, mode='bilinear', "
-              "align_corners=True)`; segmentation_models' decoders call F.interpolate) trained "
-              "with a DataLoader whose last batch is smaller (drop_last=False)",
-       what="a batch of another size traces with symbolic sizes: the upsampling runs "
-            "eager's kernel there too (torch's Python decomposition rounds otherwise)",
-       expect=EQUAL, rule=GUARD, setup=_unet_setup, calls=5,
-       call=lambda step, s, i, d: step(s.model, s.opt, d.img(n=(8, 8, 8, 5, 8)[i]),
-                                       torch.randint(0, 2, ((8, 8, 8, 5, 8)[i], 8, 8),
-                                                     generator=d.g)))
-def unet_step(model, optimizer, images, masks):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(images), masks)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="unet_bilinear_upsampling_last_batch_smaller",
+      source="milesial/Pytorch-UNet's Up block (`nn.Upsample(scale_factor=2, mode='bilinear', "
+             "align_corners=True)`; segmentation_models' decoders call F.interpolate) trained "
+             "with a DataLoader whose last batch is smaller (drop_last=False)",
+      what="a batch of another size traces with symbolic sizes: the upsampling runs "
+           "eager's kernel there too (torch's Python decomposition rounds otherwise)",
+      expect=EQUAL, rule=GUARD, setup=_unet_setup, calls=5,
+      call=lambda step, s, i, d: step(s.model, s.opt, d.img(n=(8, 8, 8, 5, 8)[i]),
+                                      torch.randint(0, 2, ((8, 8, 8, 5, 8)[i], 8, 8),
+                                                    generator=d.g)))(plain_step)
 
 
 def _multilabel_target(y: torch.Tensor) -> torch.Tensor:
@@ -6835,20 +6808,14 @@ def _per_sample_setup():
     return SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-@habit(id="loop_over_the_batch_size_varying_batches",
-       source="a forward that loops `for i in range(x.shape[0])` over its samples, called "
-              "with batches of several sizes",
-       what="a symbolic trace that reads the batch size as a number holds the program at "
-            "that size: a batch of another size gets a program of its own",
-       expect=EQUAL, rule=GUARD, setup=_per_sample_setup, calls=6,
-       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(n=(4, 4, 6, 4, 5, 6)[i]),
-                                       d.cls(n=(4, 4, 6, 4, 5, 6)[i])))
-def per_sample_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="loop_over_the_batch_size_varying_batches",
+      source="a forward that loops `for i in range(x.shape[0])` over its samples, called "
+             "with batches of several sizes",
+      what="a symbolic trace that reads the batch size as a number holds the program at "
+           "that size: a batch of another size gets a program of its own",
+      expect=EQUAL, rule=GUARD, setup=_per_sample_setup, calls=6,
+      call=lambda step, s, i, d: step(s.model, s.opt, d.vec(n=(4, 4, 6, 4, 5, 6)[i]),
+                                      d.cls(n=(4, 4, 6, 4, 5, 6)[i])))(plain_step)
 
 
 def _unfreeze_at_epoch(model, optimizer, x, y, epoch):
@@ -6936,7 +6903,8 @@ class _DynamicRope(nn.Module):
         if seq_len > self.max_seq_len_cached:   # growth
             self.register_buffer("inv_freq", self.original_inv_freq * 0.5, persistent=False)
             self.max_seq_len_cached = seq_len
-        if seq_len < self.original_max_seq_len and self.max_seq_len_cached > self.original_max_seq_len:
+        if seq_len < self.original_max_seq_len \
+                and self.max_seq_len_cached > self.original_max_seq_len:
             self.original_inv_freq = self.original_inv_freq.to(x.device)   # reset
             self.register_buffer("inv_freq", self.original_inv_freq, persistent=False)
             self.max_seq_len_cached = self.original_max_seq_len
@@ -6956,21 +6924,16 @@ def _rope_call(step, s, i, d):
     return step(s.model, s.opt, d.vec(n=n), d.cls(n=n))
 
 
-@habit(id="dynamic_rope_cache_grows_and_resets",
-       source="huggingface/transformers modeling_rope_utils.py dynamic_rope_update: "
-              "`self.max_seq_len_cached = seq_len` (a tensor) on growth, "
-              "`self.max_seq_len_cached = self.original_max_seq_len` (an int) on reset, "
-              "inv_freq registered anew each time; the original frequencies a copy",
-       what="a module attribute that the step sets to a tensor, then back to an int: the "
-            "program traced from the tensor runs from the state the call found, and the "
-            "step's writes follow it",
-       expect=EQUAL, rule=LAZY, setup=_dynamic_rope_setup(alias=False), calls=5, call=_rope_call)
-def dynamic_rope_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
+habit(id="dynamic_rope_cache_grows_and_resets",
+      source="huggingface/transformers modeling_rope_utils.py dynamic_rope_update: "
+             "`self.max_seq_len_cached = seq_len` (a tensor) on growth, "
+             "`self.max_seq_len_cached = self.original_max_seq_len` (an int) on reset, "
+             "inv_freq registered anew each time; the original frequencies a copy",
+      what="a module attribute that the step sets to a tensor, then back to an int: the "
+           "program traced from the tensor runs from the state the call found, and the "
+           "step's writes follow it",
+      expect=EQUAL, rule=LAZY, setup=_dynamic_rope_setup(alias=False), calls=5,
+      call=_rope_call)(plain_step)
 
 
 HABITS.append(Habit(
@@ -6982,7 +6945,7 @@ HABITS.append(Habit(
          "eager leaves that tensor as it was, a transpiled step would write into it",
     expect=REFUSED, rule=HOST_WRITE, setup=_dynamic_rope_setup(alias=True), calls=5,
     refused_at=1, match="also reads as model.original_inv_freq", call=_rope_call,
-    step=dynamic_rope_step))
+    step=plain_step))
 
 
 class _TwoRoutedLayers(nn.Module):
@@ -7010,7 +6973,7 @@ class _TwoRoutedLayers(nn.Module):
 
 habit(id="two_routed_layers_after_dropout",
       source="Switch Transformers / Mixtral-style top-1 routing (`torch.where(top == e)` per hit "
-             "expert) in two stacked layers, dropout on each router's input",
+            "expert) in two stacked layers, dropout on each router's input",
       what="decisions on values computed from a random draw, traced on the call's values",
       expect=EQUAL, rule=DECISION,
       setup=_model_setup(_TwoRoutedLayers, lambda p: torch.optim.AdamW(p, lr=0.1)),
