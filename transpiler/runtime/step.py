@@ -376,10 +376,11 @@ class TranspiledStep:
                 change = decisions.changed(exc, built.decisions)
                 if change is None:
                     raise
-                if traced_now:   # refused: the generators as the call found them
-                    decisions.set_torch_generators(generators)
-                    if states:
-                        built.draws.restore(states)
+                # the generators and draws as the call found them, refused or run again
+                decisions.set_torch_generators(generators)
+                if states:
+                    built.draws.restore(states)
+                if traced_now:
                     error = decisions.traced_otherwise(change)
                     if world()[0] > 1:   # the others wait in their first collective
                         rebuild.abandon(str(error), error)
@@ -387,9 +388,6 @@ class TranspiledStep:
                 # Nothing was written and no collective issued (decisions.py): run the
                 # program of this call's decisions, from the same draws.
                 tried.append(built)
-                decisions.set_torch_generators(generators)
-                if states:
-                    built.draws.restore(states)
                 builds = self._cache.builds
                 built = self._cache.redecide(call_args, self._build, tried,
                                              f"the decision {change.describe()} went the other way")
