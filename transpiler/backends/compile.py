@@ -37,6 +37,7 @@ from ..errors import TranspileError
 from .failure_points import written_safely
 from ..program.program import InputKind, OutputKind, Program, graph_module, same_layout
 from . import skipped_update
+from .op_calls import direct
 from .reinplace import reinplace
 from ..world import backend_for
 from ..program.roles import INPUT
@@ -104,11 +105,11 @@ def check_process_group(device: torch.device) -> None:
 
 def compile_program(program: Program, backend: str) -> Executable:
     if backend == "eager":
-        skipping = skipped_update.executable(program, reinplace)
+        skipping = skipped_update.executable(program, _op_by_op)
         if skipping is not None:   # the update run or skipped on a host read, as eager's
             return Executable(*skipping)
-        gm, written = reinplace(program)
-        return Executable(lambda inputs: gm(*inputs), written)
+        run, written = _op_by_op(program)
+        return Executable(lambda inputs: run(*inputs), written)
     if backend == "inductor":
         return _with_outputs(*_updating_inputs(program), lambda gm, static: _Inductor(gm))
     if backend == "cudagraphs":
@@ -120,6 +121,13 @@ def compile_program(program: Program, backend: str) -> Executable:
                     for spec, w in zip(program.outputs, written) if not w]
         return _with_outputs(gm, written, hpu.compile_graph, returned=returned)
     raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+def _op_by_op(program: Program) -> tuple[Callable, list[bool]]:
+    """The eager backend's function of the program's inputs (reinplaced, its
+    ops called directly) and which outputs it writes in place."""
+    gm, written = reinplace(program)
+    return direct(gm), written
 
 
 # The program's node order is already scheduled for overlap (schedule_comm):

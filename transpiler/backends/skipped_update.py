@@ -115,15 +115,16 @@ def split(program: Program, cut: SkipPlan) -> tuple[Program, Program, list[int],
             read, guarded)
 
 
-def executable(program: Program, reinplace):
+def executable(program: Program, op_by_op):
     """(run, written) of the program cut before its skippable update, each part
-    reinplaced (`reinplace(program) -> (gm, written)`); None where it has none."""
+    run op by op (`op_by_op(program) -> (function of its inputs, written)`);
+    None where it has none."""
     cut = plan(program)
     if cut is None:
         return None
     prefix, update, read, guarded = split(program, cut)
-    before, before_written = reinplace(prefix)
-    after, after_written = reinplace(update)
+    before, before_written = op_by_op(prefix)
+    after, after_written = op_by_op(update)
     n = len(program.outputs)
     kept = [k for k in range(n) if k not in cut.guarded]
     index = {p: i for i, p in enumerate(program.placeholders)}

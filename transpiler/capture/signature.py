@@ -47,17 +47,46 @@ def registrations() -> int:
     return _epoch[0]
 
 
-def _walk(module) -> tuple[list, list, _Objects]:
+def _walk(module) -> tuple[list, list, _Objects, tuple[str, ...]]:
     """(name, tensor) of every parameter (tied ones once) and buffer, (name,
-    submodule) of the module and every submodule, and those tensors and
-    submodules by identity; cached."""
+    submodule) of the module and every submodule, those tensors and
+    submodules by identity, and the tensors' names; cached."""
     cached = _module_state.get(module)
     if cached is None or cached[0] != _epoch[0]:
         state, submodules = ([*module.named_parameters(), *module.named_buffers()],
                              list(module.named_modules())[1:])
-        cached = (_epoch[0], state, submodules, _Objects(state + submodules))
+        cached = (_epoch[0], state, submodules, _Objects(state + submodules),
+                  tuple(name for name, _ in state))
         _module_state[module] = cached
-    return cached[1], [("", module), *cached[2]], cached[3]
+    return cached[1], [("", module), *cached[2]], cached[3], cached[4]
+
+
+_NO_STATE: dict = {}   # a parameter's state before the optimizer's first step
+
+
+class _Group:
+    """Named entries of a signature held as one (a module's tensors, an
+    optimizer's state): a call hashes and compares one tuple of them rather
+    than an entry per tensor, each with a key of its own (a few hundred per
+    call for a small model). describe_change looks at them one by one, each
+    under the key `under` + its name."""
+
+    __slots__ = ("under", "names", "values", "_hash")
+
+    def __init__(self, under: tuple, names: tuple, values: tuple):
+        self.under, self.names, self.values = under, names, values
+        self._hash = hash(values)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Group) and self._hash == other._hash
+                and self.values == other.values and self.names == other.names)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def entries(self) -> list:
+        return [(self.under + (name if isinstance(name, tuple) else (name,)), value)
+                for name, value in zip(self.names, self.values)]
 
 
 class _Objects:
@@ -119,14 +148,15 @@ def signature(step_args: StepArgs) -> tuple:
     for name, value in step_args.found:
         sig.append((("found", name), (type(value).__name__, id(value))))
     for mi, module in enumerate(step_args.modules):
-        state, submodules, objects = _walk(module)
+        state, submodules, objects, names = _walk(module)
         for name, t in state:
             if isinstance(t, UninitializedTensorMixin):
                 raise TranspileError(
                     f"{name} of {type(module).__name__} is not initialized yet (a lazy module "
                     "such as nn.LazyLinear): run one forward pass of the model on a batch "
                     "before the first call of the step, e.g. `with torch.no_grad(): model(x)`")
-            sig.append((("module", mi, name), _tensor_sig(t)))
+        sig.append((("module", mi, "state"), _Group(("module", mi), names,
+                                                    tuple([_tensor_sig(t) for _, t in state]))))
         sig.append((("module", mi, "objects"), objects))
         # train() or eval(): dropout, BatchNorm's statistics
         sig.append((("module", mi, "training"), tuple(m.training for _, m in submodules)))
@@ -140,10 +170,14 @@ def signature(step_args: StepArgs) -> tuple:
             for key, value in group.items():
                 if key != "params" and key not in lifted:
                     sig.append((("optimizer", oi, "group", gi, key), _group_value(value)))
+        names, values, state = [], [], opt.state
         for pi, p in enumerate(opt_params(opt)):
-            for key, value in opt.state.get(p, {}).items():
-                sig.append((("optimizer", oi, "state", pi, key), _tensor_sig(value)
-                            if isinstance(value, torch.Tensor) else _hashable(value)))
+            for key, value in state.get(p, _NO_STATE).items():
+                names.append((pi, key))
+                values.append(_tensor_sig(value) if isinstance(value, torch.Tensor)
+                              else _hashable(value))
+        sig.append((("optimizer", oi, "state"), _Group(("optimizer", oi, "state"), tuple(names),
+                                                       tuple(values))))
         sig.append((("optimizer", oi, "step hooks"), _step_hooks(
             getattr(opt, "_optimizer_step_pre_hooks", {}),
             getattr(opt, "_optimizer_step_post_hooks", {}))))
@@ -181,7 +215,8 @@ def grad_signature(step_args: StepArgs) -> tuple:
 
 
 def _tensor_sig(t: torch.Tensor, dynamic: frozenset[int] | None = None):
-    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad, memory_layout(t))
+    layout = "contiguous" if t.layout is torch.strided and t.is_contiguous() else memory_layout(t)
+    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad, layout)
 
 
 def memory_layout(t: torch.Tensor):
@@ -284,7 +319,7 @@ class _Same:
 
 def describe_change(old: tuple, new: tuple) -> str:
     """One line saying what differs between two signatures."""
-    old_d, new_d = dict(old), dict(new)
+    old_d, new_d = dict(_expanded(old)), dict(_expanded(new))
     changed = [k for k in new_d if old_d.get(k, _MISSING) != new_d[k]]
     changed += [k for k in old_d if k not in new_d]
     if not changed:
@@ -312,6 +347,12 @@ def describe_change(old: tuple, new: tuple) -> str:
 
 
 _MISSING = object()
+
+
+def _expanded(sig: tuple) -> list:
+    """The signature with each _Group's entries in its place."""
+    return [e for key, value in sig
+            for e in (value.entries() if isinstance(value, _Group) else [(key, value)])]
 
 
 def _fmt(v) -> str:
