@@ -7,8 +7,10 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import io
 import logging
 import operator
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Callable
@@ -87,6 +89,7 @@ from .sync_batch_norm import synced_batch_norms
 from ..program.collectives import WAIT
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
+from .value_text import values_as_text
 from .user_code import step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
@@ -472,6 +475,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
+            stack.enter_context(values_as_text())
             gru_orders = stack.enter_context(recurrent_layers_traced())
             stack.enter_context(synced_batch_norms())
             stack.enter_context(buffers_left_to_the_program())
@@ -563,6 +567,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     rng = RngRecorder(step_fn, inputs, symbols)
+    printed = _Printed()
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -571,7 +576,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                                 _outside_hint(step_args)) as check_outside, \
                 memoized_while_traced() as caches, \
                 eager_dispatch(tracing_mode == "symbolic"), \
-                (on_real_values() if on_values else conditions_unlogged()):
+                (on_real_values() if on_values else conditions_unlogged()), printed:
             gm = make_fx(flat, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode,
                          _allow_non_fake_inputs=True)(*values)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a clear error
@@ -591,11 +596,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         if guarded:
             raise NotLiftable(guarded, str(error)) from exc
         if not on_values and tracing_mode == "fake" and stopped_at_decision(exc):
-            raise _StoppedAtDecision(str(error)) from exc
+            raise _StoppedAtDecision(str(error)) from exc   # what it printed: printed again
+        printed.show()
         if error is exc:
             raise
         raise error from exc
 
+    printed.show()
     host = hosts[0]
     try:
         number_guards = take_number_guards(
@@ -887,6 +894,29 @@ def _autocast_cache(enabled: bool):
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+
+
+class _Printed:
+    """What the step's Python prints while it is traced (its stdout and
+    stderr, where logging reports an error of its own), shown once the trace
+    is over, unless the trace is done again on this call's values (it stopped
+    at a decision on one), which prints it again."""
+
+    def __init__(self):
+        self._out, self._err = io.StringIO(), io.StringIO()
+        self._redirects = contextlib.ExitStack()
+
+    def __enter__(self):
+        self._redirects.enter_context(contextlib.redirect_stdout(self._out))
+        self._redirects.enter_context(contextlib.redirect_stderr(self._err))
+        return self
+
+    def __exit__(self, *exc_info):
+        self._redirects.close()
+
+    def show(self) -> None:
+        sys.stdout.write(self._out.getvalue())
+        sys.stderr.write(self._err.getvalue())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,120 @@
+"""A tensor's value printed or logged inside the step (capture/value_text.py):
+each call prints and logs what eager does, and a trace stopped at such a
+value on fake tensors prints nothing of its own."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from transpiler import transpile
+
+log = logging.getLogger("tests.value_text")
+
+
+def _report(how: str, loss: torch.Tensor, correct: torch.Tensor, i: int) -> None:
+    if how == "print":
+        print("loss", loss.item())
+    elif how == "f-string":
+        print(f"loss {loss.item():.4f} correct {correct.item()}")
+    elif how == "format":
+        print("{:.6f}".format(loss.item()))   # pytorch/examples' MNIST
+    elif how == "percent":
+        print("loss %.4f" % loss.item())
+    elif how == "str":
+        print("loss " + str(loss.item()) + " / " + repr(correct.item()))
+    elif how == "round":
+        print("loss", round(loss.item(), 3))
+    elif how == "logging":
+        log.info("step %d loss %.4f correct %s", i, loss.item(), correct.item())
+    elif how == "every other call":
+        if i % 2 == 0:
+            print(f"step {i}: {loss.item():.5f}")
+    elif how == "caught":   # a formatting stop caught by the step itself
+        try:
+            text = str(loss.item())
+        except Exception:   # noqa: BLE001
+            text = "?"
+        print("loss", text)
+
+
+def step(model, opt, x, y, i, how):
+    opt.zero_grad()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    _report(how, loss.detach(), (logits.argmax(1) == y).sum(), i)
+    return loss.detach()
+
+
+def _run(fn, how, capsys, caplog) -> tuple[list[str], list[str], dict]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tests.value_text"):
+        for i in range(5):
+            fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g),
+               i, how)
+    printed = capsys.readouterr()
+    lines = [r.getMessage() for r in caplog.records if r.name == "tests.value_text"]
+    return printed.out.splitlines() + lines, printed.err.splitlines(), model.state_dict()
+
+
+@pytest.mark.parametrize("how", ["print", "f-string", "format", "percent", "str", "round",
+                                 "logging", "every other call", "caught"])
+def test_each_call_prints_and_logs_what_eager_does(how, capsys, caplog):
+    expected, _, state = _run(step, how, capsys, caplog)
+    got, errors, state_t = _run(transpile(step), how, capsys, caplog)
+    assert got == expected
+    assert len(expected) == (3 if how == "every other call" else 5)
+    assert not any("Logging error" in line or "Traceback" in line for line in errors), errors
+    assert all(torch.equal(state[k], state_t[k]) for k in state)
+
+
+def _rank_prints(rank_zero_only: bool, transpiled: bool) -> str:
+    """What this rank prints over 4 steps of fuse_all_reduce (or of DDP), each
+    rank on its own batches: the losses differ between ranks."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def ddp_step(model, opt, x, y, i):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if not rank_zero_only or dist.get_rank() == 0:
+            print(f"step {i} loss {loss.item():.5f}")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fn = transpile(ddp_step, mode="fuse_all_reduce") if transpiled else ddp_step
+    wrapped = model if transpiled else DDP(model)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i in range(4):
+            fn(wrapped, opt, torch.randn(6, 8, generator=g),
+               torch.randint(0, 3, (6,), generator=g), i)
+    return out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank_zero_only", [False, True])
+def test_each_rank_prints_what_it_prints_under_ddp(ranks2, rank_zero_only):
+    """Each rank decides on its own loss (a rank traces again alone, before the
+    program's collectives): every rank prints what it prints under DDP."""
+    expected = ranks2.run(_rank_prints, rank_zero_only, False)
+    assert ranks2.run(_rank_prints, rank_zero_only, True) == expected
+    assert expected[0].count("\n") == 4 and (expected[1] == "") == rank_zero_only
