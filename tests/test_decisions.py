@@ -13,6 +13,7 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
@@ -450,3 +451,59 @@ def test_a_first_run_whose_decision_goes_otherwise_is_refused_with_the_generator
         step(model, opt, x, y)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(params, model.parameters()))
+
+
+def _skip_if_not_finite(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if not torch.isfinite(loss):
+        return None
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _plain(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_an_early_return_without_backward_is_refused_at_its_line_and_skip_nonfinite_does_it():
+    """`if not torch.isfinite(loss): return` before backward(): the call whose
+    loss is NaN is refused, naming the line and skip_nonfinite, with nothing
+    written; skip_nonfinite=True without the early return trains as eager with it."""
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g))
+               for _ in range(4)]
+    batches[2][0][0, 0] = float("nan")
+    eager, eager_opt = model_and_opt()
+    for batch in batches:
+        _skip_if_not_finite(eager, eager_opt, *batch)
+
+    model, opt = model_and_opt()
+    step = transpile(_skip_if_not_finite)
+    for batch in batches[:2]:
+        step(model, opt, *batch)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(TranspileError, match=r"test_decisions\.py:\d+ \(if not torch\.isfinite"
+                                             r"\(loss\):\) went the other way.*calls no "
+                                             r"backward.*skip_nonfinite=True"):
+        step(model, opt, *batches[2])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+    model, opt = model_and_opt()
+    step = transpile(_plain, skip_nonfinite=True)
+    for batch in batches:
+        step(model, opt, *batch)
+    assert step.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters()))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
+               for p, q in zip(model.parameters(), eager.parameters()))

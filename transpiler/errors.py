@@ -16,3 +16,7 @@ class DivergenceError(TranspileError):
 
 class VerificationError(TranspileError):
     """verify=N found the program computing something the eager step does not."""
+
+
+class NoBackward(TranspileError):
+    """The step, as traced on this call, calls no backward()."""

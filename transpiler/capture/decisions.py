@@ -115,6 +115,7 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     shape_env.deferred_runtime_asserts.clear()
     decisions = []
     sources = _number_sources(gm)
+    asserts = []
     for node in gm.graph.find_nodes(op="call_function",
                                     target=torch.ops.aten._assert_scalar.default):
         found = re.match(r"Runtime assertion failed for expression (.*) on node '", node.args[1])
@@ -124,6 +125,14 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
         # as the message states it: the expression of the assert's node may
         # already be simplified by what it asserts (a range's bound: True)
         symbols = sorted(map(str, _parsed(decision.expr, ())[0].free_symbols))
+        asserts.append((node, decision, symbols))
+    # A bound torch keeps of a symbol's range (`u0 >= 1`) has no line of its
+    # own: the line of a decision on the same value
+    lines = {symbol: d.where for _, d, symbols in asserts if d.where for symbol in symbols}
+    for node, decision, symbols in asserts:
+        if not decision.where:
+            decision = Decision(decision.expr, next(
+                (lines[s] for s in symbols if s in lines), ""))
         read = [_source(sources, symbol, decision, step_fn) for symbol in symbols]
         with gm.graph.inserting_before(node):
             check = gm.graph.call_function(

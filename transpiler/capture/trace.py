@@ -28,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import functionalize
 from ..program.averaging import mark_backward_ends
-from ..errors import TranspileError
+from ..errors import NoBackward, TranspileError
 from .optimizers import PER_STEP, per_step_value, step_counts, updates_with_lifted_hyperparameters
 from ..program.program import InputKind, InputSpec, OutputKind, Program
 from ..program.roles import (BUFFER_SYNC, CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE,
@@ -1089,8 +1089,8 @@ def _optimizer_of(targets: list, optimizers) -> list[int | None]:
 
 def _check_markers(step_fn, markers: Markers):
     if not markers.backwards:
-        raise TranspileError(f"{step_name(step_fn)} never calls loss.backward(): a training "
-                             "step computes a loss, calls backward() and optimizer.step()")
+        raise NoBackward(f"{step_name(step_fn)} never calls loss.backward(): a training "
+                         "step computes a loss, calls backward() and optimizer.step()")
 
 
 def _drop_profiler_nodes(graph: fx.Graph):

@@ -39,7 +39,7 @@ from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
 from ..capture.optimizers import numbers_where_needed
 from ..capture.user_code import step_name
-from ..errors import DivergenceError, TranspileError
+from ..errors import DivergenceError, NoBackward, TranspileError
 from .executor import Executor
 from .runnable import MicroLeaves, Runnable
 from .held import HeldTensors, Prelude
@@ -389,8 +389,19 @@ class TranspiledStep:
                 # program of this call's decisions, from the same draws.
                 tried.append(built)
                 builds = self._cache.builds
-                built = self._cache.redecide(call_args, self._build, tried,
-                                             f"the decision {change.describe()} went the other way")
+                try:
+                    built = self._cache.redecide(
+                        call_args, self._build, tried,
+                        f"the decision {change.describe()} went the other way")
+                except NoBackward as exc:
+                    raise TranspileError(
+                        f"{step_name(self.step_fn)}: the decision {change.describe()} went the "
+                        "other way on this call, and on that branch the step calls no "
+                        "backward() (an early return, such as `if not torch.isfinite(loss): "
+                        "return`): a program of a training step calls backward(). To skip the "
+                        "update of a step whose gradients are not finite, on every rank alike, "
+                        "drop the early return and pass transpile(..., skip_nonfinite=True). "
+                        "Nothing was written") from exc
                 traced_now = self._cache.builds > builds
         built.made_state = []
         self._compiles += fresh - runnable.uncompiled()
