@@ -6978,3 +6978,47 @@ habit(id="two_routed_layers_after_dropout",
       expect=EQUAL, rule=DECISION,
       setup=_model_setup(_TwoRoutedLayers, lambda p: torch.optim.AdamW(p, lr=0.1)),
       call=xy)(plain_step)
+
+
+@seeded
+def _step_lr_setup():
+    s = mlp_sgd.__wrapped__()
+    s.scheduler = torch.optim.lr_scheduler.StepLR(s.opt, step_size=2, gamma=0.5)
+    return s
+
+
+@habit(id="warmup_factor_from_the_schedulers_last_epoch",
+       source="a hand-written warm-up in the step, as training scripts scale the first steps: "
+              "warm = min(1.0, (scheduler.last_epoch + 1) / warmup_steps), the scheduler "
+              "stepped after optimizer.step() in the same step",
+       what="the step reads its LR scheduler's step count before stepping it; the scheduler "
+            "is stepped on the host after every call, so the count changes every call",
+       expect=EQUAL, rule=GROUP_READS, setup=_step_lr_setup, ranks=True, calls=6,
+       call=lambda step, s, i, d: step(s.model, s.opt, s.scheduler, d.vec(), d.cls()))
+def warmup_from_last_epoch_step(model, optimizer, scheduler, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    warm = min(1.0, (scheduler.last_epoch + 1) / 3)
+    (loss * warm).backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.detach()
+
+
+@habit(id="mnist_log_interval_prints_loss_item",
+       source="pytorch/examples mnist/main.py train(): if batch_idx % args.log_interval == 0: "
+              "print('Train Epoch: {} [{}/{} ({:.0f}%)]\\tLoss: {:.6f}'.format(epoch, "
+              "batch_idx * len(data), len(train_loader.dataset), 100. * batch_idx / "
+              "len(train_loader), loss.item()))",
+       what="the step prints the loss's value every other call, formatted with '{:.6f}'",
+       expect=EQUAL, rule=DECISION, setup=mlp_sgd, ranks=True, calls=4,
+       call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls(), i))
+def mnist_log_interval_step(model, optimizer, data, target, batch_idx):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(data), target)
+    loss.backward()
+    optimizer.step()
+    if batch_idx % 2 == 0:
+        print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
+            1, batch_idx * len(data), 4 * len(data), 100. * batch_idx / 4, loss.item()))
+    return loss.detach()

@@ -11,7 +11,8 @@ group is a symbolic number read from a program input filled from the group on
 every call (float64, as eager's double), except while an optimizer's own
 step() runs (it reads the real values; its update takes its inputs). So is
 what an LR scheduler of those optimizers returns from `get_last_lr()`, read
-from its `_last_lr` on every call.
+from its `_last_lr` on every call, and its `last_epoch` (a warm-up factor
+computed from it), read on every call: the scheduler is stepped between calls.
 
 An LR scheduler stepped inside the step runs on the host after the call
 (markers.scheduler_marker). A value it sets, read after its step() in the
@@ -81,6 +82,7 @@ class GroupReads:
         self._optimizers = optimizers
         self._ours = {id(opt) for opt in optimizers}
         self._last_lrs: dict[int, list] = {}   # id of a scheduler -> its get_last_lr()
+        self._last_epochs: dict[int, Any] = {}   # id of a scheduler -> its last_epoch
         self._scheduled: set[int] = set()
         self._number = number
         self._get_last_lr = LRScheduler.get_last_lr
@@ -89,6 +91,7 @@ class GroupReads:
         """Put the stand-ins in place (restore() undoes what was done, also
         after a failure here)."""
         LRScheduler.get_last_lr = lambda scheduler: self._last_lr(scheduler)
+        LRScheduler.last_epoch = _LastEpoch(self)
         number, optimizers = self._number, self._optimizers
         for oi, opt in enumerate(optimizers):
             form = formulation_of(opt)
@@ -111,7 +114,7 @@ class GroupReads:
         stand_in until restore(), which puts back the value found first."""
         if (id(holder), key) not in self._stand_in:
             self._real.append((holder, key, holder[key] if isinstance(holder, dict)
-                               else getattr(holder, key)))
+                               else vars(holder)[key]))
         self._stand_in[(id(holder), key)] = stand_in
         if isinstance(holder, dict):
             holder[key] = stand_in
@@ -146,6 +149,20 @@ class GroupReads:
                 for i, v in enumerate(self._get_last_lr(scheduler))]
         return list(self._last_lrs[id(scheduler)])
 
+    def _last_epoch(self, scheduler):
+        """last_epoch of a scheduler of the step's optimizers, before its
+        step() in this call: a number read from it on every call."""
+        value = vars(scheduler).get("last_epoch")
+        if id(getattr(scheduler, "optimizer", None)) not in self._ours \
+                or id(scheduler) in self._scheduled or not isinstance(value, int) \
+                or isinstance(value, bool):
+            return value
+        if id(scheduler) not in self._last_epochs:
+            self._last_epochs[id(scheduler)] = self._number(
+                value, f"{type(scheduler).__name__}.last_epoch",
+                Place(Attr(scheduler), "last_epoch"), slot=OptimizerValueSlot)
+        return self._last_epochs[id(scheduler)]
+
     def scheduled(self, scheduler) -> None:
         """The scheduler's step() was recorded: what it sets is known after the call."""
         self._scheduled.add(id(scheduler))
@@ -168,12 +185,14 @@ class GroupReads:
             self._put(scheduler, "_last_lr", [
                 AfterTheCall(lambda i=i: scheduler._last_lr[i], f"{kind}.get_last_lr()[{i}]",
                              refusal) for i in range(len(last))])
-        if isinstance(getattr(scheduler, "last_epoch", None), int):
+        if isinstance(vars(scheduler).get("last_epoch"), int):
             self._put(scheduler, "last_epoch", AfterTheCall(
                 lambda: scheduler.last_epoch, f"{kind}.last_epoch", refusal))
 
     def restore(self) -> None:
         LRScheduler.get_last_lr = self._get_last_lr
+        if isinstance(vars(LRScheduler).get("last_epoch"), _LastEpoch):
+            del LRScheduler.last_epoch
         for holder, key, value in reversed(self._real):
             stand_in = self._stand_in.get((id(holder), key))
             if isinstance(holder, dict):
@@ -186,6 +205,20 @@ class GroupReads:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _LastEpoch:
+    """LRScheduler.last_epoch while traced: each scheduler's own value (in its
+    __dict__), as GroupReads._last_epoch gives it to a read."""
+
+    def __init__(self, reads: GroupReads):
+        self._reads = reads
+
+    def __get__(self, scheduler, owner=None):
+        return self if scheduler is None else self._reads._last_epoch(scheduler)
+
+    def __set__(self, scheduler, value) -> None:
+        vars(scheduler)["last_epoch"] = value
 
 
 def _number_or_numbers(value) -> bool:
