@@ -26,8 +26,10 @@ _numbers = itertools.count()
 
 
 class _Direct:
-    """A view of `real` (torch, torch.ops, a namespace of ops or an op) whose
-    overloads are their C++ functions; looked up once per name."""
+    """A view of `real` (torch, torch.ops, the aten namespace or one of its
+    ops) whose overloads are their C++ functions; looked up once per name.
+    Other namespaces (collectives, custom ops) are torch's own: a call
+    looks their ops up as FX's code does."""
 
     def __init__(self, real):
         self._real = real
@@ -36,7 +38,8 @@ class _Direct:
         value = getattr(self._real, name)
         if type(value) is OpOverload:   # not a subclass that calls otherwise (torchbind's)
             value = value._op
-        elif isinstance(value, _NAMESPACES):
+        elif isinstance(value, _NAMESPACES) and (not isinstance(self._real, torch._ops._Ops)
+                                                 or name == "aten"):
             value = _Direct(value)
         setattr(self, name, value)
         return value
