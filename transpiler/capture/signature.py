@@ -215,8 +215,7 @@ def grad_signature(step_args: StepArgs) -> tuple:
 
 
 def _tensor_sig(t: torch.Tensor, dynamic: frozenset[int] | None = None):
-    layout = "contiguous" if t.layout is torch.strided and t.is_contiguous() else memory_layout(t)
-    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad, layout)
+    return (_shape(t.shape, dynamic), t.dtype, t.device, t.requires_grad, memory_layout(t))
 
 
 def memory_layout(t: torch.Tensor):

@@ -89,7 +89,7 @@ from .sync_batch_norm import synced_batch_norms
 from ..program.collectives import WAIT
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
-from .value_text import values_as_text
+from .value_text import KINDS, values_as_text
 from .user_code import step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
@@ -987,7 +987,7 @@ def _has_torch_function_as_in_eager(args) -> bool:
 def _format_as_in_eager(self, format_spec):
     if isinstance(self, FakeTensor) and self.dim() == 0:
         value = self.detach().item()
-        kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}.get(type(value))
+        kind = KINDS.get(type(value))
         return (kind(value) if kind else value).__format__(format_spec)
     return _FORMAT(self, format_spec)
 

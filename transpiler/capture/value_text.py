@@ -27,7 +27,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
                                                    free_unbacked_symbols)
 
-_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+# a symbolic number's Python type
+KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _METHODS = ("__str__", "__repr__", "__format__")
 # torch's and this package's code, whose texts of a symbol stay symbolic
 _OWN = tuple(os.path.dirname(p) + os.sep for p in
@@ -35,7 +36,7 @@ _OWN = tuple(os.path.dirname(p) + os.sep for p in
 
 
 def _as_value(cls, name: str, original, stops: list):
-    kind = _KINDS[cls]
+    kind = KINDS[cls]
 
     def text(self, *args):
         caller = sys._getframe(1).f_code.co_filename
@@ -54,8 +55,8 @@ _MAKE_RECORD = logging.Logger.makeRecord
 
 
 def _value(x):
-    if type(x) in _KINDS and free_unbacked_symbols(x):
-        return _KINDS[type(x)](x)
+    if type(x) in KINDS and free_unbacked_symbols(x):
+        return KINDS[type(x)](x)
     return x
 
 
@@ -71,7 +72,7 @@ def _make_record(self, name, level, fn, lno, msg, args, *rest, **kwargs):
 def values_as_text():
     """While tracing: a tensor's value as text is its value (module docstring)."""
     stops: list = []
-    saved = [(cls, name, cls.__dict__.get(name)) for cls in _KINDS for name in _METHODS]
+    saved = [(cls, name, cls.__dict__.get(name)) for cls in KINDS for name in _METHODS]
     for cls, name, own in saved:
         setattr(cls, name, _as_value(cls, name, getattr(cls, name), stops))
     logging.Logger.makeRecord = _make_record
