@@ -1,6 +1,16 @@
 import pytest
+import torch._logging._internal as torch_logging
 
 from tests.ranks import RankPool
+
+# pytest attaches its log handlers to every logger that does not propagate, and
+# torch's structured trace log is one: with a handler on it, torch builds a
+# record, with the stack, for every fake tensor and symbol a trace makes (a
+# tenth of the suite's time). Its records are DEBUG, below what pytest keeps;
+# made to propagate, the log is left without handlers and torch skips them.
+torch_logging.trace_log.propagate = True
+for handler in list(torch_logging.trace_log.handlers):
+    torch_logging.trace_log.removeHandler(handler)
 
 _pools: dict[int, RankPool] = {}
 

@@ -37,15 +37,47 @@ def _user_caches() -> list[_Cache]:
         if not isinstance(path, str) or path.startswith(libraries) \
                 or not isinstance(getattr(module, "__dict__", None), dict):
             continue   # a library's, or an object put in sys.modules that is not a module
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == module.__name__:
-                values = [getattr(v, "__func__", v) for v in vars(value).values()]
-            else:
-                values = [value]
-            for v in values:
-                for cache in _caches_in(v):
-                    found[id(cache)] = cache
+        caches, classes = _SCANS.scanned(module, _scan_module)
+        for cache in caches + [c for cls in classes for c in _SCANS.scanned(cls, _scan_class)]:
+            found[id(cache)] = cache
     return list(found.values())
+
+
+def _scan_module(module) -> tuple[list[_Cache], list[type]]:
+    """The caches among a module's values, and its own classes (scanned apart:
+    a class's namespace may change while its module's does not)."""
+    caches, classes = [], []
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            classes.append(value)
+        else:
+            caches += _caches_in(value)
+    return caches, classes
+
+
+def _scan_class(cls) -> list[_Cache]:
+    return [c for v in list(vars(cls).values()) for c in _caches_in(getattr(v, "__func__", v))]
+
+
+class _Scans:
+    """What a module's or a class's namespace held at its last scan, by the
+    identity of each value: a trace scans the thousands of modules a script
+    imports, and their namespaces rarely change between traces."""
+
+    def __init__(self):
+        self._last: dict[int, tuple[object, tuple[int, ...], object]] = {}
+
+    def scanned(self, owner, scan):
+        values = tuple(map(id, list(vars(owner).values())))
+        last = self._last.get(id(owner))
+        if last is not None and last[0] is owner and last[1] == values:
+            return last[2]
+        found = scan(owner)
+        self._last[id(owner)] = (owner, values, found)
+        return found
+
+
+_SCANS = _Scans()
 
 
 def _caches_in(value) -> list[_Cache]:
