@@ -7022,3 +7022,107 @@ def mnist_log_interval_step(model, optimizer, data, target, batch_idx):
         print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
             1, batch_idx * len(data), 4 * len(data), 100. * batch_idx / 4, loss.item()))
     return loss.detach()
+
+
+class _PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder over a padded batch, a linear head on the sum of the
+    positions the mask keeps."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)   # enable_nested_tensor=True
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, pad):
+        h = self.encoder(x, src_key_padding_mask=pad)
+        return self.head(h.masked_fill(pad[..., None], 0).sum(1))
+
+
+def _mha_fastpath(enabled: bool):
+    @contextlib.contextmanager
+    def switched():
+        was = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(enabled)
+        try:
+            yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(was)
+    return switched()
+
+
+def _call_with(context, step, *args):
+    with context:
+        return step(*args)
+
+
+def _padded_call(fastpath: bool):
+    def call(step, s, i, d):
+        x = d.vec(4 * 6, 16).view(4, 6, 16)
+        pad = torch.zeros(4, 6, dtype=torch.bool)
+        pad[1, 4:] = pad[3, 2:] = True
+        return _call_with(_mha_fastpath(fastpath), step, s.model, s.opt, x, pad, d.cls(4))
+    return call
+
+
+def padded_encoder_validated_step(model, optimizer, x, pad, y):
+    model.train()
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x, pad), y)
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        val_logits = model(x, pad)
+    model.train()
+    return loss.detach(), val_logits
+
+
+for _fastpath in (True, False):
+    habit(id="transformer_encoder_validated_in_step_" + ("fast_path" if _fastpath
+                                                          else "fast_path_off"),
+          source="torch/nn/modules/transformer.py TransformerEncoder.forward: in eval mode, "
+                 "without grad and with src_key_padding_mask, the fast path packs the batch "
+                 "into a nested tensor (torch._nested_tensor_from_mask); "
+                 "torch.backends.mha.set_fastpath_enabled(False) turns it off",
+          what="a validation forward after the update inside the step, through "
+               "nn.TransformerEncoder with a padding mask, "
+               + ("the fast path on (torch's default): refused at the encoder's line, naming "
+                  "the switch" if _fastpath else "the fast path switched off around the calls"),
+          expect=REFUSED if _fastpath else EQUAL, rule=AMBIENT,
+          match=r"makes a nested tensor at .*set_fastpath_enabled\(False\)" if _fastpath else None,
+          setup=_model_setup(_PaddedEncoder, lambda p: torch.optim.AdamW(p, lr=1e-3)),
+          call=_padded_call(_fastpath), calls=3)(padded_encoder_validated_step)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+@habit(id="mha_fast_path_switched_off_for_one_call",
+       source="torch.backends.mha.set_fastpath_enabled (torch/backends/mha): "
+              "nn.MultiheadAttention in eval mode without grad runs the fused "
+              "_native_multi_head_attention kernel unless it is off",
+       what="an attention's eval output inside the step, with the fast path switched off by "
+            "the caller for the second call only: another kernel, which rounds differently",
+       expect=EQUAL, rule=AMBIENT,
+       setup=_model_setup(_Attention, lambda p: torch.optim.SGD(p, lr=0.1)), calls=3,
+       call=lambda step, s, i, d: _call_with(_mha_fastpath(i != 1), step, s.model, s.opt,
+                                             d.vec(4 * 5, 16).view(4, 5, 16), d.cls(4)))
+def mha_eval_output_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        out = model.attn(x, x, x, need_weights=False)[0]
+    model.train()
+    return loss.detach(), out
+

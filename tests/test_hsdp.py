@@ -2,7 +2,8 @@
 shards spread over each node's ranks, replicated across the nodes. The
 program's collectives on a 2 x 2 mesh, and training on 4 gloo ranks as 2
 simulated nodes (LOCAL_WORLD_SIZE=2) against torch DDP with its defaults
-running the same step in the same processes."""
+running the same step in the same processes. On two torchrun agents:
+tests/test_multinode.py."""
 
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import models as M
 from tests import test_training_loops as loops
 from tests.test_mesh import MESH_2X2
-from tests.test_multinode import differences, launch, max_rel_error, multinode_commands
-from tests.test_multinode import standalone_command
-from tests.test_multinode import torchrun as torchrun_path  # noqa: F401 - a fixture
 from tests.test_passes import _captured
 from transpiler import TranspileError, run_passes, transpile
 from transpiler.program.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -161,30 +159,3 @@ def test_hybrid_sharding_trains_as_ddp_on_two_nodes_of_two(ranks4, mode, opt_nam
     assert results[0]["shards"].equal(results[2]["shards"])
     assert results[1]["shards"].equal(results[3]["shards"])
     assert not results[0]["shards"].equal(results[1]["shards"])
-
-
-# ------------------------------------------------------------------ two torchrun agents
-
-HYBRID = ("zero+hierarchical", "fsdp+hierarchical")
-
-
-@pytest.mark.slow
-def test_two_torchrun_agents_shard_in_the_node_and_train_as_one_node(
-        torchrun_path, tmp_path):  # noqa: F811 - the fixture imported above
-    """2 agents x 2 processes (hybrid: shards of 2, replicated across the 2
-    nodes) against 1 agent x 4 (one node: shards of 4, flat) on the same global
-    ranks and batches: the full parameters and optimizer state of every rank
-    equal to rounding (the sums are ordered by the nodes)."""
-    multi, single = tmp_path / "multinode.pt", tmp_path / "standalone.pt"
-    args = ("--modes", ",".join(HYBRID))
-    commands = multinode_commands(torchrun_path, multi, (args, args))
-    commands["standalone"] = standalone_command(torchrun_path, single, args)
-    launch(commands, tmp_path)
-    a, b = torch.load(multi), torch.load(single)
-    assert [e["LOCAL_WORLD_SIZE"] for e in a["env"]] == ["2"] * 4
-    assert [e["LOCAL_WORLD_SIZE"] for e in b["env"]] == ["4"] * 4
-    for mode in HYBRID:
-        hybrid, flat = a["listings"][mode]["main"], b["listings"][mode]["main"]
-        assert "across" in hybrid and "across" not in flat   # the hierarchy ran on 2 nodes only
-        print(f"{mode}: max relative error {max_rel_error(a['states'][mode], b['states'][mode]):.2g}")
-    assert differences(a["states"], b["states"], dict.fromkeys(HYBRID, 1e-6)) == []

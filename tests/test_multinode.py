@@ -9,7 +9,8 @@ processes (`--standalone`). Global ranks, data shards and collectives are the
 same, so every rank's parameters and optimizer state must be the same, bit for
 bit. The exception is a program built from the node layout (hierarchical
 reduction): it sums in another order on 2x2 than on 1x4, so it is compared to
-rounding.
+rounding, as are the hybrid sharding modes (zero and fsdp with hierarchical=True:
+shards in the node, replicated across the nodes).
 
 Every step has a deadline: the rendezvous (join and read timeouts), the
 process group (the worker's --timeout) and the launch as a whole; on failure
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.multinode_worker import DEFAULT_MODES
 
 pytestmark = pytest.mark.slow
 
@@ -202,25 +205,39 @@ def torchrun() -> str:
     return path
 
 
-def test_two_agents_equal_one(torchrun, tmp_path):
+# The hybrid sharding modes (tests/test_hsdp.py) run in the same launch: its
+# agents' start-up is most of its time.
+HYBRID = ("zero+hierarchical", "fsdp+hierarchical")
+FLAT = ("fuse_all_reduce", "grad_allreduce", "local_sgd")
+
+
+@pytest.fixture(scope="module")
+def launched(torchrun, tmp_path_factory):
+    """Both jobs, side by side (one would leave a core idle while it waits):
+    their saved results and the agents' logs."""
+    d = tmp_path_factory.mktemp("multinode")
+    multi, single = d / "multinode.pt", d / "standalone.pt"
+    args = ("--modes", ",".join(DEFAULT_MODES + HYBRID))
+    commands = multinode_commands(torchrun, multi, (args, args))
+    commands["standalone"] = standalone_command(torchrun, single, args)
+    logs = launch(commands, d)
+    return torch.load(multi), torch.load(single), logs
+
+
+def test_two_agents_equal_one(launched):
     """2 nodes x 2 processes (c10d rendezvous) and 1 node x 4 processes train the
-    same: every mode, every rank, parameters and optimizer state bit for bit.
-    Both jobs run side by side (one would leave a core idle while it waits)."""
-    multi, single = tmp_path / "multinode.pt", tmp_path / "standalone.pt"
-    commands = multinode_commands(torchrun, multi)
-    commands["standalone"] = standalone_command(torchrun, single)
-    logs = launch(commands, tmp_path)
+    same: every mode, every rank, parameters and optimizer state bit for bit."""
+    a, b, logs = launched
     for name in ("node0", "node1"):
         print(f"--- {name}:", *[l for l in logs[name].splitlines() if "RANK=" in l], sep="\n")
 
-    a, b = torch.load(multi), torch.load(single)
     # It was a two-node job: two agents of 2 ranks each, node ranks 0 and 1;
     # the reference was one node of 4.
     assert [e["LOCAL_WORLD_SIZE"] for e in a["env"]] == ["2"] * 4
     assert sorted(e["GROUP_RANK"] for e in a["env"]) == ["0", "0", "1", "1"]
     assert {e["GROUP_WORLD_SIZE"] for e in a["env"]} == {"2"}
     assert [e["LOCAL_WORLD_SIZE"] for e in b["env"]] == ["4"] * 4
-    assert {"fuse_all_reduce", "grad_allreduce", "local_sgd"} <= set(a["states"])
+    assert set(FLAT) <= set(a["states"])
     assert a["states"].keys() == b["states"].keys()
 
     # Where the same programs ran (the same collectives, in the same order, on
@@ -234,7 +251,7 @@ def test_two_agents_equal_one(torchrun, tmp_path):
               f"{max_rel_error(a['states'][mode], b['states'][mode]):.2g}")
     assert differences(a["states"], b["states"], hierarchical) == []
     # Flat programs are the same on both launches, and bit-identical.
-    assert not {"fuse_all_reduce", "grad_allreduce", "local_sgd"} & hierarchical.keys()
+    assert not set(FLAT) & hierarchical.keys()
 
     # The comparison sees a one-ulp change in one value of one rank.
     perturbed = {mode: [dict(s) for s in states] for mode, states in b["states"].items()}
@@ -242,3 +259,17 @@ def test_two_agents_equal_one(torchrun, tmp_path):
     bias[0] = torch.nextafter(bias[0], torch.tensor(float("inf")))
     perturbed["local_sgd"][3]["model.2.bias"] = bias
     assert differences(a["states"], perturbed, hierarchical) == ["local_sgd rank 3 model.2.bias"]
+
+
+def test_two_agents_shard_in_the_node_and_train_as_one_node(launched):
+    """Hybrid sharding on 2 agents x 2 processes (shards of 2, replicated across
+    the 2 nodes) against 1 agent x 4 (one node: shards of 4, flat) on the same
+    global ranks and batches: the full parameters and optimizer state of every
+    rank equal to rounding (the sums are ordered by the nodes)."""
+    a, b, _ = launched
+    for mode in HYBRID:
+        hybrid, flat = a["listings"][mode]["main"], b["listings"][mode]["main"]
+        assert "across" in hybrid and "across" not in flat   # the hierarchy ran on 2 nodes only
+        print(f"{mode}: max relative error {max_rel_error(a['states'][mode], b['states'][mode]):.2g}")
+    states = lambda run: {mode: run["states"][mode] for mode in HYBRID}   # noqa: E731
+    assert differences(states(a), states(b), dict.fromkeys(HYBRID, 1e-6)) == []

@@ -2,10 +2,10 @@
 without being among its arguments. Grad mode, autocast (per device type),
 the default dtype and torch function modes act while the step is traced, and
 the program records their effect (autocast's casts, the dtype of a tensor
-made from literals); deterministic algorithms and the float32 precision of
-matmuls and convolutions choose the kernels the program runs (and the code a
-compiler generates). A snapshot of all of them is part of the signature
-(signature.py): a call under another state traces again and the log names the
+made from literals); deterministic algorithms, the float32 precision of
+matmuls and convolutions and attention's inference fast path choose the
+kernels the program runs (and the code a compiler generates). A snapshot of
+all of them is part of the signature (signature.py): a call under another state traces again and the log names the
 change, e.g. `ambient autocast(cpu): off -> bfloat16`.
 
 A program runs, and compiles, `as_traced()`: without autocast (its casts are
@@ -44,6 +44,8 @@ _FLAGS = (
     ("cudnn.enabled", torch._C._get_cudnn_enabled, ()),
     ("cudnn.deterministic", torch._C._get_cudnn_deterministic, ()),
     ("mkldnn.enabled", torch._C._get_mkldnn_enabled, ()),
+    # MultiheadAttention's and TransformerEncoder's fused inference kernels
+    ("mha.fastpath_enabled", torch.backends.mha.get_fastpath_enabled, ()),
 )
 
 

@@ -63,6 +63,13 @@ def trace_error(step_fn, exc: BaseException,
             "values and which torch cannot trace with a symbolic size (it has no meta function "
             "for one): call it outside the step, or with an op that torch can trace "
             f"({text.splitlines()[0]})")
+    if "NestedTensor" in text:
+        return TranspileError(
+            f"{step_name(step_fn)} makes a nested tensor{where}, which a traced program cannot "
+            "hold; nn.TransformerEncoder makes one on its inference fast path (eval mode, no "
+            "grad, a padding mask). Evaluate outside the step, or turn the fast path off with "
+            "torch.backends.mha.set_fastpath_enabled(False), with which eager computes as the "
+            f"program does. ({text.splitlines()[0]})")
     if any(s in text for s in _DATA_DEPENDENT):
         return TranspileError(
             f"{step_name(step_fn)} depends on the value of a tensor{where}: Python control flow "
