@@ -7126,3 +7126,35 @@ def mha_eval_output_step(model, optimizer, x, y):
     model.train()
     return loss.detach(), out
 
+
+
+class CFG:
+    """A notebook's config: a class of constants, read as a global."""
+
+    max_grad_norm = 1000.0
+    loss_weight = 1.0
+
+
+def _cfg_between(s, i):
+    if i == 2:   # the script tightens clipping and weighs the loss for the last epochs
+        CFG.max_grad_norm, CFG.loss_weight = 0.05, 0.5
+    if i == 0:
+        CFG.max_grad_norm, CFG.loss_weight = 1000.0, 1.0
+
+
+@habit(id="kaggle_class_cfg_passed_to_train_fn",
+       source="Kaggle training notebooks: `class CFG:` of constants (apex, "
+              "gradient_accumulation_steps, max_grad_norm, ...), the class passed to "
+              "train_fn(cfg, ...), which reads cfg.max_grad_norm in "
+              "torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)",
+       what="attributes of the user's config class, read through the class given as an "
+            "argument, changed by the script between calls",
+       expect=EQUAL, rule=GUARD, setup=mlp_sgd, between=_cfg_between, ranks=True, calls=4,
+       call=lambda step, s, i, d: step(CFG, s.model, s.opt, d.vec(), d.cls()))
+def kaggle_cfg_train_fn_step(cfg, model, optimizer, inputs, labels):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(inputs), labels) * cfg.loss_weight
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return loss.detach()

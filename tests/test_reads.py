@@ -214,6 +214,90 @@ def test_a_user_module_used_as_a_config_is_guarded():
     assert step.traces == 2 and type(cfg) is types.ModuleType
 
 
+class CFG:
+    """A config as a class of constants (the `class CFG:` of many notebooks),
+    a nested class for a section, a base class's defaults."""
+
+    loss_weight = 1.0
+
+    class optim:
+        clip = 10.0
+
+
+class FinetuneCFG(CFG):
+    pass
+
+
+def class_config_step(model, opt, x, y, cfg):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * cfg.loss_weight
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip)
+    opt.step()
+    return loss
+
+
+def test_a_class_used_as_a_config_is_guarded_through_its_bases_and_nested_classes(caplog):
+    """The class given as an argument: its attribute, its nested class's and
+    the one it inherits, each changed between calls, and one shadowed."""
+    changes = {1: lambda: setattr(CFG, "loss_weight", 0.5),
+               2: lambda: setattr(CFG.optim, "clip", 0.01),
+               3: lambda: setattr(FinetuneCFG, "loss_weight", 2.0),
+               4: lambda: setattr(CFG.optim, "clip", 0.02)}
+    try:
+        with caplog.at_level(logging.INFO, logger="transpiler"):
+            step = _against_eager(class_config_step, lambda i: changes.get(i, lambda: None)(),
+                                  calls=6, args=(FinetuneCFG,))
+    finally:
+        CFG.loss_weight, CFG.optim.clip = 1.0, 10.0
+        del FinetuneCFG.loss_weight
+    for line in ("cfg.loss_weight: 1.0 -> 0.5; lifting cfg.loss_weight to a program input",
+                 "cfg.optim.clip: 10.0 -> 0.01; lifting",
+                 "cfg.loss_weight: absent -> 2.0"):   # FinetuneCFG's own, now
+        assert line in caplog.text
+    assert step.traces == 5
+
+
+class FieldsConfig:
+    """A config whose fields live in a dict that __getattr__ and __setattr__
+    go through (ml_collections' ConfigDict, OmegaConf's DictConfig)."""
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_fields", dict(fields))
+
+    def __getattr__(self, name):
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self._fields[name] = value
+
+
+def fields_config_step(model, opt, x, y, cfg):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y, weight=cfg.class_weights) * cfg.loss.weight
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_config_computing_its_fields_is_guarded_and_left_as_it_was():
+    """A number and a tensor read through __getattr__, each changed between
+    calls through __setattr__: the trace's stand-ins leave no attribute of the
+    instance behind (which would hide every later change from eager and the
+    program alike)."""
+    cfg = FieldsConfig(loss=FieldsConfig(weight=1.0), class_weights=torch.ones(4))
+    changes = {1: lambda: setattr(cfg.loss, "weight", 0.5),
+               2: lambda: setattr(cfg, "class_weights", torch.tensor([1.0, 2.0, 0.5, 1.0])),
+               3: lambda: setattr(cfg.loss, "weight", 2.0),
+               4: lambda: setattr(cfg, "class_weights", torch.tensor([0.5, 1.0, 1.0, 3.0]))}
+    _against_eager(fields_config_step, lambda i: changes.get(i, lambda: None)(), calls=6,
+                   args=(cfg,))
+    assert vars(cfg).keys() == {"_fields"} and vars(cfg.loss).keys() == {"_fields"}
+
+
 class Stream:
     """An iterator object of the user's own class."""
 

@@ -51,6 +51,15 @@ def instance_dict(obj) -> dict | None:
         return None
 
 
+def stores(obj, key) -> bool:
+    """Whether obj stores attribute key itself (its __dict__ or a slot), rather
+    than its __getattr__ computing it: set on the instance, a value in place
+    of a computed attribute shadows it until deleted."""
+    members = instance_dict(obj)
+    return (members is not None and key in members) \
+        or hasattr(type(getattr(type(obj), key, None)), "__set__")
+
+
 def read_in_place(value) -> bool:
     """Whether an argument (or an object held by one) is read again in each
     call's argument at its place: an instance of a Python class with a
@@ -146,6 +155,10 @@ class InPlace:
 
     def __contains__(self, key) -> bool:
         return self.get(key, MISSING) is not MISSING
+
+    def shadows(self, key) -> bool:
+        """Whether put(key, value) would shadow a computed attribute (stores())."""
+        return self.computed and not stores(self.obj(), key)
 
     def put(self, key, value) -> None:
         obj = self.obj()

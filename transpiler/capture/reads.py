@@ -11,7 +11,9 @@ whoever reads it (the step, a module's forward, torch's own code, a property),
 is recorded with its value as read. An object is reached when it is a root (the
 step's modules, an argument that is an object, the self of a bound-method step,
 a callable step object, a partial's arguments) or was read from a reached place
-(an attribute, a global, a closure cell, an item of a container read). The
+(an attribute, a global, a closure cell, an item of a container read). Reads
+through a class are not observable: a user's class reached has the values of
+its attributes recorded (methods and other descriptors left out). The
 globals and closure cells of every function reached (one read as a value, a
 method of a reached object, a hook) are recorded from the names its code loads.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import enum
 import functools
 import logging
 import sys
@@ -42,7 +45,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
-                               read_in_place, traced_arguments)
+                               read_in_place, stores, traced_arguments)
 from .numbers import is_number
 from .user_code import library_dirs
 from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
@@ -67,6 +70,13 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
 
 def is_library(filename: str) -> bool:
     return not filename or filename.startswith(library_dirs()) or filename.startswith("<frozen")
+
+
+def _library_class(cls: type) -> bool:
+    """Whether a class is not the user's (a script's or a notebook's __main__ is)."""
+    if cls.__module__ == "__main__":
+        return False
+    return is_library(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
 
 
 def _users(hook) -> bool:
@@ -132,6 +142,10 @@ class Attr:
             object.__delattr__(self.obj, key)
         else:
             object.__setattr__(self.obj, key, value)
+
+    def shadows(self, key) -> bool:
+        """Whether put(key, value) would shadow a computed attribute (stores())."""
+        return not stores(self.obj, key)
 
 
 class Defaults:
@@ -299,6 +313,12 @@ class _Swap:
     key: Any
     real: Any
     stand: Any
+    shadow: bool   # the stand-in shadows a computed attribute: deleted, not replaced
+
+    @property
+    def restored(self):
+        """What puts the real value back."""
+        return MISSING if self.shadow else self.real
 
 
 # ----- the recording methods installed on classes ---------------------------
@@ -450,16 +470,6 @@ def _global_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
-@functools.lru_cache(maxsize=4096)
-def _attribute_names(code: types.CodeType) -> frozenset[str]:
-    """The names the code (and the code nested in it) uses, attributes included."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _attribute_names(const)
-    return frozenset(names)
-
-
 # ----- the recorder ----------------------------------------------------------
 
 
@@ -521,6 +531,11 @@ class Recorder:
             self._function(value, name)
             return
         if isinstance(value, (list, tuple, dict, set, frozenset)):
+            return
+        if isinstance(value, type):   # a user's class: its values (not an enum's constants)
+            if not _library_class(value) and not issubclass(value, enum.Enum):
+                self.known[id(value)] = (value, name)
+                self._class_values(value, name)
             return
         if isinstance(value, types.ModuleType):   # a user's module: its attributes
             if not is_library(getattr(value, "__file__", None) or ""):
@@ -626,9 +641,6 @@ class Recorder:
                     continue
                 self._read_place(fn.__globals__, gname, value, f"global {gname!r} of {module}",
                                  label=gname)
-                if isinstance(value, type) and not is_library(getattr(
-                        sys.modules.get(value.__module__), "__file__", None) or ""):
-                    self._class_values(value, gname, fn.__code__)
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             holder = self._cells.setdefault(id(cell), Cell(cell))
             self._read_place(holder, var, holder.get(var, MISSING),
@@ -642,14 +654,24 @@ class Recorder:
             self._read_place(fn.__kwdefaults__, pname, value,
                              f"default {pname!r} of {fn.__qualname__}", label=pname)
 
-    def _class_values(self, cls: type, name: str, code: types.CodeType) -> None:
-        """The attributes of a user's class that the code reading it names
-        (`Config.count`): reads and writes through a class are not observable,
-        so those are recorded from the code."""
-        for attr in sorted(_attribute_names(code) & cls.__dict__.keys()):
-            if not (attr[:2] == "__" and attr[-2:] == "__"):
-                self._read_place(self._class_holder(cls), attr, cls.__dict__[attr],
-                                 f"{name}.{attr}")
+    def _class_values(self, cls: type, name: str) -> None:
+        """The values of a user's class (`Config.lr`, a class given as an
+        argument, nested config classes): reads through a class are not
+        observable, so each of its attributes that is not a method or another
+        descriptor is recorded where its MRO finds it, absent from the user's
+        classes before that one."""
+        users = [k for k in cls.__mro__ if not _library_class(k)]
+        found: set[str] = set()
+        for i, klass in enumerate(users):
+            for attr, value in list(vars(klass).items()):
+                if attr in found or (attr[:2] == "__" and attr[-2:] == "__") \
+                        or hasattr(type(value), "__get__"):
+                    continue
+                found.add(attr)
+                for before in users[:i]:
+                    self._guard(f"{name}.{attr}", self._class_holder(before), attr,
+                                Check.ABSENT, MISSING)
+                self._read_place(self._class_holder(klass), attr, value, f"{name}.{attr}")
 
     def _class_holder(self, klass: type) -> ClassAttrs:
         holder = self._class_holders.get(klass)
@@ -847,8 +869,9 @@ class Recorder:
         self.guards.setdefault((id(holder), key), Guard(name, holder, key, check, value))
 
     def _swap(self, name: str, holder, key, real, stand) -> None:
+        shadow = isinstance(holder, (Attr, InPlace)) and holder.shadows(key)
         put(holder, key, stand)
-        self.swaps.append(_Swap(name, holder, key, real, stand))
+        self.swaps.append(_Swap(name, holder, key, real, stand, shadow))
 
     # -- writes
 
@@ -881,9 +904,9 @@ class Recorder:
             now = swap.holder.get(swap.key, MISSING)
             key = (id(swap.holder), swap.key)
             if now is swap.stand:
-                put(swap.holder, swap.key, swap.real)
+                put(swap.holder, swap.key, swap.restored)
             elif key not in writes:
-                writes[key] = Write(swap.name, swap.holder, swap.key, swap.real, now)
+                writes[key] = Write(swap.name, swap.holder, swap.key, swap.restored, now)
         for key, g in self.guards.items():
             if key in writes or g.check is Check.LAYOUT or g.holds():
                 continue
