@@ -53,7 +53,8 @@ def test_an_optimizer_made_inside_the_step_is_refused():
     model, _, (x, y) = _setup()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(TranspileError, match=r"SGD.step\(\) is called at .*test_errors.py"
-                                             r".* on an optimizer the step does not take"):
+                                             r".* on an optimizer the step makes on the model's parameters "
+                                             r"as it runs \(a new one on every call"):
         transpile(step_fn)(model, x, y)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

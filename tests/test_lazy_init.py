@@ -99,6 +99,48 @@ def test_a_class_attribute_counter_is_refused_and_undone():
     assert Global.count == 0 and not opt.state
 
 
+class LazyTrainer:
+    """A trainer that makes its optimizer, or its EMA copy of the model, on the
+    first step."""
+
+    def __init__(self, model):
+        self.model, self.opt, self.ema = model, None, None
+
+    def step_with_a_lazy_optimizer(self, x, y):
+        if self.opt is None:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        return M.classify_step(self.model, self.opt, x, y)
+
+    def step_with_a_lazy_ema(self, opt, x, y):
+        loss = M.classify_step(self.model, opt, x, y)
+        if self.ema is None:
+            self.ema = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), self.model.parameters()):
+                e.lerp_(p, 0.1)
+        return loss
+
+
+@pytest.mark.parametrize("lazy,match", [
+    ("optimizer", r"AdamW.step\(\) is called at .*:\d+ .*on an optimizer the step "
+                  r"makes on the model's parameters as it runs .*create it before the first call"),
+    ("ema", r"makes MLP from the model's tensors as it runs and keeps it in "
+            r".*__self__.ema .*create it before the first call")])
+def test_an_optimizer_or_a_module_made_on_the_first_call_is_refused_and_undone(lazy, match):
+    model = M.make("mlp")
+    before = copy.deepcopy(model.state_dict())
+    trainer, opt = LazyTrainer(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = M.batches("mlp", 1, 8)[0]
+    with pytest.raises(TranspileError, match=match):
+        if lazy == "optimizer":
+            transpile(trainer.step_with_a_lazy_optimizer)(x, y)
+        else:
+            transpile(trainer.step_with_a_lazy_ema)(opt, x, y)
+    assert trainer.opt is None and trainer.ema is None and not opt.state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _vit():
     transformers = pytest.importorskip("transformers")
     config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32,

@@ -127,6 +127,13 @@ class HostState:
         name = step_name(self.step_fn)
         stored = next((w for w in writes if not w.assigns_traced_tensor
                        and _holds_traced(w.values()[1])), None)
+        made = next((w for w in writes if self._made_in_the_step(w.values()[1])), None)
+        if made is not None:
+            return TranspileError(
+                f"{name} makes {type(made.values()[1]).__name__} from the model's tensors as it "
+                f"runs and keeps it in {made.name} (a lazy `if self.ema is None: self.ema = "
+                "copy.deepcopy(model)`): a transpiled step's modules and optimizers are fixed "
+                "when it is traced; create it before the first call")
         if stored is not None:
             return TranspileError(
                 f"{name} leaves a value it computed from tensors in {stored.name} "
@@ -140,6 +147,18 @@ class HostState:
                 "transpiled step's state is fixed when it is traced; create them before the "
                 "first call (for a lazy module, run one forward pass first)")
         return self._optimizer_changed(name)
+
+    def _made_in_the_step(self, value) -> bool:
+        """A module or an optimizer on tensors the step's modules do not hold
+        (a copy made as it ran, a new optimizer on the traced parameters)."""
+        if isinstance(value, torch.nn.Module):
+            tensors = [*value.parameters(), *value.buffers()]
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors = [p for g in value.param_groups for p in g["params"]]
+        else:
+            return False
+        held = {id(t) for t in self.reals.values()}
+        return any(is_traced(t) or id(t) not in held for t in tensors)
 
     def _restore_optimizers(self) -> None:
         """Each optimizer's attributes and defaults as they were (a refused

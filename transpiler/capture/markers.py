@@ -17,7 +17,7 @@ from ..errors import TranspileError
 from ..program.roles import PARAM, ROLE, Role
 from .optimizer_state import opt_params
 from .optimizers import formulation_of
-from .reads import TRACE_ONLY
+from .reads import TRACE_ONLY, is_traced
 from .user_code import step_name, user_line
 
 
@@ -230,6 +230,12 @@ def optimizer_markers(markers: Markers, optimizers, modules):
     ours = {id(opt) for opt in optimizers}
 
     def unknown(opt, args, kwargs):
+        if id(opt) not in ours and any(is_traced(p) for p in opt_params(opt)):
+            raise TranspileError(
+                f"{type(opt).__name__}.step() is called{user_line(None)} on an optimizer the "
+                "step makes on the model's parameters as it runs (a new one on every call, or "
+                "a lazy `if self.opt is None:`): a transpiled step's optimizers are fixed when "
+                "it is traced; create it before the first call and pass it as an argument")
         if id(opt) not in ours:
             raise TranspileError(
                 f"{type(opt).__name__}.step() is called{user_line(None)} on an optimizer the "
