@@ -199,7 +199,7 @@ def compiled_once_per_node_for_every_size(cache_dir):
     rank 1, serves every call on both ranks."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     rank = dist.get_rank()
-    model = make_lm()
+    model = make_lm(layers=1)   # compiled cold: one layer has every kernel kind
     opt = M.make_optimizer("sgd", model)
     step = transpile(M.lm_step, mode="fuse_all_reduce", backend="inductor", dynamic=True)
     counters = torch._dynamo.utils.counters
