@@ -6,6 +6,7 @@ Against the eager step in one process and torch DDP on 2 ranks."""
 
 import copy
 import random
+import threading
 import time
 
 import numpy as np
@@ -152,6 +153,58 @@ def test_the_clock_is_read_on_every_call():
     starts = [float(start) for start, _ in read]
     assert starts == sorted(starts) and len(set(starts)) == 3
     assert all(float(elapsed) >= 0 for _, elapsed in read)
+
+
+class Prefetcher(threading.Thread):
+    """A loader thread drawing its augmentation from a random.Random of its own,
+    making tensors of numpy arrays and reading the clock, as the step is traced
+    on the main thread."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.rng, self.seen, self.done = random.Random(0), [], threading.Event()
+        self.error = None
+
+    def run(self):
+        try:
+            self.load()
+        except Exception as exc:   # noqa: BLE001 - the test reports it
+            self.error = exc
+
+    def load(self):
+        while not self.done.is_set():
+            image = np.full((2, 2), self.rng.random(), dtype=np.float32)
+            self.seen.append((torch.from_numpy(image), torch.as_tensor(image), time.perf_counter()))
+            time.sleep(0.0005)
+
+
+def test_another_threads_draws_are_its_own():
+    """Only the tracing thread's draws and conversions are the step's: a loader
+    thread drawing, converting arrays and reading the clock meanwhile gets its
+    own numbers and tensors, and the step draws as eager does."""
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(mixup_step)
+    thread = Prefetcher()
+    thread.start()
+    try:
+        for batch in M.batches("mlp", 3, 8):
+            _seed(1)
+            a = step(ours, opts[0], *batch)
+            _seed(1)
+            assert torch.equal(a, mixup_step(theirs, opts[1], *batch))
+    finally:
+        thread.done.set()
+        thread.join()
+    assert _equal(ours, theirs)
+    assert thread.seen and all(type(a) is torch.Tensor and type(b) is torch.Tensor
+                               and type(t) is float for a, b, t in thread.seen)
+    assert thread.error is None
+    # lam and scale: the step's own draws, and no other
+    assert [line.split(":")[0] for line in str(step.program).splitlines()
+            if "= input(draw" in line] == ["d_draw0", "d_draw1"]
 
 
 def rank_mixup_vs_ddp(mode: str):

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import random
 import sys
+import threading
 import time
 import types
 from typing import Any, Callable
@@ -133,6 +134,8 @@ class _Recording:
     def __init__(self, step_fn, draws: Draws, new_input: Callable):
         self.step_fn, self.draws, self.new_input = step_fn, draws, new_input
         self.depth = 0   # inside a recorded draw: the generator's own calls pass through
+        # the patches are the process's: another thread's draws (a loader's) are its own
+        self.thread = threading.get_ident()
 
     def wrap(self, original: Callable, name: str, bound: Callable, state) -> Callable:
         """A recording version of a drawing function; `bound(*args)` draws the
@@ -141,7 +144,8 @@ class _Recording:
 
         @functools.wraps(original)
         def draw(*args, **kwargs):
-            if recording.depth or not _from_user_code():
+            if recording.depth or threading.get_ident() != recording.thread \
+                    or not _from_user_code():
                 return original(*args, **kwargs)
             recording.depth += 1
             try:

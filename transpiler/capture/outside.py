@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 import torch.fx as fx
@@ -56,8 +57,12 @@ def outside_tensors(step_fn, arrays: dict[int, torch.Tensor], guarded: set[int],
             seen[id(a)] = _Seen(user_line(step_fn), tuple(a.shape), a.dtype)
         return create_arg(self, a)
 
+    thread = threading.get_ident()   # another thread's conversions (a loader's) are its own
+
     def converting(name, original):
         def convert(data, *args, **kwargs):
+            if threading.get_ident() != thread:
+                return original(data, *args, **kwargs)
             if isinstance(data, (torch.SymFloat, torch.SymInt)) and name != "from_numpy":
                 # a number the program computes (a lifted argument, a host draw)
                 dtype = kwargs.get("dtype", args[0] if args else None) or (

@@ -38,6 +38,7 @@ import enum
 import functools
 import logging
 import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -324,10 +325,18 @@ class _Swap:
 # ----- the recording methods installed on classes ---------------------------
 
 
+def _active():
+    """The recorder, where this read is the step's: one is recording, not
+    inside its own reads, and on the thread that traces (the methods are the
+    class's: another thread's reads, a loader's, are its own)."""
+    rec = _ACTIVE[0]
+    return rec if rec is not None and rec.live and rec.thread == threading.get_ident() else None
+
+
 def _getattribute(original):
     def __getattribute__(self, name):
-        rec = _ACTIVE[0]
-        if rec is None or not rec.live:
+        rec = _active()
+        if rec is None:
             return original(self, name)
         try:
             value = original(self, name)
@@ -342,8 +351,8 @@ def _getattribute(original):
 
 def _getattr(original):
     def __getattr__(self, name):
-        rec = _ACTIVE[0]
-        if rec is None or not rec.live:
+        rec = _active()
+        if rec is None:
             return original(self, name)
         rec.live = False   # what the object does to find it is not the step's read
         try:
@@ -361,8 +370,8 @@ def _getattr(original):
 
 def _setattr(original):
     def __setattr__(self, name, value):
-        rec = _ACTIVE[0]
-        if rec is None or not rec.live or id(self) not in rec.known:
+        rec = _active()
+        if rec is None or id(self) not in rec.known:
             return original(self, name, value)
         holder, before = rec.before_write(self, name)
         rec.live = False
@@ -377,8 +386,8 @@ def _setattr(original):
 
 def _delattr(original):
     def __delattr__(self, name):
-        rec = _ACTIVE[0]
-        if rec is None or not rec.live or id(self) not in rec.known:
+        rec = _active()
+        if rec is None or id(self) not in rec.known:
             return original(self, name)
         holder, before = rec.before_write(self, name)
         rec.live = False
@@ -484,6 +493,7 @@ class Recorder:
                  argument_modules: set[int], lift: frozenset = frozenset(),
                  number_stand_in: Callable[[Any, str, Place, tuple], Any] | None = None):
         self.stand_in = stand_in
+        self.thread = threading.get_ident()   # the thread whose reads are the step's
         # places (place_key) whose numbers the trace reads from a program input
         # (numbers.py), and what gives it the symbolic number it reads there
         self.lift, self.number_stand_in = lift, number_stand_in
