@@ -6,6 +6,7 @@ counter) is refused with every write undone. transformers' image classifiers
 and to DDP."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -97,6 +98,39 @@ def test_a_class_attribute_counter_is_refused_and_undone():
     with pytest.raises(TranspileError, match=r"changes host-side state on every call"):
         transpile(counts_in_a_class)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert Global.count == 0 and not opt.state
+
+
+class CachedScale(nn.Module):
+    """A tensor computed on the first forward by functools.cached_property,
+    which stores it straight into the instance's __dict__ (no __setattr__)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    @functools.cached_property
+    def scale(self):
+        return torch.linspace(0.5, 1.5, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+
+def test_a_tensor_cached_by_cached_property_on_the_first_call_is_real_after_it():
+    """The value a cached_property computes while the step is traced is the
+    program's (an output assigned to the attribute after every call, as eager
+    keeps its first): the host holds a real tensor, not the trace's."""
+    torch.manual_seed(0)
+    ours = CachedScale()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(M.classify_step)
+    for x, y in M.batches("mlp", 3, 8):
+        assert torch.equal(step(ours, opts[0], x, y), M.classify_step(theirs, opts[1], x, y))
+        assert type(vars(ours)["scale"]) is torch.Tensor
+        assert torch.equal(vars(ours)["scale"], vars(theirs)["scale"])
+    assert step.traces == 1
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
 class LazyTrainer:

@@ -24,7 +24,9 @@ by identity (and its own reads are recorded), a container item by item; a
 tensor (or numpy array) found on such a path is put back by a traced stand-in,
 a program input read through the same path on every call (`stand_in`, given by
 trace.py) and guarded by its layout. Writes to reached objects are recorded
-too; finish() reports them (host_state.py decides what is kept). Module hooks
+too, through __setattr__ and, by comparing each one's __dict__ after the trace,
+straight into it (functools.cached_property); finish() reports them
+(host_state.py decides what is kept). Module hooks
 the step runs are recorded in a HookGuard. Code of torch, of the standard
 library, of numpy and of this package is not walked for globals: they do not
 change (torch's global module hooks are recorded explicitly).
@@ -517,6 +519,9 @@ class Recorder:
         self.arguments = traced_arguments()
         self._in_place: dict[int, tuple[int, tuple]] = {}
         self._pinned: dict[int, Guard] = {}   # arguments guarded by identity after all
+        # each reached object's __dict__ as it was reached: a write straight into
+        # it (functools.cached_property, vars(obj)[k] = v) passes no __setattr__
+        self._dicts: dict[int, dict] = {}
         module_globals = vars(torch.nn.modules.module)
         for name in _GLOBAL_HOOKS:
             hooks = module_globals[name]
@@ -560,6 +565,9 @@ class Recorder:
         if isinstance(value, self._not_reached):
             return
         self.known[id(value)] = (value, name)
+        members = instance_dict(value)
+        if members is not None:
+            self._dicts[id(value)] = dict(members)
         if isinstance(value, torch.nn.Module):
             self._patches.ensure(torch.nn.Module)
             for prefix, sub in value.named_modules():   # what its code reaches through _modules
@@ -917,6 +925,7 @@ class Recorder:
                 put(swap.holder, swap.key, swap.restored)
             elif key not in writes:
                 writes[key] = Write(swap.name, swap.holder, swap.key, swap.restored, now)
+        self._dict_writes(writes)
         for key, g in self.guards.items():
             if key in writes or g.check is Check.LAYOUT or g.holds():
                 continue
@@ -941,6 +950,23 @@ class Recorder:
         self.hooks.seal()
         return (Guards([*self.guards.values(), *self._pinned.values()], self.hooks),
                 list(writes.values()))
+
+
+    def _dict_writes(self, writes: dict) -> None:
+        """The writes made straight into a reached object's __dict__ (not
+        through __setattr__, nor in place of a guarded read), added to writes."""
+        for oid, before in self._dicts.items():
+            obj, name = self.known[oid]
+            members = instance_dict(obj)
+            if oid in self._in_place or members is None:   # an argument's: guarded in place
+                continue
+            for key in [k for k in members.keys() | before.keys()
+                        if members.get(k, MISSING) is not before.get(k, MISSING)
+                        and not getattr(members.get(k), TRACE_ONLY, False)]:
+                place = (id(members), key)
+                if place not in writes and place not in self.guards:
+                    writes[place] = Write(f"{name}.{key}", members, key,
+                                          before.get(key, MISSING), members.get(key, MISSING))
 
 
 class _Vars:
