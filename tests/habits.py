@@ -7158,3 +7158,22 @@ def kaggle_cfg_train_fn_step(cfg, model, optimizer, inputs, labels):
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return loss.detach()
+
+
+@habit(id="torchtitan_total_norm_then_clip_with_it",
+       source="pytorch/torchtitan torchtitan/distributed/utils.py clip_grad_norm_: "
+              "total_norm = torch.nn.utils.get_total_norm(grads, norm_type, "
+              "error_if_nonfinite, foreach); torch.nn.utils.clip_grads_with_norm_(parameters, "
+              "max_norm, total_norm, foreach)",
+       what="the gradient norm taken and applied in two calls (torch's newer clipping API), "
+            "the norm returned for logging",
+       expect=EQUAL, rule=GUARD, setup=mlp_sgd, ranks=True, call=xy)
+def titan_clip_step(model, optimizer, inputs, labels):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(inputs), labels)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total_norm, True)
+    optimizer.step()
+    return loss.detach(), total_norm
