@@ -420,3 +420,47 @@ def test_a_batch_of_another_dtype_than_the_model_names_both():
                                 r"multiplies tensors of float32 and float64 \(addmm.default; the "
                                 r"batch's floating-point tensors are torch.float64\): the batch's "
                                 r"dtype must match the model's", None, None, x.double(), None)
+
+
+@torch.jit.script
+def scripted_gelu(x):
+    """Megatron-LM's fused bias-GeLU, as a TorchScript function."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def scripted_step(model, opt, x, y, use_script=True):
+    opt.zero_grad()
+    h = model.layers[0](x)
+    h = scripted_gelu(h) if use_script else F.gelu(h, approximate="tanh")
+    for layer in model.layers[1:]:
+        h = layer(h)
+    loss = F.cross_entropy(h, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_torchscript_function_the_step_calls_is_refused_at_its_line():
+    """TorchScript's backward rounds otherwise from its second call (its own
+    autodiff): no program equals it. A call is refused at its line; a
+    reference on a branch not taken is not."""
+    _raises_and_touches_nothing(
+        transpile(scripted_step),
+        r"the step runs scripted_gelu at .*test_errors.py:\d+ .*compiled by torch.jit.script.*"
+        r"Remove torch.jit.script from it", None, None, None, None)
+    model, opt, (x, y) = _setup()
+    reference = copy.deepcopy(model), copy.deepcopy(opt.state_dict())
+    ours = transpile(scripted_step)(model, opt, x, y, False)
+    ref_model = reference[0]
+    ref_opt = M.make_optimizer("adamw", ref_model)
+    ref_opt.load_state_dict(reference[1])
+    assert torch.equal(ours, scripted_step(ref_model, ref_opt, x, y, False))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_a_torchscript_submodule_is_refused_naming_it():
+    model, opt, (x, y) = _setup()
+    model.layers[1] = torch.jit.script(model.layers[1])
+    with pytest.raises(TranspileError, match=r"the step runs module 0 layers.1, compiled by "
+                                             r"torch.jit.script"):
+        transpile(M.classify_step)(model, opt, x, y)

@@ -50,7 +50,8 @@ from torch.optim import optimizer as torch_optimizer
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
                                read_in_place, stores, traced_arguments)
 from .numbers import is_number
-from .user_code import library_dirs
+from ..errors import TranspileError
+from .user_code import library_dirs, user_line
 from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
 
@@ -840,6 +841,10 @@ class Recorder:
             proxy = self.source(value)
             self._swap(name, holder, key, value, proxy)
             return proxy
+        if isinstance(value, torch.jit.ScriptFunction):   # refused if the step calls it
+            refusing = _refused_when_called(value, label)
+            self._swap(name, holder, key, value, refusing)
+            return refusing
         self.reach(value, label)
         return value
 
@@ -967,6 +972,23 @@ class Recorder:
                 if place not in writes and place not in self.guards:
                     writes[place] = Write(f"{name}.{key}", members, key,
                                           before.get(key, MISSING), members.get(key, MISSING))
+
+
+def torchscript_refused(name: str) -> TranspileError:
+    return TranspileError(
+        f"the step runs {name}, compiled by torch.jit.script: TorchScript picks its "
+        "gradient formulas and kernels as it warms up (from its second call its backward "
+        "rounds otherwise than the same ops' in eager), so no traced program equals it. "
+        "Remove torch.jit.script from it (or run with PYTORCH_JIT=0, which makes it a no-op); "
+        "the transpiler, or backend='inductor', fuses its ops instead")
+
+
+def _refused_when_called(fn, name: str) -> Callable:
+    """What the trace reads in place of a TorchScript function: a call of it
+    is refused, a read alone is not."""
+    def refused(*args, **kwargs):
+        raise torchscript_refused(f"{name}{user_line(None)}")
+    return refused
 
 
 class _Vars:
