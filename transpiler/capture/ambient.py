@@ -5,8 +5,9 @@ the program records their effect (autocast's casts, the dtype of a tensor
 made from literals); deterministic algorithms, the float32 precision of
 matmuls and convolutions and attention's inference fast path choose the
 kernels the program runs (and the code a compiler generates). A snapshot of
-all of them is part of the signature (signature.py): a call under another state traces again and the log names the
-change, e.g. `ambient autocast(cpu): off -> bfloat16`.
+all of them is part of the signature (signature.py): a call under another
+state traces again and the log names the change, e.g.
+`ambient autocast(cpu): off -> bfloat16`.
 
 A program runs, and compiles, `as_traced()`: without autocast (its casts are
 in the program: autocast would cast its ops again), grad mode or the caller's

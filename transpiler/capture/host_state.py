@@ -125,8 +125,6 @@ class HostState:
 
     def _refused(self, writes: list[Write]) -> TranspileError | None:
         name = step_name(self.step_fn)
-        stored = next((w for w in writes if not w.assigns_traced_tensor
-                       and _holds_traced(w.values()[1])), None)
         made = next((w for w in writes if self._made_in_the_step(w.values()[1])), None)
         if made is not None:
             return TranspileError(
@@ -134,6 +132,8 @@ class HostState:
                 f"runs and keeps it in {made.name} (a lazy `if self.ema is None: self.ema = "
                 "copy.deepcopy(model)`): a transpiled step's modules and optimizers are fixed "
                 "when it is traced; create it before the first call")
+        stored = next((w for w in writes if not w.assigns_traced_tensor
+                       and _holds_traced(w.values()[1])), None)
         if stored is not None:
             return TranspileError(
                 f"{name} leaves a value it computed from tensors in {stored.name} "

@@ -842,7 +842,7 @@ class Recorder:
             self._swap(name, holder, key, value, proxy)
             return proxy
         if isinstance(value, torch.jit.ScriptFunction):   # refused if the step calls it
-            refusing = _refused_when_called(value, label)
+            refusing = _refused_when_called(label)
             self._swap(name, holder, key, value, refusing)
             return refusing
         self.reach(value, label)
@@ -956,7 +956,6 @@ class Recorder:
         return (Guards([*self.guards.values(), *self._pinned.values()], self.hooks),
                 list(writes.values()))
 
-
     def _dict_writes(self, writes: dict) -> None:
         """The writes made straight into a reached object's __dict__ (not
         through __setattr__, nor in place of a guarded read), added to writes."""
@@ -965,13 +964,12 @@ class Recorder:
             members = instance_dict(obj)
             if oid in self._in_place or members is None:   # an argument's: guarded in place
                 continue
-            for key in [k for k in members.keys() | before.keys()
-                        if members.get(k, MISSING) is not before.get(k, MISSING)
-                        and not getattr(members.get(k), TRACE_ONLY, False)]:
+            for key in members.keys() | before.keys():
+                now, was = members.get(key, MISSING), before.get(key, MISSING)
                 place = (id(members), key)
-                if place not in writes and place not in self.guards:
-                    writes[place] = Write(f"{name}.{key}", members, key,
-                                          before.get(key, MISSING), members.get(key, MISSING))
+                if now is not was and not getattr(now, TRACE_ONLY, False) \
+                        and place not in writes and place not in self.guards:
+                    writes[place] = Write(f"{name}.{key}", members, key, was, now)
 
 
 def torchscript_refused(name: str) -> TranspileError:
@@ -983,7 +981,15 @@ def torchscript_refused(name: str) -> TranspileError:
         "the transpiler, or backend='inductor', fuses its ops instead")
 
 
-def _refused_when_called(fn, name: str) -> Callable:
+def refuse_scripted_modules(modules) -> None:
+    """A TorchScript module among the step's modules, refused by its path."""
+    for i, module in enumerate(modules):
+        for name, m in module.named_modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                raise torchscript_refused(f"module {i} {name or '(the model)'}")
+
+
+def _refused_when_called(name: str) -> Callable:
     """What the trace reads in place of a TorchScript function: a call of it
     is refused, a read alone is not."""
     def refused(*args, **kwargs):

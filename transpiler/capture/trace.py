@@ -79,7 +79,7 @@ from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
-from .reads import Recorder, Write, torchscript_refused
+from .reads import Recorder, Write, refuse_scripted_modules
 from .buffer_sync import buffer_sync_points
 from .group_reads import group_reads
 from .returned import Returned, returned_as_read
@@ -212,12 +212,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         raise TranspileError(
             f"{step_name(step_fn)} was called with no torch.nn.Module among its arguments: "
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
-    scripted = next((f"module {i} {name or '(the model)'}"
-                     for i, module in enumerate(step_args.modules)
-                     for name, m in module.named_modules()
-                     if isinstance(m, torch.jit.ScriptModule)), None)
-    if scripted is not None:
-        raise torchscript_refused(scripted)
+    refuse_scripted_modules(step_args.modules)
     refuse_uninitialized(step_fn, step_args.optimizers)
     refuse_complex_state(step_fn, step_args.optimizers)
     refuse_fused_without_kernel(step_fn, step_args.optimizers)
