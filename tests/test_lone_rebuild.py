@@ -17,7 +17,7 @@ from tests import models as M
 from tests.ranks import RankPool
 from transpiler import TranspileError, transpile
 
-PG_TIMEOUT_S = 60   # a hang would fail the step within it (and the test)
+PG_TIMEOUT_S = 30   # a hang would fail the step within it (and the test); grace 3 s
 STEPS = 6
 SHORT_ALONE = 3     # rank 1 alone gets a short batch
 SHORT_BOTH = 5      # both ranks do, of different sizes (the epoch's last)
