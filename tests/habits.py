@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 import random
+import sys
 import types
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -7177,3 +7178,80 @@ def titan_clip_step(model, optimizer, inputs, labels):
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total_norm, True)
     optimizer.step()
     return loss.detach(), total_norm
+
+
+# ================================================================= a raise on the call's values
+# The step raises on a bad batch; the script's loop catches it and goes on.
+
+def _nan_at(bad: int, caught, after=None):
+    """The loop: call `bad` gets a nan in its batch (on every rank); an
+    exception of `caught` is caught (then `after(s)`), and the loop goes on."""
+    def run(step, s, i, d):
+        x = d.vec()
+        if i == bad:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        try:
+            return step(s.model, s.opt, x, d.cls())
+        except caught as exc:
+            if after is not None:
+                after(s)
+            return f"{type(exc).__name__}: {exc}"
+    return run
+
+
+@habit(id="mae_loss_value_not_finite_sys_exit",
+       source="facebookresearch/mae engine_pretrain.py train_one_epoch (DeiT's and ConvNeXt's "
+              "engine.py alike): loss_value = loss.item(); if not math.isfinite(loss_value): "
+              "print('Loss is {}, stopping training'.format(loss_value)); sys.exit(1)",
+       what="a nan loss on one call: the step prints it and exits, after zero_grad and a "
+            "dropout's draws (SystemExit caught here, as a launcher sees it); one program "
+            "for every finite loss",
+       expect=EQUAL, rule=DECISION, setup=mlp_dropout_sgd, ranks=True, calls=5,
+       call=_nan_at(2, SystemExit))
+def mae_exit_step(model, optimizer, samples, targets):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(samples), targets)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        print("Loss is {}, stopping training".format(loss_value))
+        sys.exit(1)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@habit(id="fairseq_overflow_error_caught_drops_the_gradients",
+       source="facebookresearch/fairseq fairseq/trainer.py train_step: `except OverflowError "
+              "as e: overflow = True; logger.info(f'NOTE: gradient overflow detected, ignoring "
+              "gradient, {str(e)}'); self.zero_grad()`, raised where the gradient norm is not "
+              "finite (optim/dynamic_loss_scaler.py check_overflow)",
+       what="the step raises after backward() on a nan gradient norm, naming the norm; the "
+            "loop catches it and drops the gradients",
+       expect=EQUAL, rule=DECISION, setup=mlp_dropout_sgd, calls=5,
+       call=_nan_at(1, OverflowError, after=lambda s: s.opt.zero_grad()))
+def fairseq_overflow_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if not torch.isfinite(grad_norm):
+        raise OverflowError(f"gradient overflow detected, grad_norm={grad_norm}")
+    optimizer.step()
+    return loss
+
+
+@habit(id="clip_grad_norm_error_if_nonfinite_caught",
+       source="torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) (timm's train.py "
+              "and Lightning expose the flag), the script's loop catching the RuntimeError and "
+              "skipping the batch",
+       what="torch's own check raises on a nan gradient norm after backward()",
+       expect=EQUAL, rule=DECISION, setup=mlp_dropout_sgd, calls=5,
+       call=_nan_at(3, RuntimeError))
+def clip_nonfinite_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    optimizer.step()
+    return loss

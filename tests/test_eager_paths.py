@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tests import models as M
@@ -317,3 +318,42 @@ def test_layers_that_write_themselves_equal_eager(layer):
         assert torch.equal(step(ours, opts[0], x, y), _classify(theirs, opts[1], x, y)), f"call {i}"
         assert all(torch.equal(p, q) for p, q in zip(ours.state_dict().values(),
                                                      theirs.state_dict().values())), f"call {i}"
+
+
+@torch.compile
+def _gelu_matmul(a, w):
+    return F.gelu(a @ w)
+
+
+class _CompiledInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.w = nn.Parameter(torch.randn(32, 32) * 0.1)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(_gelu_matmul(F.dropout(torch.relu(self.fc(x)), 0.1), self.w))
+
+
+def test_a_torch_compiled_model_is_traced_as_the_code_it_compiles():
+    """nanoGPT's `model = torch.compile(model)`, with a compiled function in its
+    forward: the program computes what the uncompiled model computes (its
+    dropout from torch's generator), with no compile of dynamo's own."""
+    torch.manual_seed(0)
+    model = _CompiledInside()
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    step = transpile(M.classify_step)
+    compiled = torch.compile(model)
+    torch._dynamo.reset()
+    for i, (x, y) in enumerate(M.batches("mlp", 3, 8)):
+        torch.manual_seed(i)
+        ours = step(compiled, opts[0], x, y)
+        torch.manual_seed(i)
+        with torch.compiler.set_stance("force_eager"):
+            theirs = M.classify_step(reference, opts[1], x, y)
+        assert torch.equal(ours, theirs), i
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert step.traces == 1
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 0

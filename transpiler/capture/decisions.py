@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import operator
 import re
+import traceback
 from unittest import mock
 
 import sympy
@@ -78,12 +80,27 @@ def on_real_values():
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), \
             torch.random.fork_rng(devices=devices), \
-            mock.patch.object(ShapeEnv, "_log_real_tensor_propagation", lambda *a: None), \
+            mock.patch.object(ShapeEnv, "_log_real_tensor_propagation", _record_non_finite), \
             mock.patch.object(fake_utils, "_check_fake_real_tensors", lambda *a, **k: None):
         # (torch's check of each fake result against the real one compares
         # symbolic storage offsets with `!=`: a decision of its own, on every
         # size it meets)
         yield
+
+
+_NON_FINITE = "transpiler_non_finite"   # a shape environment's specializations to nan or inf
+_NOT_FINITE = (sympy.nan, sympy.oo, -sympy.oo, sympy.zoo)
+
+
+def _record_non_finite(shape_env: ShapeEnv, expr: sympy.Basic, value: sympy.Basic) -> None:
+    """torch takes a number to this call's value (a float turned into text,
+    `float(t.item())`) with a check that it equals the value, which sympy
+    folds to false for nan (and for an infinity, if not already): no check
+    would be kept, and the program would take every later value for it. Each
+    such value is recorded with where it was taken (pinned by insert_checks)."""
+    if value in _NOT_FINITE:
+        shape_env.__dict__.setdefault(_NON_FINITE, []).append(
+            (expr, value, traceback.extract_stack()))
 
 
 def torch_generators() -> list:
@@ -106,6 +123,7 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     computed; returns them in the graph's order."""
     _pin_uninterpretable(shape_env, step_fn)
     _keep_float_bounds(shape_env)
+    decisions = _pin_non_finite(gm, shape_env.__dict__.pop(_NON_FINITE, []), step_fn)
     with _exact_floats():   # the checks' expressions are read from these strings
         by_expr = {str(ra.expr): ra for ras in shape_env.deferred_runtime_asserts.values()
                    for ra in ras}
@@ -113,7 +131,6 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
     # The checks are in the graph now: a compiler would generate them again
     # from the shape environment, with no message but the expression.
     shape_env.deferred_runtime_asserts.clear()
-    decisions = []
     sources = _number_sources(gm)
     asserts = []
     for node in gm.graph.find_nodes(op="call_function",
@@ -146,6 +163,32 @@ def insert_checks(gm: fx.GraphModule, shape_env: ShapeEnv, step_fn) -> list[Deci
         _erase_unused(cone)
         decisions.append(decision)
     gm.recompile()
+    return decisions
+
+
+def _pin_non_finite(gm: fx.GraphModule, non_finite: list, step_fn) -> list[Decision]:
+    """A check of each number taken as nan or an infinity (_record_non_finite),
+    right after the tensor it is read from; before torch's assert insertion,
+    which erases a .item() no assert reads."""
+    sources = _number_sources(gm)
+    decisions, pinned = [], set()
+    for expr, value, frames in non_finite:
+        if expr in pinned:
+            continue
+        pinned.add(expr)
+        which = "nan" if value is sympy.nan else str(float(value))
+        decision = Decision(f"{expr} is {which}", user_line(step_fn, frames=frames))
+        if not isinstance(expr, sympy.Symbol):
+            raise TranspileError(
+                f"{step_name(step_fn)} takes a number computed from a tensor value as {which} "
+                f"({expr}){decision.where}, which the program cannot check on later calls: "
+                "test it with tensor ops (torch.isfinite), or read the tensor's own value")
+        tensor, _ = _source(sources, str(expr), decision, step_fn)
+        with gm.graph.inserting_after(tensor):
+            check = gm.graph.call_function(torch.ops.transpiler.still_non_finite.default,
+                                           (tensor, which, len(decisions)))
+        check.meta[DECISION] = decision
+        decisions.append(decision)
     return decisions
 
 
@@ -317,6 +360,23 @@ def _parsed(expr: str, symbols: tuple[str, ...]):
 
 
 torch.fx.node.has_side_effect(torch.ops.transpiler.decided.default)
+
+
+@torch.library.custom_op("transpiler::still_non_finite", mutates_args=())
+def _still_non_finite(value: torch.Tensor, which: str, index: int) -> None:
+    """The check of a number taken as nan or an infinity (_record_non_finite):
+    the tensor's value (.item()) is still that."""
+    number = value.item()
+    if not (math.isnan(number) if which == "nan" else number == float(which)):
+        raise _Checked(index)
+
+
+@_still_non_finite.register_fake
+def _(value, which, index):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.transpiler.still_non_finite.default)
 
 
 def changed(exc: BaseException, decisions: list[Decision]) -> Decision | None:

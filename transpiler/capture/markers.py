@@ -267,7 +267,8 @@ def assign_roles(graph: fx.Graph, markers: Markers):
     position = {n: i for i, n in enumerate(graph.nodes)}
     backwards = [(position[b], position[e]) for b, e in markers.backwards]
     steps = [(position[b], position[e]) for b, e in markers.steps]
-    grads_end = backwards[-1][1]
+    # (a program that ends in the step's raise before any backward(): forward only)
+    grads_end = backwards[-1][1] if backwards else len(position)
     # the first step() after the last backward(): a GAN's generator step
     first_step = next((b for b, _ in steps if b > grads_end), len(position))
     seeds, losses = set(markers.seeds), set(markers.losses)

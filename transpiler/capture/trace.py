@@ -80,6 +80,8 @@ from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .reads import Recorder, Write, refuse_scripted_modules
+from .raised import Raised, raised_by_the_step
+from .finite_tests import finite_tests_as_tensor_ops
 from .buffer_sync import buffer_sync_points
 from .group_reads import group_reads
 from .returned import Returned, returned_as_read
@@ -87,6 +89,7 @@ from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, Stat
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
 from ..program.collectives import WAIT
+from ..world import world
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
 from .value_text import KINDS, values_as_text
@@ -186,6 +189,8 @@ class Captured:
     values_read: ValuesRead | None = None
     # whether it steps an optimizer (one that does not accumulates for a later call)
     steps: bool = True
+    # the exception the step raised on the values it was traced on, raised after each run
+    raised: Raised | None = None
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -373,6 +378,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     cleared: list[tuple[str, torch.Tensor]] = []   # ... and those it leaves none
     kept: list[torch.Tensor] = []      # ones it gives a gradient without dropping .grad first
     flags: list[FlagWrite] = []        # ones whose requires_grad it changes
+    raised: list[Raised] = []          # what the step raised on this call's values
 
     def flat(*values):
         traced: dict[int, torch.Tensor] = {}
@@ -477,12 +483,17 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
             stack.enter_context(values_as_text())
+            stack.enter_context(finite_tests_as_tensor_ops())
             gru_orders = stack.enter_context(recurrent_layers_traced())
             stack.enter_context(synced_batch_norms())
             stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(_without_anomaly_mode(step_fn))
+            # torch.compile inside the step (a compiled model, module or function) is
+            # traced as the code it compiles: the program computes what that code does
+            # in eager, and backend='inductor' compiles the whole step
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(rng.recording(on_values))
             stack.enter_context(backward_marker(markers, grads_now, zero_unused_grads))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
@@ -497,7 +508,15 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             host.recorder.source = functools.partial(source_stand_in, drawing)
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
-            result = step_args.call(step_fn, leaves, arg_writes)
+            handled = sys.exc_info()[1]
+            try:
+                result = step_args.call(step_fn, leaves, arg_writes)
+            except BaseException as exc:
+                # on this call's values, the step's own raise ends its program (raised.py)
+                if not (on_values and raised_by_the_step(exc, handled)):
+                    raise
+                raised.append(Raised.of(exc))
+                result = None
             _check_no_new_tensor_hooks(step_fn, hooks_before, _tensor_hooks(inputs, traced))
             for spec, slot in zip(inputs.specs, inputs.slots):
                 if isinstance(slot, DataSlot) and isinstance(leaves[slot.leaf], torch.Tensor):
@@ -509,7 +528,13 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             host.finish()
             flags.extend(flags_changed(inputs.params, traced, inputs.param_names))
             late.check_no_grads(step_fn)
-            _check_markers(step_fn, markers)
+            if raised and markers.backwards and world()[0] > 1:
+                raise TranspileError(
+                    f"{step_name(step_fn)} raises {raised[0].describe()} after backward() on "
+                    f"this call's values{user_line(step_fn, raised[0].traceback)}: DDP has "
+                    "averaged the gradients by then, which a program that stops there before "
+                    "its first collective cannot do; raise before backward(), or skip the "
+                    "update with transpile(..., skip_nonfinite=True)")
             # the gradients the last backward() leaves, averaged where it ends; a
             # call whose optimizers take no step leaves the local sum (accumulation
             # across calls, as under no_sync)
@@ -612,6 +637,10 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
              if spec.kind is InputKind.NUMBER}, step_args.leaves,
             lambda ra: user_line(step_fn, frames=ra.stack.summary()), on_values) if symbols else []
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
+        if not (markers.backwards or raised or decisions):
+            # (a branch a decision takes may skip backward(), as eager does: `if
+            # torch.isnan(loss): return`, a program of the forward only)
+            _check_markers(step_fn, markers)
         returned_as_read(gm.graph, returned[0])
         try:
             check_outside(gm)
@@ -682,7 +711,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         decisions=decisions, number_guards=number_guards,
                         argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves),
-                        steps=bool(markers.steps))
+                        steps=bool(markers.steps), raised=raised[0] if raised else None)
     except BaseException:
         host.abandon()
         raise

@@ -23,6 +23,7 @@ from ..capture.guards import Guards
 from ..capture.host_random import Draws
 from ..capture.numbers import is_number
 from ..capture.observed_arrays import ValuesRead, is_ndarray
+from ..capture.raised import Raised
 from ..capture.reads import place_key
 from ..capture.rng_plan import RngPlan
 from ..capture.shapes import ShapeGuards
@@ -68,6 +69,7 @@ class Built:
     # numpy arguments whose values the trace read on the host (capture/observed_arrays.py)
     values_read: ValuesRead | None = None
     steps: bool = True   # whether it steps an optimizer (unreduced.py)
+    raised: Raised | None = None   # raised after each run, as the step did (capture/raised.py)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

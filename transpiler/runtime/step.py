@@ -38,8 +38,9 @@ from ..capture.ddp_wrapper import refuse_other_options
 from ..capture.micro import NotRollable, cut_arguments
 from ..capture.optimizer_state import forget_state
 from ..capture.optimizers import numbers_where_needed
+from ..capture.raised import raised_by_the_step
 from ..capture.user_code import step_name
-from ..errors import DivergenceError, NoBackward, TranspileError
+from ..errors import DivergenceError, TranspileError
 from .executor import Executor
 from .runnable import MicroLeaves, Runnable
 from .held import HeldTensors, Prelude
@@ -389,19 +390,9 @@ class TranspiledStep:
                 # program of this call's decisions, from the same draws.
                 tried.append(built)
                 builds = self._cache.builds
-                try:
-                    built = self._cache.redecide(
-                        call_args, self._build, tried,
-                        f"the decision {change.describe()} went the other way")
-                except NoBackward as exc:
-                    raise TranspileError(
-                        f"{step_name(self.step_fn)}: the decision {change.describe()} went the "
-                        "other way on this call, and on that branch the step calls no "
-                        "backward() (an early return, such as `if not torch.isfinite(loss): "
-                        "return`): a program of a training step calls backward(). To skip the "
-                        "update of a step whose gradients are not finite, on every rank alike, "
-                        "drop the early return and pass transpile(..., skip_nonfinite=True). "
-                        "Nothing was written") from exc
+                built = self._cache.redecide(
+                    call_args, self._build, tried,
+                    f"the decision {change.describe()} went the other way")
                 traced_now = self._cache.builds > builds
         built.made_state = []
         self._compiles += fresh - runnable.uncompiled()
@@ -435,6 +426,8 @@ class TranspiledStep:
             # (a rank that has joined keeps its model until the join ends)
             self._check_due = False
             self._raise_if_divergent()
+        if built.raised is not None:   # what the step wrote before its raise is written
+            built.raised.throw()
         return built.returned.rebuild(outputs[:built.returned.num_outputs])
 
     def _run(self, runnable: Runnable, built: Built, step_args, leaves, states):
@@ -560,6 +553,8 @@ class TranspiledStep:
         captured = None
         try:
             captured = self._trace(step_args, why)
+            if captured.raised is not None:   # what the other ranks are told of this build
+                why = f"{why}, where the step raises {captured.raised.describe()}"
             self.schedule.check_params(captured.param_names(), [
                 n.meta[INPUT].name for n in captured.program.updated_inputs(InputKind.PARAM)])
             if not step_args.optimizers:
@@ -593,7 +588,7 @@ class TranspiledStep:
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
                            captured.number_guards, captured.argument_edits,
-                           captured.values_read, captured.steps)
+                           captured.values_read, captured.steps, captured.raised)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
@@ -769,15 +764,28 @@ class TranspiledStep:
         """Run the program functionally and compare everything it would write and
         return with the eager step under DDP's semantics (verify.py); write back
         only if every rank agrees. The eager step draws the host values the
-        program was given (`states`: the generators' before them)."""
+        program was given (`states`: the generators' before them). On a call
+        the step ends with its own raise, the two exceptions are compared."""
         drawn = built.draws.states() if built.draws else None
         if states is not None:
             built.draws.restore(states)
-        memo, expected = self._reference.run(self.step_fn, step_args)
+        try:
+            memo, expected = self._reference.run(self.step_fn, step_args)
+            eager_raised = None
+        except (Exception, SystemExit) as exc:
+            if not raised_by_the_step(exc, None):
+                raise
+            eager_raised = exc
         if drawn is not None:
             built.draws.restore(drawn)
-        with built.rng.drawing(step_args.leaves):
+        with built.rng.drawing(step_args.leaves):   # a failed decision check raises here
             outputs = self._executor.run_uncommitted(runnable, leaves)
+        if eager_raised is not None or built.raised is not None:
+            # a call the step ends with its raise: the exceptions are compared
+            verify.agree_on_verdict(verify.raised_alike(built.raised, eager_raised),
+                                    self.schedule.step)
+            self._executor.commit(runnable, outputs)
+            return outputs
         n_user = built.returned.num_outputs
         names = [f"returned value {i}" for i in range(n_user)]
         ours = outputs[:n_user]

@@ -246,6 +246,19 @@ def first_difference(names: list[str], ours: list, theirs: list, tolerance: floa
     return None
 
 
+def raised_alike(ours, eager: BaseException | None) -> str | None:
+    """Whether the program's raise (capture/raised.Raised, or None) is the
+    eager step's (an exception, or None), as one line when not."""
+    mine = None if ours is None else ours.exception
+    if (type(mine), str(mine)) == (type(eager), str(eager)):
+        return None
+    return f"the program {_outcome(mine)}, the eager step {_outcome(eager)}"
+
+
+def _outcome(exc: BaseException | None) -> str:
+    return "returns" if exc is None else f"raises {type(exc).__name__}: {exc}"
+
+
 def agree_on_verdict(verdict: str | None, step: int) -> None:
     """Raise the same VerificationError on every rank if any rank found a difference."""
     everyone = all_gather_values(verdict)
