@@ -1,0 +1,48 @@
+"""`python -m tests.parallel [pytest options]`: the whole suite as two pytest
+processes side by side, the tests on real ranks (marked slow) and the others.
+
+A test on ranks keeps its ranks' processes busy and the pytest process
+waiting, and a one-process test keeps one core busy: side by side, the two
+halves use a 2-core machine that running them one after the other leaves half
+idle. Each half's output is printed when it ends; the exit status is a failing
+half's, else 0. `pytest -q` runs the same tests one after another."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+
+HALVES = (("ranks", "slow"), ("one process", "not slow"))
+NO_TESTS = 5   # pytest's exit status when it collected no test
+
+
+def main(argv: list[str]) -> int:
+    start = time.monotonic()
+    running = []
+    for name, marker in HALVES:
+        log = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, "-m", "pytest", "-q", "-m", marker, *argv]
+        running.append((name, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+    codes = {}
+    while len(codes) < len(running):
+        for name, log, process in running:
+            if name in codes or process.poll() is None:
+                continue
+            codes[name] = process.returncode
+            log.seek(0)
+            print(f"===== {name} ({' '.join(process.args[3:])}): exit {process.returncode}, "
+                  f"{time.monotonic() - start:.0f} s from the start =====", flush=True)
+            sys.stdout.write(log.read())
+            sys.stdout.flush()
+        time.sleep(0.5)
+    # 5: that half collected no test (options that select from the other half only)
+    failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
+    if failed:
+        return failed[0]
+    return NO_TESTS if all(code == NO_TESTS for code in codes.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
