@@ -19,8 +19,10 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train.py
 
+# The tests on ranks and the others as two pytest processes side by side
+# (tests/parallel.py); `$(PY) -m pytest -q` runs them one after the other.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m tests.parallel
 
 # The default models and configs (transpiler/bench/bench.py: DEFAULT_MODELS, DEFAULT_CONFIGS);
 # the report is generated from this run, never edited by hand. The plot needs

@@ -13,6 +13,7 @@ import copy
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,6 +183,32 @@ def test_a_nan_turned_into_text_is_checked_on_later_calls(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0::2] == lines[1::2], lines   # the program's line, then eager's
     assert [line == "first nan" for line in lines[0::2]] == [False, True, False, False, False]
+
+
+def array_on_a_decision(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if loss > 0:
+        loss = loss * float(np.asarray(loss.detach()))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_an_op_failing_on_what_the_trace_gave_it_is_the_traces_failure():
+    """`np.asarray` of a traced tensor fails where eager's does not: a
+    TranspileError at its line with nothing written, not a program that raises."""
+    torch.manual_seed(0)
+    model = BNDrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x, y), = _batches(set())[:1]
+    model(x).sum().backward()   # a .grad the step's zero_grad would drop
+    before = _everything(model, opt)
+    with pytest.raises(TranspileError, match=r"test_raised\.py:\d+ \(loss = loss \* float\(np\.asarray"):
+        transpile(array_on_a_decision)(model, opt, x, y)
+    after = _everything(model, opt)
+    for k in before:
+        _assert_same(after[k], before[k], k)
 
 
 # ------------------------------------------------------------------- ranks

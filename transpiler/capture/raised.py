@@ -8,13 +8,17 @@ then raises.
 A trace on the call's values (decisions.py) that meets such an exception
 stops the step there: the program computes what the step did before it, and
 the runtime writes that and raises the same exception, with the traceback of
-the step's frames, on every call whose decisions take that branch. An
-exception raised inside torch's tracing machinery (or this package), or one
-raised while handling such an exception, is a failure of the trace instead."""
+the step's frames, on every call whose decisions take that branch. Only a
+`raise` or `assert` statement (the step's or a library's) and sys.exit() count:
+an op or a builtin that fails on what the trace gave it (`.numpy()` of a
+traced tensor) is a failure of the trace, as is an exception raised inside
+torch's tracing machinery (or this package), or while handling one."""
 
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
 import os
 import types
 
@@ -35,22 +39,42 @@ _TRACING = tuple(_TORCH + p for p in (
 )) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
+def _innermost(exc: BaseException) -> types.TracebackType | None:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
 def _raised_in(exc: BaseException) -> str:
     """The file of the innermost frame the exception passed through."""
-    tb = exc.__traceback__
+    tb = _innermost(exc)
+    return "" if tb is None else tb.tb_frame.f_code.co_filename
+
+
+def _by_a_raise_statement(exc: BaseException) -> bool:
+    """Whether Python code raised it (`raise`, `assert`): not an op's kernel
+    or a builtin failing on what the trace gave it (`.numpy()` of a traced
+    tensor), which eager would not have met."""
+    tb = _innermost(exc)
     if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
+        return False
+    return _opnames(tb.tb_frame.f_code).get(tb.tb_lasti) in ("RAISE_VARARGS", "RERAISE")
+
+
+@functools.lru_cache(maxsize=256)
+def _opnames(code: types.CodeType) -> dict[int, str]:
+    return {ins.offset: ins.opname for ins in dis.get_instructions(code)}
 
 
 def raised_by_the_step(exc: BaseException, handled: BaseException | None) -> bool:
     """Whether the step itself raised `exc` (its code or a library's check on
-    the values it was given), as eager would on the same values; `handled`:
-    the exception being handled when the step was called (the context of
-    everything raised in it)."""
-    if not isinstance(exc, (Exception, SystemExit)) or isinstance(exc, TranspileError):
+    the values it was given: a `raise` or `assert` statement, or sys.exit()),
+    as eager would on the same values; `handled`: the exception being handled
+    when the step was called (the context of everything raised in it)."""
+    if isinstance(exc, TranspileError) or not (
+            isinstance(exc, SystemExit)
+            or isinstance(exc, Exception) and _by_a_raise_statement(exc)):
         return False
     seen: set[int] = {id(handled)}
     while exc is not None and id(exc) not in seen:
