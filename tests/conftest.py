@@ -43,10 +43,11 @@ def ranks8() -> RankPool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests on real ranks are slow (so are those that compile, marked in their
-    files): `pytest -m "not slow"` runs the rest."""
+    """Tests on real ranks are slow (so are those marked in their files, and
+    those that compile, marked `compiles`): `pytest -m "not slow"` runs the rest."""
     for item in items:
-        if {"ranks2", "ranks3", "ranks4", "ranks8"} & set(getattr(item, "fixturenames", ())):
+        if {"ranks2", "ranks3", "ranks4", "ranks8"} & set(getattr(item, "fixturenames", ())) \
+                or item.get_closest_marker("compiles"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -1,5 +1,5 @@
 """`python -m tests.parallel [pytest options]`: the whole suite as two pytest
-processes side by side, the tests on real ranks (marked slow) and the others.
+processes side by side, the tests on real ranks and the others.
 
 A test on ranks keeps its ranks' processes busy and the pytest process
 waiting, and a one-process test keeps one core busy: side by side, the two
@@ -14,7 +14,8 @@ import sys
 import tempfile
 import time
 
-HALVES = (("ranks", "slow"), ("one process", "not slow"))
+# (marker `compiles`: slow tests in one process, which inductor keeps busy)
+HALVES = (("ranks", "slow and not compiles"), ("one process", "not slow or compiles"))
 NO_TESTS = 5   # pytest's exit status when it collected no test
 
 

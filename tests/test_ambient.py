@@ -87,7 +87,7 @@ def test_calls_alternating_autocast_equal_eager_and_trace_once_each(caplog):
     assert BF16 in traced[1]
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 def test_calls_alternating_autocast_compiled_equal_eager(caplog):
     contexts = [lambda on=bool(i % 2): autocast(on) for i in range(4)]
     step, results = _against_eager(contexts, backend="inductor")

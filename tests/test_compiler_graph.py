@@ -80,7 +80,7 @@ KERNEL = re.compile(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\((.*?)^\'\
                     re.M | re.S)
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 def test_symbolic_attention_kernels_are_vectorized(monkeypatch):
     """Every kernel of the LM's symbolic program is vectorized, as the static
     program's are; without the rewrite, the kernel that reads attention's
@@ -162,7 +162,7 @@ def picked_key_step(model, opt):
     return loss.detach()
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 def test_scatter_of_an_index_gradient_runs_as_atens_kernel():
     """On two threads inductor's own kernel wrote x's gradient into the wrong
     slots (13.7 off) and past the buffer (compiler_graph.scatters_as_kernels)."""

@@ -24,7 +24,7 @@ from tests import models as M
 from transpiler import transpile
 from transpiler.bench.bench import BasicBlock
 
-pytestmark = pytest.mark.slow   # compiles
+pytestmark = pytest.mark.compiles
 
 
 def resnet(classes=10):

@@ -119,7 +119,7 @@ def test_moe_routing_on_tensor_values_equals_eager(route):
     assert error == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 @pytest.mark.parametrize("model", ["branchy", "skip_empty"])
 def test_decisions_under_inductor_within_1e_5(model):
     """inductor knows what the trace assumed of a decision's value (a range

@@ -304,7 +304,7 @@ def test_equals_torchft_on_two_ranks(config, ranks2):
     assert not torch.equal(ours["1.running_mean"], states[1]["1.running_mean"])
 
 
-@pytest.mark.slow   # compiles
+@pytest.mark.compiles
 def test_inductor_within_rounding_of_torchft():
     """Under inductor the step's kernels round differently: SGD inner steps
     (AdamW makes a step of lr of the rounding noise in the gradient of the

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tests import models as M
 from transpiler import transpile
 
-pytestmark = pytest.mark.slow   # compiles
+pytestmark = pytest.mark.compiles
 STEPS = 3
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

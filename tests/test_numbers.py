@@ -398,7 +398,7 @@ def test_lifted_numbers_read_outside_the_arguments_equal_ddp(mode, ranks2):
     assert ranks2.run(read_numbers_vs_ddp, mode) == [(3, 0.0), (3, 0.0)]
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 @pytest.mark.parametrize("run,fn,builds", [(_run_against_eager, weighted_step, 2),
                                            (_run_against_eager, counting_step, 4),
                                            (_run_read_against_eager, annealed_step, 3)])

@@ -141,7 +141,7 @@ def test_transformer_layer_batch_first_with_dropout_equals_eager():
     _assert_equal(AttentionNet)
 
 
-@pytest.mark.slow   # compiles
+@pytest.mark.compiles
 def test_dropout_on_a_transposed_tensor_under_inductor():
     worst = 0.0
     for i, (a, b), (ours, theirs) in _eager_and_transpiled(

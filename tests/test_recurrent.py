@@ -127,7 +127,7 @@ def test_a_gru_under_autocast_is_refused_at_the_users_line():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.slow   # compiles
+@pytest.mark.compiles
 @pytest.mark.parametrize("layer", ["bidirectional, batch first",
                                    "GRU bidirectional, batch first, no biases"])
 def test_a_batch_first_layer_under_inductor_computes_eagers_gradients(layer):

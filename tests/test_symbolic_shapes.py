@@ -158,7 +158,7 @@ def test_is_symbolic_reads_the_trace_not_the_size():
     assert not shapes.is_symbolic(torch.zeros(3, 4))
 
 
-@pytest.mark.slow
+@pytest.mark.compiles
 def test_symbolic_program_under_inductor():
     # SGD: the attention's key bias has no gradient but rounding noise, which
     # Adam would scale up to full-size steps of different signs.

@@ -298,12 +298,12 @@ def test_checkpoint_equals_ddp(mode, reentrant, ranks2):
 
 # (f) under inductor
 
-@pytest.mark.slow   # compiles
+@pytest.mark.compiles
 def test_checkpoint_under_inductor():
     _compare(plain_step, _model(False), backend="inductor", tolerance=1e-5)
 
 
-@pytest.mark.slow   # compiles
+@pytest.mark.compiles
 @pytest.mark.parametrize("step_fn", [fork_seeded_after_dropout, seeded_after_dropout])
 def test_seeded_draws_under_inductor(step_fn):
     """Twice: the second step's program is the first's, which inductor's
