@@ -53,7 +53,13 @@ def _is_view(target) -> bool:
 
 
 # In-place ops whose out-of-place twin has another overload name (dropout's draw).
-_RENAMED = {aten.bernoulli_.float: aten.bernoulli.p}
+_RENAMED = {aten.bernoulli_.float: aten.bernoulli.p, aten.pow_.Scalar: aten.pow.Tensor_Scalar,
+            aten.pow_.Tensor: aten.pow.Tensor_Tensor}
+# Ops that write some arguments besides their results, and the functional op
+# that returns those results, then each argument's new value (what torch's
+# functionalization calls in their place): BatchNorm's statistics.
+_FUNCTIONAL = {aten._native_batch_norm_legit.default:
+               aten._native_batch_norm_legit_functional.default}
 
 
 def _twin(target):
@@ -63,6 +69,8 @@ def _twin(target):
     it would see."""
     if target in _RENAMED:
         return _RENAMED[target]
+    if target in _FUNCTIONAL:
+        return _FUNCTIONAL[target]
     name = target._schema.name.split("::")[-1]
     if not name.endswith("_") or torch.Tag.inplace_view in target.tags:
         return None
@@ -171,9 +179,17 @@ def _returns_each(node: fx.Node, twin, written: list[int]) -> bool:
         if isinstance(arg, (list, tuple)):
             return str(r.type) == "List[Tensor]"
         return isinstance(arg, fx.Node) and str(r.type) == "Tensor"
-    return len(twin._schema.returns) == len(written) and all(
+    own = own_results(node.target)
+    return len(twin._schema.returns) == own + len(written) and all(
         i < len(node.args) and returned(node.args[i], r)
-        for i, r in zip(written, twin._schema.returns))
+        for i, r in zip(written, twin._schema.returns[own:]))
+
+
+def own_results(target) -> int:
+    """How many of an in-place op's results are new tensors (BatchNorm's
+    output and saved statistics), not the arguments it writes: its twin
+    returns those first."""
+    return sum(r.alias_info is None for r in target._schema.returns)
 
 
 def _sole_view(view: fx.Node, b: fx.Node) -> bool:
@@ -189,6 +205,19 @@ def _sole_view(view: fx.Node, b: fx.Node) -> bool:
             return False
         node = parent
     return b.op == "call_function"
+
+
+def _after_own_results(node: fx.Node, new: fx.Node) -> fx.Node:
+    """The last read of `node`'s or `new`'s results (getitem) in the run of
+    them after `new` (`node`, which it replaces, passed over), else `new`."""
+    last, follower = new, new.next
+    while follower is node or (follower.op == "call_function"
+                               and follower.target is operator.getitem
+                               and follower.args[0] in (node, new)):
+        if follower is not node:
+            last = follower
+        follower = follower.next
+    return last
 
 
 def rewrite(graph: fx.Graph) -> None:
@@ -224,8 +253,11 @@ def rewrite(graph: fx.Graph) -> None:
             if len(written) > 1:   # a result (a list of them) per argument written
                 if plan.root[node] is not node:
                     plan.root[new] = plan.root[node]   # _amp_update_scale_ returns its self
+                own = own_results(node.target)   # the op's own results come first
                 for k, arg in enumerate(mutated):
-                    results = new_node(graph, operator.getitem, (new, k), role)
+                    # after the reads of its own results, where a functionalizing trace reads it
+                    with graph.inserting_after(_after_own_results(node, new)):
+                        results = new_node(graph, operator.getitem, (new, own + k), role)
                     if not isinstance(arg, (list, tuple)):
                         current[plan.root[arg]] = results
                         continue
