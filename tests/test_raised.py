@@ -257,3 +257,28 @@ def test_a_raise_on_one_rank_stops_every_rank():
         assert message.startswith("rank 1 traced the step again (the decision"), message
         assert "where the step raises SystemExit: 1" in message
         assert "this job cannot go on; restart it" in message
+
+
+def rank_raise_after_backward():
+    torch.manual_seed(0)
+    model = BNDrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(clip_checked)
+    (x, y), = _batches({0}, dist.get_rank())[:1]
+    before = _everything(model, opt)
+    try:
+        step(model, opt, x, y)
+    except TranspileError as exc:
+        after = _everything(model, opt)
+        return str(exc), all((after[k] is None and before[k] is None)
+                             or torch.equal(after[k], before[k]) for k in before)
+    return None, None
+
+
+def test_a_raise_after_backward_on_ranks_is_refused_with_nothing_written(ranks2):
+    """DDP has averaged the gradients by the time clip_grad_norm_ raises; a
+    program that ends there, before its first collective, cannot."""
+    for message, untouched in ranks2.run(rank_raise_after_backward):
+        assert message is not None and "raises RuntimeError: The total norm" in message
+        assert "after backward() on this call's values" in message, message
+        assert untouched

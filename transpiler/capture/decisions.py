@@ -170,6 +170,8 @@ def _pin_non_finite(gm: fx.GraphModule, non_finite: list, step_fn) -> list[Decis
     """A check of each number taken as nan or an infinity (_record_non_finite),
     right after the tensor it is read from; before torch's assert insertion,
     which erases a .item() no assert reads."""
+    if not non_finite:
+        return []
     sources = _number_sources(gm)
     decisions, pinned = [], set()
     for expr, value, frames in non_finite:

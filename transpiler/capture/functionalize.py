@@ -179,13 +179,13 @@ def _returns_each(node: fx.Node, twin, written: list[int]) -> bool:
         if isinstance(arg, (list, tuple)):
             return str(r.type) == "List[Tensor]"
         return isinstance(arg, fx.Node) and str(r.type) == "Tensor"
-    own = own_results(node.target)
+    own = _own_results(node.target)
     return len(twin._schema.returns) == own + len(written) and all(
         i < len(node.args) and returned(node.args[i], r)
         for i, r in zip(written, twin._schema.returns[own:]))
 
 
-def own_results(target) -> int:
+def _own_results(target) -> int:
     """How many of an in-place op's results are new tensors (BatchNorm's
     output and saved statistics), not the arguments it writes: its twin
     returns those first."""
@@ -253,7 +253,7 @@ def rewrite(graph: fx.Graph) -> None:
             if len(written) > 1:   # a result (a list of them) per argument written
                 if plan.root[node] is not node:
                     plan.root[new] = plan.root[node]   # _amp_update_scale_ returns its self
-                own = own_results(node.target)   # the op's own results come first
+                own = _own_results(node.target)   # the op's own results come first
                 for k, arg in enumerate(mutated):
                     # after the reads of its own results, where a functionalizing trace reads it
                     with graph.inserting_after(_after_own_results(node, new)):
