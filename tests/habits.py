@@ -7258,3 +7258,39 @@ def clip_nonfinite_step(model, optimizer, x, y):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
     optimizer.step()
     return loss
+
+
+def _boxes_call(step, s, i, d):
+    """Boxes (x1, y1, x2, y2); call 2's second box has x2 < x1. The loop
+    catches the assertion and goes on (a bad sample skipped)."""
+    b = d.vec(4, 4).abs()
+    boxes = torch.cat([b[:, :2], b[:, :2] + b[:, 2:] + 0.1], 1)
+    if i == 2:
+        boxes = boxes.clone()
+        boxes[1, 2] = boxes[1, 0] - 0.5
+    try:
+        return step(s.model, s.opt, d.vec(4, 16), boxes, d.cls(4))
+    except AssertionError as exc:
+        return str(exc)
+
+
+@habit(id="tv_rcnn_degenerate_boxes_assert",
+       source="pytorch/vision torchvision/models/detection/generalized_rcnn.py GeneralizedRCNN."
+              "forward: degenerate_boxes = boxes[:, 2:] <= boxes[:, :2]; if degenerate_boxes.any(): "
+              "bb_idx = torch.where(degenerate_boxes.any(dim=1))[0][0]; degen_bb = "
+              "boxes[bb_idx].tolist(); torch._assert(False, f'... Found invalid box {degen_bb} ...')",
+       what="a check of the targets' values in the model's training forward: the message holds "
+            "the bad box's values; the loop catches the AssertionError",
+       expect=EQUAL, rule=DECISION, setup=mlp_dropout_sgd, calls=4, call=_boxes_call)
+def rcnn_boxes_step(model, optimizer, x, boxes, y):
+    degenerate_boxes = boxes[:, 2:] <= boxes[:, :2]
+    if degenerate_boxes.any():
+        bb_idx = torch.where(degenerate_boxes.any(dim=1))[0][0]
+        degen_bb = boxes[bb_idx].tolist()
+        torch._assert(False, "All bounding boxes should have positive height and width. "
+                             f"Found invalid box {degen_bb} for target at index 0.")
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
