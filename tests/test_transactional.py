@@ -3,7 +3,9 @@ program writes state in place only once nothing that can raise is left, and
 the write-back is all or nothing. Failures injected at each point of the step
 (an op of the forward pass, one between backward() and optimizer.step(), one
 after it, a value that does not fit its target, a collective) leave the
-parameters, buffers, .grad and optimizer state bit for bit unchanged."""
+parameters, buffers and optimizer state bit for bit unchanged, and .grad
+unchanged but where the step drops it (zero_grad() before backward()): that
+one is dropped when the program starts, as eager's zero_grad() drops it."""
 
 import copy
 
@@ -42,11 +44,20 @@ def checked_step(model, opt, x, y):
 
 
 def snapshot(model, opt) -> list:
-    """Copies of every parameter, buffer, .grad and optimizer state entry."""
+    """Copies of every parameter, buffer and optimizer state entry, and
+    whether each parameter has a .grad."""
     return ([t.clone() for t in model.state_dict().values()]
-            + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            + [p.grad is not None for p in model.parameters()]
             + [v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                for state in opt.state.values() for v in state.values()])
+
+
+def dropped(before: list, model) -> list:
+    """`before` with no .grad on any parameter: the state a failed call of a
+    step that starts with zero_grad() leaves, as eager's does."""
+    n = len(model.state_dict())
+    grads = len(list(model.parameters()))
+    return before[:n] + [False] * grads + before[n + grads:]
 
 
 def same(a: list, b: list) -> bool:
@@ -72,7 +83,7 @@ def _failing_calls(backend: str, point: str, mode: str = "grad_allreduce") -> bo
             step(model, opt, *M.shard(batches[2], rank, world))
     finally:
         FAIL_AT[0] = None
-    unchanged = same(before, snapshot(model, opt))
+    unchanged = same(dropped(before, model), snapshot(model, opt))
     step(model, opt, *M.shard(batches[2], rank, world))
     return unchanged and not same(before, snapshot(model, opt))
 
@@ -89,6 +100,32 @@ def test_a_failure_in_the_program_changes_nothing(point):
 @pytest.mark.parametrize("point", POINTS)
 def test_a_failure_in_a_compiled_program_changes_nothing(point):
     assert _failing_calls("inductor", point)
+
+
+def accumulating_step(model, opt, x, y):
+    """Adds to the gradients the call finds (zero_grad() is the loop's)."""
+    loss = F.cross_entropy(model(fails_at(x, "forward")), y)
+    loss.backward()
+    return loss
+
+
+def test_a_failure_keeps_the_gradients_the_step_reads():
+    # Only a .grad the step drops before reading is released early; those it
+    # adds to stay as they were, bit for bit.
+    model = M.make("mlp")
+    opt = M.make_optimizer("adamw", model)
+    step = transpile(accumulating_step)
+    batches = M.batches("mlp", 3, 8)
+    for batch in batches[:2]:
+        step(model, opt, *batch)
+    grads = [p.grad.clone() for p in model.parameters()]
+    FAIL_AT[0] = "forward"
+    try:
+        with pytest.raises(Exception, match="injected failure at forward"):
+            step(model, opt, *batches[2])
+    finally:
+        FAIL_AT[0] = None
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
 
 
 def test_a_value_that_does_not_fit_its_target_writes_nothing():
@@ -112,7 +149,7 @@ def test_a_value_that_does_not_fit_its_target_writes_nothing():
     before = snapshot(model, opt)
     with pytest.raises(TranspileError, match="computed bfloat16.* as the new grad"):
         step(model, opt, *batches[1])
-    assert same(before, snapshot(model, opt))
+    assert same(dropped(before, model), snapshot(model, opt))
 
 
 def rank_collective_fails(mode: str, op: str) -> bool:
@@ -139,7 +176,7 @@ def rank_collective_fails(mode: str, op: str) -> bool:
         assert f"injected failure at {op}" in str(exc)
     finally:
         packet.default = real
-    return same(before, snapshot(model, opt))
+    return same(dropped(before, model), snapshot(model, opt))
 
 
 @pytest.mark.parametrize("mode,op", [("grad_allreduce", "wait_tensor"),

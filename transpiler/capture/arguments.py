@@ -105,20 +105,32 @@ def _flatten_mapping(mapping: Mapping) -> tuple[list, tuple]:
     return [mapping[k] for k in keys], keys
 
 
-def flatten_args(step_fn, args, kwargs) -> StepArgs:
+def signature_of(step_fn) -> inspect.Signature | None:
+    """The step's parameters, read once per transpiled step (None for a
+    callable inspect cannot read: its arguments are then named by position)."""
     try:
-        bound = inspect.signature(step_fn).bind(*args, **kwargs)
+        return inspect.signature(step_fn)
     except (TypeError, ValueError):
+        return None
+
+
+def flatten_args(step_fn, args, kwargs, parameters=...) -> StepArgs:
+    """The call's arguments as leaves; `parameters`: signature_of(step_fn),
+    when the caller keeps it (read here where not given)."""
+    if parameters is ...:
+        parameters = signature_of(step_fn)
+    try:
+        bound = parameters.bind(*args, **kwargs) if parameters is not None else None
+    except TypeError:
         bound = None
     if bound is None:
         leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=is_leaf)
         return StepArgs([f"arg{i}" for i in range(len(leaves))], leaves, spec, None,
                         root=_root(args, kwargs))
-    values = list(bound.arguments.values())
-    leaves, spec = pytree.tree_flatten(values, is_leaf=is_leaf)
+    leaves, spec = pytree.tree_flatten(list(bound.arguments.values()), is_leaf=is_leaf)
     names = []
-    for name, value in bound.arguments.items():
-        n = len(pytree.tree_leaves(value, is_leaf=is_leaf))
+    for name, arg_spec in zip(bound.arguments, spec.children()):
+        n = arg_spec.num_leaves
         names += [name] if n == 1 else [f"{name}_{i}" for i in range(n)]
     return StepArgs(names, leaves, spec, bound, root=dict(bound.arguments))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.optim import optimizer as torch_optimizer
 
@@ -89,6 +90,33 @@ class _Group:
                 for name, value in zip(self.names, self.values)]
 
 
+# Per module or optimizer, weakly: the group of its tensors' signatures the
+# last call computed, and torch's C++ check that tensors have the sizes,
+# strides, dtype, device, requires_grad and dispatch keys those had (dynamo's
+# TensorGuards: 0.1 us a tensor, against 1 us for _tensor_sig in Python; a
+# signature has one per parameter and optimizer state tensor). A call whose
+# tensors pass it has the same group; one that fails it (or whose thread
+# state, such as autocast, makes the dispatch keys differ) computes it anew.
+_last_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensor_group(owner, under: tuple, names: tuple, tensors: list) -> _Group:
+    """_Group(under, names, the tensors' _tensor_sig), the last call's when
+    the tensors pass its check."""
+    last = _last_groups.get(owner)
+    if last is not None and last[0].names == names and last[1](*tensors):
+        return last[0]
+    group = _Group(under, names, tuple([_tensor_sig(t) for t in tensors]))
+    if all(type(t) in _PLAIN and t.layout is torch.strided for t in tensors):
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        _last_groups[owner] = (group, guards.check)
+    else:   # a subclass (DTensor) or a sparse tensor: computed every call
+        _last_groups.pop(owner, None)
+    return group
+
+
 class _Objects:
     """A module's tensors and submodules by identity, in a signature: the
     program reads those objects, and the trace does not guard what the step's
@@ -155,8 +183,8 @@ def signature(step_args: StepArgs) -> tuple:
                     f"{name} of {type(module).__name__} is not initialized yet (a lazy module "
                     "such as nn.LazyLinear): run one forward pass of the model on a batch "
                     "before the first call of the step, e.g. `with torch.no_grad(): model(x)`")
-        sig.append((("module", mi, "state"), _Group(("module", mi), names,
-                                                    tuple([_tensor_sig(t) for _, t in state]))))
+        sig.append((("module", mi, "state"),
+                    _tensor_group(module, ("module", mi), names, [t for _, t in state])))
         sig.append((("module", mi, "objects"), objects))
         # train() or eval(): dropout, BatchNorm's statistics
         sig.append((("module", mi, "training"), tuple(m.training for _, m in submodules)))
@@ -174,10 +202,14 @@ def signature(step_args: StepArgs) -> tuple:
         for pi, p in enumerate(opt_params(opt)):
             for key, value in state.get(p, _NO_STATE).items():
                 names.append((pi, key))
-                values.append(_tensor_sig(value) if isinstance(value, torch.Tensor)
-                              else _hashable(value))
-        sig.append((("optimizer", oi, "state"), _Group(("optimizer", oi, "state"), tuple(names),
-                                                       tuple(values))))
+                values.append(value)
+        under = ("optimizer", oi, "state")
+        if all(isinstance(value, torch.Tensor) for value in values):
+            group = _tensor_group(opt, under, tuple(names), values)
+        else:
+            group = _Group(under, tuple(names), tuple(
+                _tensor_sig(v) if isinstance(v, torch.Tensor) else _hashable(v) for v in values))
+        sig.append((under, group))
         sig.append((("optimizer", oi, "step hooks"), _step_hooks(
             getattr(opt, "_optimizer_step_pre_hooks", {}),
             getattr(opt, "_optimizer_step_post_hooks", {}))))

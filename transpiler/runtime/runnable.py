@@ -34,6 +34,9 @@ class Runnable:
     ran: bool = False
     held: list[str] = dataclasses.field(init=False)       # held tensors it reads
     transient: list[str] = dataclasses.field(init=False)  # held values it only outputs
+    # parameters whose .grad it replaces without reading it (the step's
+    # zero_grad() dropped it): released before the program runs (Executor.run)
+    replaced_grads: list = dataclasses.field(init=False)
 
     def uncompiled(self) -> int:
         """How many of its programs (the loop's three) have not run yet."""
@@ -48,6 +51,11 @@ class Runnable:
                           if spec.kind is OutputKind.HELD and spec.target not in self.held
                           and spec.held is not Held.IN_FLIGHT] + \
             [spec.name for spec in self.program.inputs if spec.held is Held.IN_FLIGHT]
+        read = {id(slot.param) for spec, slot in zip(self.program.inputs, self.slots)
+                if spec.kind is InputKind.GRAD}
+        self.replaced_grads = [target.param for spec, target in zip(self.program.outputs, self.targets)
+                               if spec.kind is OutputKind.GRAD and target is not None
+                               and id(target.param) not in read]
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ from ..program.collectives import sent_bytes
 from .control_plane import all_gather_values
 from ..capture import Captured, HeldSlot, decisions, flatten_args, trace_step
 from ..capture.ambient import refuse_untraceable, snapshot
+from ..capture.arguments import signature_of
 from ..capture.found import discover
 from ..capture.argument_writes import arguments_of
 from ..capture.ddp_wrapper import refuse_other_options
@@ -85,6 +86,7 @@ class TranspiledStep:
                  micro_batches: str | None = None, process_group=None,
                  broadcast_buffers: bool = True):
         self.step_fn = step_fn
+        self._parameters = signature_of(step_fn)
         self.broadcast_buffers = broadcast_buffers   # a DDP wrapper's must agree
         # The group the step is data parallel over (None: every rank): all it
         # does runs inside world.over(process_group) (_over_its_group).
@@ -316,7 +318,7 @@ class TranspiledStep:
                 sharded_params.free(self._last.sharded_params)
 
     def _call(self, *args, **kwargs):
-        step_args = flatten_args(self.step_fn, args, kwargs)
+        step_args = flatten_args(self.step_fn, args, kwargs, self._parameters)
         # arguments_of: where its programs set what the step sets there
         with arguments_of(step_args), unreduced.inside_a_step():
             return self._call_flat(step_args)
@@ -447,7 +449,7 @@ class TranspiledStep:
                 runnable.ran = True
             return outputs
         with built.rng.drawing(step_args.leaves):
-            return self._executor.run(runnable, leaves)
+            return self._executor.run(runnable, leaves, release_grads=not built.decisions)
 
     def join(self, divide_by_initial_world_size: bool = True) -> Join:
         """DDP's Join for uneven inputs: `with step.join(): for batch in
