@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import types
 
@@ -113,6 +114,33 @@ def test_an_argparse_namespace_in_a_global_is_guarded(caplog):
     finally:
         ARGS.label_smoothing, ARGS.loss_scale = 0.0, 1.0
     assert step.traces == 3 and "ARGS.label_smoothing: 0.0 -> 0.1" in caplog.text
+
+
+def environment_step(model, opt, x, y):
+    opt.zero_grad()
+    smoothing = 0.1 if "TEST_SMOOTH" in os.environ else 0.0
+    loss = F.cross_entropy(model(x), y, label_smoothing=smoothing)
+    loss = loss * float(os.getenv("TEST_LOSS_SCALE", "1.0")) / int(os.environ["TEST_DIVISOR"])
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_environment_variables_the_step_reads_are_guarded(caplog, monkeypatch):
+    # Read with `in`, os.getenv and os.environ[...]; set, changed and removed
+    # between calls: each call as eager, each read of the environment a guard.
+    monkeypatch.setenv("TEST_DIVISOR", "1")
+    monkeypatch.delenv("TEST_SMOOTH", raising=False)
+    monkeypatch.delenv("TEST_LOSS_SCALE", raising=False)
+    changes = {1: lambda: os.environ.update(TEST_LOSS_SCALE="2.5"),
+               2: lambda: os.environ.update(TEST_SMOOTH="1"),
+               3: lambda: os.environ.update(TEST_DIVISOR="4"),
+               4: lambda: os.environ.pop("TEST_SMOOTH")}
+    with caplog.at_level(logging.INFO, logger="transpiler"):
+        step = _against_eager(environment_step, lambda i: changes.get(i, lambda: None)(),
+                              calls=6)
+    assert step.traces == 5   # each call that changed the environment traced again
+    assert "environment variable 'TEST_LOSS_SCALE'" in caplog.text
 
 
 SETTINGS = types.SimpleNamespace(scale=1.0)

@@ -29,7 +29,9 @@ straight into it (functools.cached_property); finish() reports them
 (host_state.py decides what is kept). Module hooks
 the step runs are recorded in a HookGuard. Code of torch, of the standard
 library, of numpy and of this package is not walked for globals: they do not
-change (torch's global module hooks are recorded explicitly).
+change (torch's global module hooks are recorded explicitly). Every read of
+an environment variable (os.environ's __getitem__, which os.getenv, .get and
+`in` go through) is recorded too, as a guard on its value or its absence.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import dis
 import enum
 import functools
 import logging
+import os
 import sys
 import threading
 import types
@@ -848,6 +851,12 @@ class Recorder:
         self.reach(value, label)
         return value
 
+    def environment(self, environ, key, value) -> None:
+        """The step read environment variable `key` (its value, or MISSING)."""
+        if threading.get_ident() == self.thread and isinstance(key, str):
+            self._guard(f"environment variable {key!r}", environ, key,
+                        Check.ABSENT if value is MISSING else Check.VALUE, value)
+
     def _lifted(self, holder, key, where: tuple, value, name: str):
         """A number read from a program input filled through its place on every
         call: its type guarded, its symbolic stand-in put there for the trace."""
@@ -1053,6 +1062,25 @@ def _is_ndarray(value) -> bool:
     return numpy is not None and isinstance(value, numpy.ndarray)
 
 
+_ENVIRON_GETITEM = os._Environ.__getitem__
+
+
+def _environ_getitem(environ, key):
+    """os.environ[key] while a trace records: every read of the environment
+    (os.environ[...], .get, os.getenv, `in`) goes through it, and becomes a
+    guard on the variable's value or absence."""
+    recorder = _ACTIVE[0]
+    try:
+        value = _ENVIRON_GETITEM(environ, key)
+    except KeyError:
+        if recorder is not None:
+            recorder.environment(environ, key, MISSING)
+        raise
+    if recorder is not None:
+        recorder.environment(environ, key, value)
+    return value
+
+
 class recording:
     """Context: `with recording(recorder):` the recorder observes; its
     classes are restored on exit whatever happens."""
@@ -1064,9 +1092,11 @@ class recording:
         if _ACTIVE[0] is not None:
             raise RuntimeError("a trace is already being recorded")
         _ACTIVE[0] = self.recorder
+        os._Environ.__getitem__ = _environ_getitem
         return self.recorder
 
     def __exit__(self, *exc) -> None:
+        os._Environ.__getitem__ = _ENVIRON_GETITEM
         _ACTIVE[0] = None
         self.recorder.live = False
         self.recorder._patches.restore()
