@@ -18,7 +18,8 @@ from transpiler import TranspileError, transpile
 
 def logged_step(model, opt, x, y):
     """The mean loss over the ranks (sync), the correct count of every rank
-    (all_gather of a list, async with wait()), rank 0's first label (broadcast)."""
+    (all_gather of a list, async with wait()), every rank's loss (a 0-d
+    tensor gathered into a list), rank 0's first label (broadcast)."""
     opt.zero_grad()
     out = model(x)
     loss = F.cross_entropy(out, y)
@@ -29,9 +30,11 @@ def logged_step(model, opt, x, y):
     correct = (out.argmax(1) == y).sum().reshape(1)
     counts = [torch.zeros_like(correct) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, correct, async_op=True).wait()
+    losses = [torch.zeros_like(loss) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss.detach())
     first = y[:1].clone()
     dist.broadcast(first, src=0)
-    return reduced / dist.get_world_size(), torch.stack(counts), first
+    return reduced / dist.get_world_size(), torch.stack(counts), torch.stack(losses), first
 
 
 def rank_logged(mode: str):
@@ -54,7 +57,7 @@ def rank_logged(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_collectives_in_the_step_equal_ddp(mode, ranks2):
     for ops in ranks2.run(rank_logged, mode):
-        assert ops == ["all_gather", "all_reduce", "broadcast"], ops
+        assert ops == ["all_gather"] * 2 + ["all_reduce", "broadcast"], ops
 
 
 def barrier_step(model, opt, x, y):

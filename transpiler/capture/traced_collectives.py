@@ -141,15 +141,23 @@ def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     return _done(tensor, async_op)
 
 
+def _gathered(input: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' inputs concatenated along dim 0; a 0-d input (a loss) as a
+    vector of one (gloo gathers each rank's part as a tensor of the input's
+    shape, and a 0-d part does not fit its slot)."""
+    size = dist.get_world_size(group)
+    part = input.reshape(1) if input.dim() == 0 else input.contiguous()
+    return issued(ALL_GATHER, part, size, _group_name(group))
+
+
 def _all_gather_into_tensor(output, input, group=None, async_op=False):
-    name, size = _group_name(group), dist.get_world_size(group)
-    output.copy_(issued(ALL_GATHER, input.contiguous(), size, name).view_as(output))
+    output.copy_(_gathered(input, group).view_as(output))
     return _done(output, async_op)
 
 
 def _all_gather(tensor_list, tensor, group=None, async_op=False):
-    name, size = _group_name(group), dist.get_world_size(group)
-    rows = issued(ALL_GATHER, tensor.contiguous(), size, name).view(size, *tensor.shape)
+    size = dist.get_world_size(group)
+    rows = _gathered(tensor, group).view(size, *tensor.shape)
     for out, row in zip(tensor_list, rows.unbind(0)):
         out.copy_(row)
     return _done(tensor_list, async_op)
