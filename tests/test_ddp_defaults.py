@@ -234,7 +234,18 @@ def accumulate(model, opt, x, y):
     opt.step()
 
 
-STEP_FNS = {f.__name__: f for f in (sam, norm_between_micro_batches, accumulate)}
+def second_backward(model, opt, x, y):
+    """Two losses of one forward, each with its own backward(): DDP averages
+    the first one's gradients, and adds the second's as each rank's own."""
+    opt.zero_grad()
+    out = model(x)
+    F.cross_entropy(out, y).backward(retain_graph=True)
+    out.pow(2).mean().backward()
+    opt.step()
+
+
+STEP_FNS = {f.__name__: f for f in (sam, norm_between_micro_batches, accumulate,
+                                     second_backward)}
 
 
 def rank_step_vs_ddp(fn_name, mode, verify=0, find_unused=False):
@@ -303,14 +314,14 @@ def test_pure_accumulation_reduces_once(mode, per_step, ranks2):
             k.removeprefix("model.") for k in ours if k.startswith("model."))
 
 
-def rank_refused(mode):
+def rank_refused(mode, fn_name="sam"):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = M.make("mlp", seed=0)
     opt = M.make_optimizer("sgd", model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = M.shard(M.batches("mlp", 1, BATCH)[0], rank, world_size)
     with pytest.raises(TranspileError) as info:
-        transpile(sam, mode=mode)(model, opt, x, y)
+        transpile(STEP_FNS[fn_name], mode=mode)(model, opt, x, y)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     # At most the zero momentum made before the trace is left (issue 27, item 9).
@@ -323,6 +334,28 @@ def test_modes_that_reduce_once_refuse_sam(mode, ranks2):
     for message, no_update in ranks2.run(rank_refused, mode):
         assert "reads the gradients of backward() number 1 before a later backward()" in message
         assert "use mode 'fuse_all_reduce' or 'grad_allreduce'" in message
+        assert no_update
+
+
+def rank_ddp_grads_agree(fn_name) -> bool:
+    """Whether the ranks' gradients agree after the step under DDP."""
+    model = DDP(M.make("mlp", seed=0))
+    x, y = M.shard(M.batches("mlp", 1, BATCH)[0], dist.get_rank(), dist.get_world_size())
+    STEP_FNS[fn_name](model, M.make_optimizer("sgd", model), x, y)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    parts = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, grads)
+    return all(torch.equal(parts[0], part) for part in parts)
+
+
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_a_second_backward_of_one_forward_is_refused(mode, ranks2):
+    # Under DDP the ranks' gradients differ after it (the replicas drift apart);
+    # the transpiled step refuses it at the first call, with nothing changed.
+    assert ranks2.run(rank_ddp_grads_agree, "second_backward") == [False, False]
+    for message, no_update in ranks2.run(rank_refused, mode, "second_backward"):
+        assert "reaches the parameters of MLP again with no forward through it" in message
+        assert "(loss1 + loss2).backward()" in message
         assert no_update
 
 
@@ -351,7 +384,8 @@ def test_early_averages_plan():
     for name, fn in STEP_FNS.items():
         program = trace_step(fn, flatten_args(fn, (model, opt, x, y), {})).program
         planned[name] = {b: len(nodes) for b, nodes in early_averages(program).items()}
-    assert planned == {"sam": {1: 6}, "norm_between_micro_batches": {1: 6}, "accumulate": {}}
+    assert planned == {"sam": {1: 6}, "norm_between_micro_batches": {1: 6}, "accumulate": {},
+                       "second_backward": {}}
 
 
 def rank_ddp_wrapped_given_to_the_step(mode):

@@ -16,7 +16,10 @@ see that node's value. broadcast_buffers turns the copies of one point into a
 broadcast from rank 0; a mode that does not broadcast buffers leaves them
 copies. The sync runs where DDP's does, before the module's own forward
 pre-hooks: the trace wraps torch.nn.Module.__call__ while it runs, which
-leaves the module's hook dicts (guarded: reads.py) as they were.
+leaves the module's hook dicts (guarded: reads.py) as they were. The same
+wrapper records which modules ran a forward (theirs or a submodule's) with
+grad enabled (Markers.forwarded: DDP reduces a module's gradients once per
+forward).
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ def buffer_sync_points(markers: Markers, modules):
     points = itertools.count()
     original = torch.nn.Module.__call__
 
+    tree = {id(sub): id(m) for m in modules for sub in m.modules()}
+
     def call(module, *args, **kwargs):
         key = id(module)
+        if torch.is_grad_enabled() and key in tree:
+            markers.forwarded.add(tree[key])
         if key not in prefixes:
             return original(module, *args, **kwargs)
         before = last.get(key)

@@ -51,6 +51,10 @@ class Markers:
     steps: list[list] = dataclasses.field(default_factory=list)  # [before, last] per step()
     stepping: torch.optim.Optimizer | None = None  # inside its step() right now
     schedulers: list = dataclasses.field(default_factory=list)  # stepped after the optimizer
+    # ids of the step's modules that ran a forward (theirs or a submodule's)
+    # with grad enabled since a backward() last reached their parameters (set
+    # by buffer_sync_points, which sees every module call)
+    forwarded: set[int] = dataclasses.field(default_factory=set)
 
 
 def last_node() -> fx.Node:
@@ -76,11 +80,13 @@ def compiling_flag():
 
 @contextlib.contextmanager
 def backward_marker(markers: Markers, grads_now: Callable[[], dict],
-                    at_end: Callable[[], None] = lambda: None):
+                    at_end: Callable[[], None] = lambda: None,
+                    reached: Callable[[set], None] = lambda names: None):
     """Mark each backward() (its seed, its loss, its nodes), run at_end() where
     it ends and record every parameter's .grad there: after the last one (of a
     step that takes an optimizer step), those are the gradients the program
-    reduces at its end."""
+    reduces at its end. reached(names): the parameters whose .grad the pass
+    itself wrote (before at_end())."""
     original = torch.autograd.backward
     running = []   # a backward() of the step is running
 
@@ -103,12 +109,13 @@ def backward_marker(markers: Markers, grads_now: Callable[[], dict],
             seed = torch.clone(given)
         markers.losses.append(node_of(loss))
         markers.seeds.append(node_of(seed))
-        before = last_node()
+        before, had = last_node(), grads_now()
         running.append(loss)
         try:
             original(loss, seed, *args, **kwargs)
         finally:
             running.pop()
+        reached({name for name, node in grads_now().items() if had.get(name) is not node})
         at_end()
         markers.backwards.append((before, last_node()))
         markers.grads = grads_now()

@@ -443,6 +443,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
                     if t.grad is not None}
 
+        reached = _once_per_forward(step_fn, markers, modules, inputs) \
+            if world()[0] > 1 else (lambda names: None)
         zeroed: dict[int, tuple[torch.Tensor, int]] = {}   # param id -> its zeros, their version
 
         def zero_unused_grads():
@@ -495,7 +497,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # in eager, and backend='inductor' compiles the whole step
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(rng.recording(on_values))
-            stack.enter_context(backward_marker(markers, grads_now, zero_unused_grads))
+            stack.enter_context(backward_marker(markers, grads_now, zero_unused_grads, reached))
             stack.enter_context(optimizer_markers(markers, optimizers, modules))
             stack.enter_context(buffer_sync_points(markers, modules))
             reads = stack.enter_context(group_reads(optimizers, late.number, step_name(step_fn)))
@@ -841,6 +843,33 @@ def _tensor_hooks(inputs, traced: dict[int, torch.Tensor]) -> dict[tuple[str, st
     return {(inputs.param_names[i], register): set(getattr(t, attr, None) or ())
             for i, t in traced.items() if i in inputs.param_names
             for attr, register in _TENSOR_HOOKS}
+
+
+def _once_per_forward(step_fn, markers: Markers, modules, inputs) -> Callable[[set], None]:
+    """On several ranks, a check for each backward(): every module of the step
+    whose parameters it reaches ran a forward (its own or a submodule's) since
+    a backward() last reached them. DDP reduces a module's gradients in the first backward() after each
+    of its forwards; a second backward() of the same forward
+    (`l1.backward(retain_graph=True); l2.backward()`) adds each rank's own
+    gradients to the averaged ones, and the replicas drift apart: refused."""
+    owner = {inputs.param_names[id(t)]: m for m in modules for _, t in named_state(m)
+             if id(t) in inputs.param_names}
+    reached_before: set[int] = set()
+
+    def reached(names: set) -> None:
+        for module in {id(owner[n]): owner[n] for n in names if n in owner}.values():
+            if id(module) in reached_before and id(module) not in markers.forwarded:
+                raise TranspileError(
+                    f"backward(){user_line(step_fn)} reaches the parameters of "
+                    f"{type(module).__name__} again with no forward through it since the "
+                    "backward() before: DDP averages a module's gradients once per forward, "
+                    "so this backward()'s gradients would stay each rank's own and the "
+                    "replicas would drift apart. Sum the losses into one backward() "
+                    "((loss1 + loss2).backward()), or run the module's forward again for "
+                    "the second loss")
+            markers.forwarded.discard(id(module))
+            reached_before.add(id(module))
+    return reached
 
 
 def _check_no_new_tensor_hooks(step_fn, before: dict, after: dict) -> None:
