@@ -4,11 +4,16 @@ is a collective of the program, equal to torch DDP running the same step in the
 same processes; the collectives a program cannot hold are refused at the first
 call on every rank, nothing written. (Traced as they were, they issued
 nothing: the step returned each rank's own loss where eager returns the
-reduced one.)"""
+reduced one.) torch.distributed.nn's all_gather, which gradients flow back
+through, is traced with a reduce-scatter of its gradient."""
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -138,3 +143,59 @@ def test_a_step_traced_on_its_values_issues_its_collectives_as_eager(ranks2):
     alone); a decision on a reduced value is refused on every rank."""
     for answer in ranks2.run(rank_deciding):
         assert answer.startswith("refused") and "(if loss > 100:)" in answer, answer
+
+
+class TwoTowers(nn.Module):
+    """CLIP's shape: two encoders of normalized features, a learned temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.image, self.text = nn.Linear(16, 8), nn.Linear(16, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, z):
+        return (F.normalize(self.image(x), dim=-1), F.normalize(self.text(z), dim=-1),
+                self.logit_scale.exp())
+
+
+def clip_step(model, opt, x, z):
+    """open_clip's ClipLoss with gather_with_grad: every rank's features,
+    gathered with torch.distributed.nn.all_gather (gradients flow back through
+    it), against this rank's."""
+    a, b, scale = model(x, z)
+    all_a = torch.cat(torch.distributed.nn.all_gather(a))
+    all_b = torch.cat(torch.distributed.nn.all_gather(b))
+    labels = torch.arange(a.shape[0]) + dist.get_rank() * a.shape[0]
+    loss = (F.cross_entropy(scale * a @ all_b.t(), labels)
+            + F.cross_entropy(scale * b @ all_a.t(), labels)) / 2
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def rank_clip(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = TwoTowers()
+    theirs = DDP(copy.deepcopy(ours))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    step = transpile(clip_step, mode=mode)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, z = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        a, b = step(ours, opts[0], x, z), clip_step(theirs, opts[1], x, z)
+        if not torch.equal(a, b):
+            return f"losses differ: {a} != {b}"
+    if not all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters())):
+        return "parameters differ"
+    return sorted(n.meta["comm"].op for n in step.program.collectives() if not n.meta["comm"].params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce"])
+def test_a_gather_gradients_flow_through_equals_ddp(mode, ranks2):
+    # forward: the gathers (the program may coalesce them); backward: their
+    # gradients, reduce-scattered
+    for ops in ranks2.run(rank_clip, mode):
+        assert set(ops) == {"all_gather", "reduce_scatter"}, ops

@@ -10,7 +10,9 @@ reduce_scatter_tensor and broadcast are torch's functional collectives, waited
 for at once and copied into their output tensors as eager's write them, and
 their nodes carry meta["comm"] (over the world, placed on the mesh's
 communicators before the passes run: Program.place_collectives). An async_op
-returns a work whose future is complete. Only the step's group is supported
+returns a work whose future is complete. torch.distributed.nn's all_gather,
+which gradients flow back through, is a gather whose backward reduce-scatters
+the gradient. Only the step's group is supported
 (the default group, or its process_group=; a broadcast's src is a rank of the
 default group, as eager's); another group is refused, naming it, and so are
 the other collectives (reduce,
@@ -22,6 +24,7 @@ collectives' results have no real values.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -175,6 +178,31 @@ _TRACED = {"all_reduce": _all_reduce, "broadcast": _broadcast,
            "reduce_scatter_tensor": _reduce_scatter_tensor}
 ISSUED = tuple(OP_NAMES)
 
+
+class _GatheredWithGrad(torch.autograd.Function):
+    """torch.distributed.nn's all_gather, which gradients flow back through
+    (CLIP's and SimCLR's losses over every rank's features), traced: the
+    ranks' tensors, and in backward each rank's part of every rank's gradient,
+    summed over the ranks (a reduce-scatter: eager's NCCL path; its gloo path
+    scatters, refused in a program, then sums: the same sum, two ranks' in the
+    same bits)."""
+
+    @staticmethod
+    def forward(ctx, group, tensor):
+        ctx.group, ctx.shape = group, tensor.shape
+        return _gathered(tensor, group).view(dist.get_world_size(group), *tensor.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = dist.get_world_size(ctx.group)
+        part = issued(REDUCE_SCATTER, grad.contiguous(), _REDUCE_OPS[dist.ReduceOp.SUM], size,
+                      _group_name(ctx.group))
+        return None, part.view(ctx.shape)
+
+
+def _all_gather_with_grad(tensor, group=None):
+    return _GatheredWithGrad.apply(group, tensor).unbind(0)
+
 # The others, refused where traced code calls them (traced as they are, they
 # would run once on fake tensors, or not at all, and the program without them).
 _REFUSED = ("reduce", "gather", "scatter", "reduce_scatter", "all_to_all", "all_to_all_single",
@@ -205,9 +233,17 @@ def traced_collectives():
     for name, fn in replaced.items():
         setattr(dist, name, fn)
         setattr(c10d, name, fn)
+    # torch.distributed.nn's all_gather, where the step's code has imported it
+    differentiable = {m: m.all_gather for m in (sys.modules.get("torch.distributed.nn"),
+                                                sys.modules.get("torch.distributed.nn.functional"))
+                      if m is not None and hasattr(m, "all_gather")}
+    for module in differentiable:
+        module.all_gather = _all_gather_with_grad
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
             setattr(c10d, name, fn)
+        for module, fn in differentiable.items():
+            module.all_gather = fn
