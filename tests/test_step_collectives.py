@@ -175,7 +175,7 @@ def clip_step(model, opt, x, z):
 
 
 def rank_clip(mode: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     ours = TwoTowers()
     theirs = DDP(copy.deepcopy(ours))
