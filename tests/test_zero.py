@@ -422,3 +422,21 @@ def test_refused_on_every_rank_before_anything_runs(which, says, ranks2):
 def test_options_zero_does_not_combine_with_are_refused_up_front():
     with pytest.raises(TranspileError, match="zero"):
         transpile(M.classify_step, mode="zero", verify=1)
+
+
+def rank_zero_redundancy_optimizer_refused():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = M.make("mlp", seed=0)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = M.batches("mlp", 1, 8)[0]
+    with pytest.raises(TranspileError, match="mode='zero'") as info:
+        transpile(M.classify_step, mode="grad_allreduce")(model, opt, x, y)
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return "SGD(model.parameters(), ...)" in str(info.value) and unchanged
+
+
+def test_torchs_zero_redundancy_optimizer_in_the_step_points_to_mode_zero(ranks2):
+    # it broadcasts the parameters on the host each step: refused, naming the
+    # optimizer it wraps and the mode that shards its state
+    assert ranks2.run(rank_zero_redundancy_optimizer_refused) == [True, True]

@@ -90,6 +90,23 @@ def refuse_fused_without_kernel(step_fn, optimizers) -> None:
                 "backend='inductor', which compiles the update within its tolerance")
 
 
+def refuse_sharding_optimizers(step_fn, optimizers) -> None:
+    """torch's ZeroRedundancyOptimizer shards its state and broadcasts the
+    updated parameters itself, with host bookkeeping each step a program
+    cannot repeat: mode 'zero' is the transpiled form of it."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    for opt in optimizers:
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            raise TranspileError(
+                f"{step_name(step_fn)} steps torch's ZeroRedundancyOptimizer: it shards the "
+                "optimizer state and broadcasts the parameters itself, on the host, every "
+                "step. Give the step the optimizer it wraps instead "
+                f"({type(opt.optim).__name__}(model.parameters(), ...)) and transpile it with "
+                "mode='zero', which shards that optimizer's state over the ranks")
+
+
 def group_tensors_as_inputs(optimizers, stand_in) -> dict[int, torch.Tensor]:
     """A tensor among a param group's values (`lr=torch.tensor(0.01)`, as
     torch.compile's optimizer recipes set it; betas as tensors) is read by the

@@ -60,6 +60,7 @@ from .optimizer_state import (
     make_first_state,
     refuse_complex_state,
     refuse_fused_without_kernel,
+    refuse_sharding_optimizers,
     refuse_uninitialized,
     opt_params,
     redirect_optimizer,
@@ -221,6 +222,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     refuse_uninitialized(step_fn, step_args.optimizers)
     refuse_complex_state(step_fn, step_args.optimizers)
     refuse_fused_without_kernel(step_fn, step_args.optimizers)
+    refuse_sharding_optimizers(step_fn, step_args.optimizers)
     made = make_first_state(step_args.optimizers)
     # a GradScaler's scale, made by its first scale() (scaler.scaler_slots)
     unscaled = [s for s in step_args.scalers if s.is_enabled() and s._scale is None]
