@@ -850,10 +850,11 @@ def _tensor_hooks(inputs, traced: dict[int, torch.Tensor]) -> dict[tuple[str, st
 def _once_per_forward(step_fn, markers: Markers, modules, inputs) -> Callable[[set], None]:
     """On several ranks, a check for each backward(): every module of the step
     whose parameters it reaches ran a forward (its own or a submodule's) since
-    a backward() last reached them. DDP reduces a module's gradients in the first backward() after each
-    of its forwards; a second backward() of the same forward
-    (`l1.backward(retain_graph=True); l2.backward()`) adds each rank's own
-    gradients to the averaged ones, and the replicas drift apart: refused."""
+    a backward() last reached them. DDP reduces a module's gradients in the
+    first backward() after each of its forwards; a second backward() of the
+    same forward (`l1.backward(retain_graph=True); l2.backward()`) adds each
+    rank's own gradients to the averaged ones, and the replicas drift apart:
+    refused."""
     owner = {inputs.param_names[id(t)]: m for m in modules for _, t in named_state(m)
              if id(t) in inputs.param_names}
     reached_before: set[int] = set()
