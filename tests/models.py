@@ -219,3 +219,16 @@ def against_eager(step_fn, between=None, calls: int = 4, build=None, args: tuple
         assert all(torch.equal(p, q) for p, q in zip(ours.state_dict().values(),
                                                      theirs.state_dict().values())), f"call {i}"
     return step
+
+
+def against_ddp(build, step_fn, mode: str, lr: float = 1e-2):
+    """The same model (seed 0) twice, one transpiled with `mode`, one in torch
+    DDP, each with its AdamW: (ours, theirs, (our opt, their opt), step)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from transpiler import transpile
+    torch.manual_seed(0)
+    ours = build()
+    theirs = DDP(copy.deepcopy(ours))
+    opts = tuple(torch.optim.AdamW(m.parameters(), lr=lr) for m in (ours, theirs))
+    return ours, theirs, opts, transpile(step_fn, mode=mode)

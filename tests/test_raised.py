@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import models as M
 from tests.ranks import RankPool
@@ -215,11 +214,7 @@ def test_an_op_failing_on_what_the_trace_gave_it_is_the_traces_failure():
 
 def rank_raise_vs_ddp(mode, nan_ranks):
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    ours = BNDrop()
-    theirs = DDP(copy.deepcopy(ours))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    step = transpile(mae_exit, mode=mode)
+    ours, theirs, opts, step = M.against_ddp(BNDrop, mae_exit, mode)
     results = []
     for i, (x, y) in enumerate(_batches({2} if rank in nan_ranks else set(), rank)):
         torch.manual_seed(100 + i + rank)

@@ -7,8 +7,6 @@ nothing: the step returned each rank's own loss where eager returns the
 reduced one.) torch.distributed.nn's all_gather, which gradients flow back
 through, is traced with a reduce-scatter of its gradient."""
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -175,13 +173,8 @@ def clip_step(model, opt, x, z):
 
 
 def rank_clip(mode: str):
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    ours = TwoTowers()
-    theirs = DDP(copy.deepcopy(ours))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    step = transpile(clip_step, mode=mode)
-    g = torch.Generator().manual_seed(rank)
+    ours, theirs, opts, step = M.against_ddp(TwoTowers, clip_step, mode)
+    g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(3):
         x, z = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
         a, b = step(ours, opts[0], x, z), clip_step(theirs, opts[1], x, z)
