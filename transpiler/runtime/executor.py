@@ -38,10 +38,10 @@ class Executor:
         in place; its outputs (None where written in place). `release_grads`:
         the .grad it replaces without reading them are set to None just before
         it runs, as the step's zero_grad() drops them in eager, so that their
-        memory is free for the new ones (holding two sets of gradients costs a
-        step on a wide model 7%); a program that then fails leaves them None.
-        Only for a program that cannot fail over to another one on this call
-        (one with no decision on tensor values)."""
+        memory is free for the new ones (eager made to hold two sets of
+        gradients takes 7 % longer on the bench's wide model); a program that
+        then fails leaves them None. Only for a program that cannot fail over
+        to another one on this call (one with no decision on tensor values)."""
         if runnable.loop is not None:
             return runnable.loop.run(self.run, leaves, runnable.compile_alone)
         first = runnable.executable is None
