@@ -498,3 +498,44 @@ def test_an_early_return_without_backward_trains_as_eager_and_skip_nonfinite_doe
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters()))
     assert all(torch.equal(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
                for p, q in zip(model.parameters(), eager.parameters()))
+
+
+class _LayerDrop(nn.Module):
+    """fairseq's LayerDrop (`torch.empty(1).uniform_()`) or transformers'
+    (`torch.rand([])`): each layer skipped on a draw of the host's decision."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            p = torch.empty(1).uniform_() if self.draw == "uniform_" else torch.rand([])
+            if self.training and p < 0.3:
+                continue
+            x = x + F.relu(nn.functional.dropout(layer(x), 0.1))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("draw", ["uniform_", "rand"])
+def test_layerdrop_decides_on_its_draws_as_eager(draw):
+    """Traced on the call's values, each draw is eager's: torch's real-tensor
+    propagation ran uniform_'s decomposition on the real twins again, a second
+    draw that shifted every later one (capture/real_draws.py)."""
+    torch.manual_seed(0)
+    ours = _LayerDrop(draw)
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(M.classify_step)
+    g = torch.Generator().manual_seed(0)
+    for i in range(8):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        torch.manual_seed(i)
+        a = step(ours, opts[0], x, y)
+        torch.manual_seed(i)
+        assert torch.equal(a, M.classify_step(theirs, opts[1], x, y)), i
+    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) == 0.0
+    assert step.traces > 1   # the layers taken changed between calls
+
