@@ -412,7 +412,8 @@ def test_a_decision_torch_cannot_check_is_pinned_to_its_value():
 
 
 class _RoutedTwiceAfterDropout(nn.Module):
-    """Top-1 routing, dropout on its output, routing again into the same sum."""
+    """Top-1 routing, dropout on its output, routing again into the same sum;
+    the first sum built in place (index_add_)."""
 
     def __init__(self):
         super().__init__()
@@ -435,12 +436,61 @@ class _RoutedTwiceAfterDropout(nn.Module):
         return self.fc(out)
 
 
-def test_a_first_run_whose_decision_goes_otherwise_is_refused_with_the_generators_put_back():
-    """Traced on the call's values, the run's second routing decides otherwise
-    (its dropout draws are not the trace's): the first call is refused, with
-    nothing written and torch's generator as the call found it."""
+def test_a_second_routing_on_a_sum_built_in_place_equals_eager():
+    """Traced on the call's values, index_add_ added twice into its real twin
+    (torch ran the op, then its Python decomposition, on the twins), so the
+    second routing decided on other values than the run's and the first call
+    was refused (capture/real_twins.py)."""
     torch.manual_seed(0)
-    model = _RoutedTwiceAfterDropout()
+    ours = _RoutedTwiceAfterDropout()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    step = transpile(M.classify_step)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        torch.manual_seed(i)
+        a = step(ours, opts[0], x, y)
+        torch.manual_seed(i)
+        assert torch.equal(a, M.classify_step(theirs, opts[1], x, y)), i
+    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) == 0.0
+
+
+_RUNS = [0]
+
+
+@torch.library.custom_op("transpiler_tests::runs_counted", mutates_args=())
+def _runs_counted(x: torch.Tensor) -> torch.Tensor:
+    """x plus how many times it has run, mod 2: the trace's real run and the
+    program's compute different values."""
+    _RUNS[0] += 1
+    return x + _RUNS[0] % 2
+
+
+@_runs_counted.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _DecidesOnACountedValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop, self.fc = nn.Dropout(0.1), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.drop(x)
+        if _runs_counted(torch.zeros(())) > 0.5:
+            h = h * 2
+        return self.fc(h)
+
+
+def test_a_first_run_whose_decision_goes_otherwise_is_refused_with_the_generators_put_back():
+    """Traced on the call's values, the run decides otherwise (its op computes
+    otherwise than the trace's run of it, after a dropout drew): the first
+    call is refused, with nothing written and torch's generator as the call
+    found it."""
+    torch.manual_seed(0)
+    model = _DecidesOnACountedValue()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     step = transpile(M.classify_step)
     g = torch.Generator().manual_seed(0)
@@ -523,7 +573,7 @@ class _LayerDrop(nn.Module):
 def test_layerdrop_decides_on_its_draws_as_eager(draw):
     """Traced on the call's values, each draw is eager's: torch's real-tensor
     propagation ran uniform_'s decomposition on the real twins again, a second
-    draw that shifted every later one (capture/real_draws.py)."""
+    draw that shifted every later one (capture/real_twins.py)."""
     torch.manual_seed(0)
     ours = _LayerDrop(draw)
     theirs = copy.deepcopy(ours)

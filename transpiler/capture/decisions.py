@@ -48,7 +48,7 @@ from ..program.collectives import WAIT
 from ..errors import TranspileError
 from ..program.program import draws_random
 from ..program.roles import DECISION, MICRO
-from .real_draws import drawing_once
+from .real_twins import each_op_once
 from .user_code import step_name, user_line
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def on_real_values():
     random ones draw from the global generators, put back afterwards."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), \
-            torch.random.fork_rng(devices=devices), drawing_once(), \
+            torch.random.fork_rng(devices=devices), each_op_once(), \
             mock.patch.object(ShapeEnv, "_log_real_tensor_propagation", _record_non_finite), \
             mock.patch.object(fake_utils, "_check_fake_real_tensors", lambda *a, **k: None):
         # (torch's check of each fake result against the real one compares

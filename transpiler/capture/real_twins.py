@@ -1,21 +1,22 @@
-"""Each random op draws once in a trace on real values, as eager's op does.
+"""Each op runs once on the real twins in a trace on real values, as in eager.
 
 With real-tensor propagation (decisions.on_real_values), a fake tensor op
 first runs on the real twins of its inputs, then computes its fake result;
 where that result comes from one of torch's Python decompositions, the ops
-of the decomposition run on the real twins again. For a random op the second
-run draws again: `torch.empty(1).uniform_()` (fairseq's LayerDrop) draws
-twice, and so do normal_, exponential_ and dropout on symbolic sizes in
-torch's own symbolic traces. The trace's values then differ from eager's (an
-in-place op's twin ends with the second draw), every later draw is shifted,
-and a decision on them goes otherwise than the program's run: the step was
-refused as if it decided on a draw it could not repeat.
+of the decomposition run on the real twins again. An in-place op whose fake
+result comes so is applied twice to its twin: `out.index_add_(0, idx, v)`
+adds v twice (an MoE layer's sum built in place, routed on again). A random
+op draws twice: `torch.empty(1).uniform_()` (fairseq's LayerDrop), and, in
+torch's own symbolic traces, normal_, exponential_ and dropout; every later
+draw is shifted. The trace then decides on other values than the program's
+run computes, and the step was refused as if it decided on something it
+could not repeat.
 
-While active, a decomposition that moved torch's generators is undone as
-far as the real twins go: the generators are put back where the op's own real
-run left them, and the twins of the tensors it writes hold that run's values
-again. Its fake result is untouched (the fake mode sets the outputs' twins to
-the op's own run's results after the decomposition returns)."""
+While active, each decomposition's effects on the real twins are undone:
+the twins of the tensors its op writes hold the values of the op's own real
+run again, and torch's generators are put back where that run left them.
+Its fake result is untouched (the fake mode sets the outputs' twins to the
+op's own run's results after the decomposition returns)."""
 
 from __future__ import annotations
 
@@ -66,29 +67,30 @@ def _ran_on_real_twins(leaves: list) -> bool:
                                          for s in symbols)
 
 
-def _drawing_once(op, decomposition):
+def _once(op, decomposition):
     @functools.wraps(decomposition)
     def run(*args, **kwargs):
         if not _ran_on_real_twins(tree_leaves((args, kwargs))):
-            return decomposition(*args, **kwargs)   # its only run on the twins: it draws
+            return decomposition(*args, **kwargs)   # its only run on the twins
         with _disable_current_modes():
             states = _generator_states()
             kept = [(t.real_tensor, t.real_tensor.clone()) for t in _written(op, args, kwargs)]
         out = decomposition(*args, **kwargs)
         with _disable_current_modes():
-            if any(not torch.equal(g.get_state(), state) for g, state in states):
-                for g, state in states:
+            for g, state in states:
+                if not torch.equal(g.get_state(), state):
                     g.set_state(state)
-                for real, values in kept:
-                    real.copy_(values)
+            for real, values in kept:
+                real.copy_(values)
         return out
     return run
 
 
 @contextlib.contextmanager
-def drawing_once():
-    """While real-tensor propagation traces: random ops draw once."""
+def each_op_once():
+    """While real-tensor propagation traces: each op runs once on the real
+    twins (its decomposition's runs on them undone)."""
     with mock.patch.dict(decomposition_table, {
-            op: _drawing_once(op, decomposition) for op, decomposition
+            op: _once(op, decomposition) for op, decomposition
             in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}):
         yield
