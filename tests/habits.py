@@ -2282,8 +2282,9 @@ habit(id="fairseq_layerdrop_module_list",
       source="facebookresearch/fairseq fairseq/modules/layer_drop.py LayerDropModuleList.__iter__: "
              "dropout_probs = torch.empty(len(self)).uniform_(); if not self.training or "
              "(dropout_probs[i] > self.p): yield m",
-      what="LayerDrop from torch's generator: a Python decision on a fresh random tensor",
-      expect=REFUSED, rule=DECISION, match="a random draw", refused_at=1,
+      what="LayerDrop from torch's generator: a Python decision on a fresh random tensor, "
+           "per layer and call",
+      expect=EQUAL, rule=DECISION, calls=6,
       setup=_model_setup(LayerDropListEncoder), call=xy)(plain_step)
 
 
