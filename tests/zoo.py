@@ -1034,7 +1034,9 @@ def catalogue() -> list[Arch]:
              tokens_lm(), ("rmsnorm", "rotary", "multi-head latent attention",
                            "grouped top-k routing", "shared expert", "grouped mm"),
              find_unused=True),
-        # its router assigns a module in forward: self.classifier = self.classifier.to(self.dtype)
+        # its router assigns a module in forward (self.classifier = self.classifier.to(...)) and
+        # multiplies its jitter noise (uniform_, drawn twice by torch's real-tensor propagation
+        # until capture/real_twins.py) in place into a view of its input
         Arch("switch_transformers", Kind.MOE,
              "transformers.SwitchTransformersForConditionalGeneration",
              hf(T.SwitchTransformersForConditionalGeneration, T.SwitchTransformersConfig,
@@ -1044,12 +1046,6 @@ def catalogue() -> list[Arch]:
                 decoder_start_token_id=0),
              tokens_seq2seq(), ("dropout", "tied embeddings", "rmsnorm", "relative positions",
                                 "top-1 routing", "expert capacity", "router z-loss"),
-             refused=r"tracing it again on this call's values failed: _Checked",
-             why="its router multiplies its jitter noise in place into the tensor a no-op "
-                 ".to(float32) returned, the caller's view: the trace again that functionalizes "
-                 "it routes otherwise than the first (real-tensor propagation through the "
-                 "view), so a call whose routing is new is refused; the first call is refused "
-                 "or trains, as the draws fall",
              find_unused=True),
         Arch("qwen3_moe", Kind.MOE, "transformers.Qwen3MoeForCausalLM",
              decoder(T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, moe_intermediate_size=16,
