@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from unittest import mock
 
 import torch
 from torch._decomp import decomposition_table
@@ -89,8 +88,13 @@ def _once(op, decomposition):
 @contextlib.contextmanager
 def each_op_once():
     """While real-tensor propagation traces: each op runs once on the real
-    twins (its decomposition's runs on them undone)."""
-    with mock.patch.dict(decomposition_table, {
-            op: _once(op, decomposition) for op, decomposition
-            in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}):
+    twins (its decomposition's runs on them undone). The table's entries are
+    replaced in place and put back, so that one registered meanwhile stays."""
+    originals = {op: decomposition for op, decomposition in decomposition_table.items()
+                 if isinstance(op, torch._ops.OpOverload)}
+    decomposition_table.update({op: _once(op, decomposition)
+                                for op, decomposition in originals.items()})
+    try:
         yield
+    finally:
+        decomposition_table.update(originals)
