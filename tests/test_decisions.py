@@ -442,18 +442,24 @@ def test_a_second_routing_on_a_sum_built_in_place_equals_eager():
     second routing decided on other values than the run's and the first call
     was refused (capture/real_twins.py)."""
     torch.manual_seed(0)
-    ours = _RoutedTwiceAfterDropout()
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    _classifies_as_eager(_RoutedTwiceAfterDropout(), torch.optim.AdamW, calls=3)
+
+
+def _classifies_as_eager(model, optimizer, calls):
+    """M.classify_step transpiled against eager from `model`, `calls` seeded
+    calls on (8, 16) batches of 4 classes, bit for bit; the transpiled step."""
+    ours, theirs = model, copy.deepcopy(model)
+    opts = [optimizer(m.parameters(), lr=0.1) for m in (ours, theirs)]
     step = transpile(M.classify_step)
     g = torch.Generator().manual_seed(0)
-    for i in range(3):
+    for i in range(calls):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         torch.manual_seed(i)
         a = step(ours, opts[0], x, y)
         torch.manual_seed(i)
         assert torch.equal(a, M.classify_step(theirs, opts[1], x, y)), i
     assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) == 0.0
+    return step
 
 
 _RUNS = [0]
@@ -575,17 +581,6 @@ def test_layerdrop_decides_on_its_draws_as_eager(draw):
     propagation ran uniform_'s decomposition on the real twins again, a second
     draw that shifted every later one (capture/real_twins.py)."""
     torch.manual_seed(0)
-    ours = _LayerDrop(draw)
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    step = transpile(M.classify_step)
-    g = torch.Generator().manual_seed(0)
-    for i in range(8):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        torch.manual_seed(i)
-        a = step(ours, opts[0], x, y)
-        torch.manual_seed(i)
-        assert torch.equal(a, M.classify_step(theirs, opts[1], x, y)), i
-    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) == 0.0
+    step = _classifies_as_eager(_LayerDrop(draw), torch.optim.SGD, calls=8)
     assert step.traces > 1   # the layers taken changed between calls
 
