@@ -584,3 +584,30 @@ def test_layerdrop_decides_on_its_draws_as_eager(draw):
     step = _classifies_as_eager(_LayerDrop(draw), torch.optim.SGD, calls=8)
     assert step.traces > 1   # the layers taken changed between calls
 
+
+
+def _rank_layerdrop_vs_ddp():
+    """Each rank skips its own layers (its draws differ): with
+    find_unused_parameters, as DDP's, the skipped layers average with zeros."""
+    rank = dist.get_rank()
+
+    def train(step_fn, wrap):
+        torch.manual_seed(0)
+        model = _LayerDrop("uniform_")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = wrap(model)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(5):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            torch.manual_seed(10 * i + rank)
+            step_fn(net, opt, x, y)
+        return M.state_of(model, opt)
+
+    ours = train(transpile(M.classify_step, find_unused_parameters=True), lambda m: m)
+    theirs = train(M.classify_step, lambda m: DDP(m, find_unused_parameters=True))
+    return M.max_rel_error(ours, theirs)
+
+
+@pytest.mark.slow
+def test_layerdrop_on_2_ranks_equals_ddp(ranks2):
+    assert ranks2.run(_rank_layerdrop_vs_ddp) == [0.0, 0.0]
