@@ -30,14 +30,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-
-def _generator_states() -> list[tuple[torch.Generator, torch.Tensor]]:
-    """torch's default generators and their states, read from the generator
-    objects (the trace patches torch.get_rng_state: torch_rng.py)."""
-    generators = [torch.default_generator]
-    if torch.cuda.is_initialized():
-        generators += list(torch.cuda.default_generators)
-    return [(g, g.get_state()) for g in generators]
+from .torch_rng import real_states, restore_real_states
 
 
 def _written(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[FakeTensor]:
@@ -72,13 +65,11 @@ def _once(op, decomposition):
         if not _ran_on_real_twins(tree_leaves((args, kwargs))):
             return decomposition(*args, **kwargs)   # its only run on the twins
         with _disable_current_modes():
-            states = _generator_states()
+            states = real_states()
             kept = [(t.real_tensor, t.real_tensor.clone()) for t in _written(op, args, kwargs)]
         out = decomposition(*args, **kwargs)
         with _disable_current_modes():
-            for g, state in states:
-                if not torch.equal(g.get_state(), state):
-                    g.set_state(state)
+            restore_real_states(states)
             for real, values in kept:
                 real.copy_(values)
         return out

@@ -83,7 +83,7 @@ def real_states() -> list[torch.Tensor]:
         _ORIGINAL_CUDA_GET(torch.device(s).index) for s in cuda_streams()]
 
 
-def _restored(before: list[torch.Tensor]) -> bool:
+def restore_real_states(before: list[torch.Tensor]) -> bool:
     """Whether a real generator changed since `before` (real_states()); if so,
     set them all back. (A CUDA initialized since starts its generators fresh.)"""
     if all(torch.equal(a, b) for a, b in zip(real_states(), before)):
@@ -140,7 +140,7 @@ class RngRecorder:
         finally:
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
-            changed = _restored(before)
+            changed = restore_real_states(before)
         if changed and not on_values:
             raise TranspileError(
                 f"{step_name(self.step_fn)} changes torch's random number generator other than "
