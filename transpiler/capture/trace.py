@@ -74,6 +74,7 @@ from .memoized import memoized_while_traced
 from .eager_kernels import eager_dispatch
 from .observed_arrays import ValuesRead, is_ndarray, observed
 from .outside import outside_tensors
+from .kernel_layouts import results_laid_out_as_kernels
 from .meta_fallback import kernels_where_meta_refuses
 from .recurrent import LSTM_LAYERS, recurrent_layers_traced
 from .random_layout import drawn_in_place, twin
@@ -493,6 +494,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
+            stack.enter_context(results_laid_out_as_kernels())
             stack.enter_context(_without_anomaly_mode(step_fn))
             # torch.compile inside the step (a compiled model, module or function) is
             # traced as the code it compiles: the program computes what that code does
@@ -1238,7 +1240,7 @@ def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphMod
         for arg, new in mutated:
             arg.copy_(new)
         return outputs
-    with kernels_where_meta_refuses(), \
+    with kernels_where_meta_refuses(), results_laid_out_as_kernels(), \
             eager_dispatch(tracing_mode == "symbolic"):   # as the first trace ran them
         gm = make_fx(run, tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=True)(*[v.detach() for v in values])

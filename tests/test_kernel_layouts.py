@@ -1,0 +1,85 @@
+"""The trace lays each result out as the op's kernel does
+(transpiler/capture/kernel_layouts.py): where an op's meta function or
+decomposition gives other strides than its CPU kernel, the step still
+computes what eager computes, its views and its random draws included, with
+static and with symbolic sizes. Each case raised in the program's first run
+without it (a view of a result the kernel had laid out otherwise)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from transpiler import transpile
+
+
+class TransposedBatchNorm(nn.Module):
+    """PatchTST's normalization: BatchNorm1d over the features of a
+    (batch, time, features) tensor, through two transposes. CPU's kernel
+    returns a contiguous result where the decomposition keeps the transposed
+    layout: the reshape after it copies in eager, and dropout on it fills its
+    mask in the kernel's memory order."""
+
+    def __init__(self, dropout: float, flat: bool = True):
+        super().__init__()
+        self.flat = flat
+        self.proj = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.norm(self.proj(x).transpose(1, 2)).transpose(1, 2)
+        h = self.drop(h)
+        return self.head(h.reshape(-1, 16) if self.flat else h.sum(1))
+
+
+class GatedSoftplus(nn.Module):
+    """A softplus gate read transposed (Qwen3-Next's decay gate is padded and
+    transposed after its softplus): its gradient comes back transposed, CPU's
+    softplus_backward follows that layout and its decomposition does not, and
+    the linear layer's backward reshapes the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+        self.gate = nn.Parameter(torch.randn(8, 5))
+
+    def forward(self, x):
+        s = F.softplus(self.proj(x))
+        return (s.transpose(1, 2) * self.gate).sum(1)[:, :3]
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).reshape(-1, 3), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("build, rows", [(lambda: TransposedBatchNorm(0.0), 20),
+                                         (lambda: TransposedBatchNorm(0.3), 20),
+                                         (lambda: TransposedBatchNorm(0.3, flat=False), 4),
+                                         (GatedSoftplus, 4)],
+                         ids=["batch_norm", "batch_norm_dropout", "dropout_mask",
+                              "softplus_backward"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+def test_a_result_laid_out_otherwise_by_its_kernel_trains_as_eager(build, rows, dynamic):
+    torch.manual_seed(0)
+    ours = build()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step, g = transpile(_step, dynamic=dynamic), torch.Generator().manual_seed(1)
+    for i, batch in enumerate([4, 4, 3]):   # a smaller last batch: the symbolic program runs it
+        x = torch.randn(batch, 5, 6, generator=g)
+        y = torch.randint(0, 3, (rows * batch // 4,), generator=g)
+        torch.manual_seed(i)
+        a = step(ours, opts[0], x, y)
+        torch.manual_seed(i)
+        b = _step(theirs, opts[1], x, y)
+        assert torch.equal(a, b), f"call {i}: loss {a} != {b}"
+    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(p, q), f"{name} differs"
