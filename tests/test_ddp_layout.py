@@ -144,10 +144,6 @@ def test_deep_mlp_equals_ddp_on_3_ranks(optimizer, ranks3):
     _assert_trained_alike(ranks3.run(rank_trained, "deep_mlp", optimizer))
 
 
-def test_deep_mlp_equals_ddp_on_4_ranks(ranks4):
-    _assert_trained_alike(ranks4.run(rank_trained, "deep_mlp", "adamw"))
-
-
 def test_deep_mlp_equals_ddp_on_8_ranks(ranks8):
     _assert_trained_alike(ranks8.run(rank_trained, "deep_mlp", "sgd"))
 
