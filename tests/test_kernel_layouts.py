@@ -1,9 +1,11 @@
-"""The trace lays each result out as the op's kernel does
-(transpiler/capture/kernel_layouts.py): where an op's meta function or
-decomposition gives other strides than its CPU kernel, the step still
-computes what eager computes, its views and its random draws included, with
-static and with symbolic sizes. Each case raised in the program's first run
-without it (a view of a result the kernel had laid out otherwise)."""
+"""The program lays each value out as eager does: where an op's meta function
+or decomposition gives other strides than its CPU kernel
+(transpiler/capture/kernel_layouts.py), and where an in-place op becomes an
+out-of-place one that allocates another layout (capture/functionalize.py),
+the step still computes what eager computes, its views, its random draws and
+its sums' order included, with static and with symbolic sizes. Without them,
+each case raised in the program's first run (a view of a value laid out
+otherwise) or, for the fills in place, returned a loss an ulp from eager's."""
 
 import copy
 
@@ -52,6 +54,40 @@ class GatedSoftplus(nn.Module):
         return (s.transpose(1, 2) * self.gate).sum(1)[:, :3]
 
 
+class FilledInPlace(nn.Module):
+    """masked_fill_ on a transposed tensor with a broadcast mask: eager keeps
+    the tensor's layout, the out-of-place masked_fill returns a contiguous
+    one, and the loss's sum runs in another order (an ulp apart). With a
+    write through a view beside it, the step is functionalized by tracing it
+    again (capture/trace.py) instead of by the graph's rewrite."""
+
+    def __init__(self, through_view: bool):
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+        self.through_view = through_view
+
+    def forward(self, x):
+        h = self.proj(x).transpose(1, 2) * 2
+        h.masked_fill_(torch.zeros(8, 1, dtype=torch.bool), 0)
+        if self.through_view:
+            h[:, :2].mul_(3)
+        return h.transpose(1, 2).reshape(-1, 8)[:, :3]
+
+
+class MatrixNorm(nn.Module):
+    """torch.linalg.matrix_norm of a transposed tensor: its backward fills a
+    transposed gradient in place, and the program's view of it raised."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.proj(x).reshape(-1, 40)
+        norm = torch.linalg.matrix_norm(h.view(-1, 5, 8).transpose(1, 2))
+        return (h * norm.unsqueeze(1)).reshape(-1, 8)[:, :3]
+
+
 def _step(model, opt, x, y):
     opt.zero_grad()
     loss = F.cross_entropy(model(x).reshape(-1, 3), y)
@@ -63,9 +99,13 @@ def _step(model, opt, x, y):
 @pytest.mark.parametrize("build, rows", [(lambda: TransposedBatchNorm(0.0), 20),
                                          (lambda: TransposedBatchNorm(0.3), 20),
                                          (lambda: TransposedBatchNorm(0.3, flat=False), 4),
-                                         (GatedSoftplus, 4)],
+                                         (GatedSoftplus, 4),
+                                         (lambda: FilledInPlace(False), 20),
+                                         (lambda: FilledInPlace(True), 20),
+                                         (MatrixNorm, 20)],
                          ids=["batch_norm", "batch_norm_dropout", "dropout_mask",
-                              "softplus_backward"])
+                              "softplus_backward", "filled_in_place",
+                              "filled_in_place_traced_again", "matrix_norm"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
 def test_a_result_laid_out_otherwise_by_its_kernel_trains_as_eager(build, rows, dynamic):
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ..program.program import draws_random, new_node
 from ..program.roles import ROLE
+from .kernel_layouts import laid_out_alike
 
 aten = torch.ops.aten
 # Ops whose result is their input itself: a mutation of either is seen by both.
@@ -82,6 +83,24 @@ def _twin(target):
     same = [(a.name, str(a.type)) for a in twin._schema.arguments] == \
            [(a.name, str(a.type)) for a in target._schema.arguments]
     return twin if same and mutated_index(twin) is None else None
+
+
+def relaid_twin(target, args: tuple, kwargs: dict):
+    """For `target(*args, **kwargs)`, an in-place op on the tensor args[0]
+    (fake, the functional wrappers taken off), whose out-of-place twin lays
+    its result out otherwise than args[0] (masked_fill_ on a transposed
+    tensor with a broadcast mask): that twin; else None. A functionalizing
+    trace runs such an op as args[0].copy_(twin(...)), which keeps the
+    layout eager's in-place op keeps."""
+    if not isinstance(target, torch._ops.OpOverload) or mutated_index(target) != 0 \
+            or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    twin = _twin(target)
+    if twin is None or target in _FUNCTIONAL or len(twin._schema.returns) != 1:
+        return None
+    with torch.utils._python_dispatch._disable_current_modes():   # not traced
+        result = twin(*args, **kwargs)
+    return None if laid_out_alike(result, args[0]) else twin
 
 
 def _with_defaults(node: fx.Node) -> dict:
@@ -269,6 +288,12 @@ def rewrite(graph: fx.Graph) -> None:
                     item = new_node(graph, operator.getitem, (new, i), role)
                     current[plan.root[tensor]] = item
             else:
+                if not laid_out_alike(new.meta["val"], node.args[0].meta["val"]):
+                    # The out-of-place op lays its result out otherwise than the
+                    # tensor the in-place op wrote (masked_fill_ on a transposed
+                    # tensor): the result copied into that layout, which eager's
+                    # later views and random draws were traced on.
+                    new = new_node(graph, aten.copy.default, (node.args[0], new), role, **meta)
                 # Users of the in-place op's result read the tensor it updated,
                 # at its latest value wherever they are.
                 tensor = plan.root[node]

@@ -150,3 +150,13 @@ def _relaid(mode, fake, real):
     if getattr(fake, "real_tensor", None) is not None:   # a trace on the call's real values
         relaid.real_tensor = fake.real_tensor
     return relaid
+
+
+def laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b, of one shape, have the same order in memory (True
+    where either is not dense or has sizes without hints: no order to keep)."""
+    ha, hb = _hinted(a), _hinted(b)
+    if ha is None or hb is None:
+        return True
+    oa, ob = _dense_order(*ha[0]), _dense_order(*hb[0])
+    return oa is None or ob is None or oa == ob

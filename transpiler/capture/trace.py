@@ -679,7 +679,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         mark_backward_ends(markers.ends[:-1] if markers.steps else [])
         _drop_profiler_nodes(gm.graph)
         try:
-            functionalize.rewrite(gm.graph)
+            with results_laid_out_as_kernels():   # the out-of-place twins' layouts
+                functionalize.rewrite(gm.graph)
             fgm = gm
         except functionalize.Unsupported as why:
             log.debug("transpiler: functionalizing %s by tracing again: %s", step_name(step_fn), why)
@@ -1201,6 +1202,10 @@ class _RoleCarrier(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if drawn_in_place(target, args):   # drawn on the target's layout, as eager draws
             return args[0].copy_(twin(target)(*args, **kwargs))
+        relaid = functionalize.relaid_twin(
+            target, *pytree.tree_map_only(torch.Tensor, _unwrapped, (args, kwargs)))
+        if relaid is not None:   # written in the target's layout, as eager writes it
+            return args[0].copy_(relaid(*args, **kwargs))
         if target in ISSUED or target is WAIT:   # nothing issued while traced (traced_collectives)
             with without_real_values(_unwrapped(args[0])):
                 result = super().call_function(target, args, kwargs)
