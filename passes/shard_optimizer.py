@@ -293,9 +293,11 @@ class _Rewrite:
         full = [a for a in node.all_input_nodes if a not in self.shard and not self._sharded_param(a)
                 and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() > 0]
         if not ok or full:
-            why = (f"it reads {full[0].name}, a full tensor, with shards" if ok
+            why = (f"it reads {full[0].name}, a full tensor, with shards (a value the step "
+                   "computes in full, such as a parameter it writes before the update: "
+                   "param.data.clamp_(...) in the forward)" if ok
                    else "it is not elementwise")
-            raise PassError(f"{node.name} ({node.format_node()}) cannot run on shards of the "
+            raise PassError(f"{node.name} ({name}) cannot run on shards of the "
                             f"gradients and parameters: {why}. Mode zero shards the update; "
                             "use fuse_all_reduce for this step")
 

@@ -397,8 +397,10 @@ def traced_otherwise(decision: Decision) -> TranspileError:
         f"the step's decision on a tensor value {decision.describe()} went otherwise "
         "as it ran than as it was traced on the same call's values: the trace and the run "
         "compute the value differently (a decision on a random draw does: the trace's real "
-        "tensors draw other numbers). Decide with tensor ops (torch.where, masking), or move "
-        "the decision outside the step")
+        "tensors draw other numbers; so does one on a value that a compiler's kernels round "
+        "otherwise than eager's, near its threshold: backend='eager' computes eager's "
+        "values). Decide with tensor ops (torch.where, masking), or move the decision "
+        "outside the step")
 
 
 def hoist_checks(program) -> None:
