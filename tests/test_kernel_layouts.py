@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from transpiler import transpile
+from transpiler.capture import functionalize
 
 
 class TransposedBatchNorm(nn.Module):
@@ -123,3 +124,14 @@ def test_a_result_laid_out_otherwise_by_its_kernel_trains_as_eager(build, rows, 
         assert torch.equal(a, b), f"call {i}: loss {a} != {b}"
     for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values()):
         assert torch.equal(p, q), f"{name} differs"
+
+
+def test_the_layout_check_of_an_in_place_draw_draws_nothing():
+    """An in-place random op keeps its layout by capture/random_layout.py:
+    checking its out-of-place twin's layout would draw. In the trace on a
+    call's real values that draw shifted every later one, and NLLB-MoE's
+    LayerDrop decided otherwise than its first trace (refused on 2 ranks)."""
+    target = torch.empty(4, 6).t()
+    state = torch.get_rng_state()
+    assert functionalize.relaid_twin(torch.ops.aten.bernoulli_.float, (target, 0.5), {}) is None
+    assert torch.equal(state, torch.get_rng_state())

@@ -93,8 +93,9 @@ def relaid_twin(target, args: tuple, kwargs: dict):
     trace runs such an op as args[0].copy_(twin(...)), which keeps the
     layout eager's in-place op keeps."""
     if not isinstance(target, torch._ops.OpOverload) or mutated_index(target) != 0 \
+            or torch.Tag.nondeterministic_seeded in target.tags \
             or not args or not isinstance(args[0], torch.Tensor):
-        return None
+        return None   # (a random op would draw: random_layout.py keeps its layout)
     twin = _twin(target)
     if twin is None or target in _FUNCTIONAL or len(twin._schema.returns) != 1:
         return None
