@@ -215,6 +215,43 @@ def images_noise(size: int = 8, channels: int = 3, steps: int = 1000):
     return batch
 
 
+def series_forecast(context: int = 12, prediction: int = 4, lags: int = 2, features: int = 2):
+    """A time series forecast: past values (the context plus the largest lag),
+    time features, the observed mask and the values to predict; the model's
+    loss is its distribution's negative log-likelihood of them."""
+    def batch(g):
+        past = context + lags
+        return dict(past_values=torch.randn(2, past, generator=g),
+                    past_time_features=torch.randn(2, past, features, generator=g),
+                    past_observed_mask=torch.ones(2, past),
+                    future_values=torch.randn(2, prediction, generator=g),
+                    future_time_features=torch.randn(2, prediction, features, generator=g))
+    return batch
+
+
+def series_channels(context: int = 16, channels: int = 2):
+    """Multichannel series for masked pretraining (the model masks patches itself)."""
+    def batch(g):
+        return dict(past_values=torch.randn(2, context, channels, generator=g))
+    return batch
+
+
+def video_classes(frames: int = 4, size: int = 16, classes: int = 3):
+    """Clips of frames and a class a clip."""
+    def batch(g):
+        return dict(pixel_values=torch.randn(2, frames, 3, size, size, generator=g),
+                    labels=torch.randint(0, classes, (2,), generator=g))
+    return batch
+
+
+def images_segments(size: int = 32, classes: int = 3):
+    """Images and a class per pixel (semantic segmentation)."""
+    def batch(g):
+        return dict(pixel_values=torch.randn(2, 3, size, size, generator=g),
+                    labels=torch.randint(0, classes, (2, size, size), generator=g))
+    return batch
+
+
 def hf(model_cls, config_cls, **config):
     """transformers' model from a config (train mode: dropout on)."""
     def build():
@@ -1177,6 +1214,209 @@ def catalogue() -> list[Arch]:
         Arch("lstm_classifier", E, "nn.LSTM text classifier (bidirectional, batch-first)",
              torch_model(LSTMClassifier), tokens_classes(),
              ("dropout", "lstm", "bidirectional", "final states"), loss=tokens_classes_loss),
+
+        # (appended) found by trying transformers' architectures not listed above.
+        # find_unused: FNet's pooler, XLNet's mask embedding and ESM's contact head get
+        # no gradient from a masked-LM loss, and the time-series models skip layers
+        # (LayerDrop) on a rank's own draws.
+        # PatchTST normalizes with BatchNorm1d between two transposes, and Qwen3-Next's
+        # gated delta rule reads a softplus gate transposed: on CPU both kernels lay
+        # their result out otherwise than the meta function (capture/kernel_layouts.py;
+        # the program's view raised before it)
+        Arch("patchtst", E, "transformers.PatchTSTForPretraining",
+             hf(T.PatchTSTForPretraining, T.PatchTSTConfig, num_input_channels=2,
+                context_length=16, patch_length=4, patch_stride=4, d_model=16,
+                num_hidden_layers=1, num_attention_heads=2, ffn_dim=16, do_mask_input=True,
+                mask_type="random", random_mask_ratio=0.4, dropout=0.1),
+             series_channels(), ("dropout", "batchnorm", "random patch masking",
+                                 "layouts the meta function misstates")),
+        Arch("qwen3_next", Kind.MOE, "transformers.Qwen3NextForCausalLM",
+             hf(T.Qwen3NextForCausalLM, T.Qwen3NextConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=2, num_experts=4,
+                num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=64,
+                attention_dropout=0.1),
+             tokens_lm(), ("rmsnorm", "rotary", "gated delta rule", "causal conv",
+                           "top-k routing", "shared expert", "layouts the meta function misstates"),
+             find_unused=True),
+        Arch("fnet", E, "transformers.FNetForMaskedLM",
+             hf(T.FNetForMaskedLM, T.FNetConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, max_position_embeddings=16,
+                hidden_dropout_prob=0.1),
+             tokens_lm(), ("dropout", "fourier mixing (complex fft)", "tied embeddings"),
+             find_unused=True),
+        Arch("informer", S, "transformers.InformerForPrediction",
+             hf(T.InformerForPrediction, T.InformerConfig, prediction_length=4, context_length=12,
+                lags_sequence=[1, 2], num_time_features=2, d_model=16, encoder_layers=1,
+                decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                encoder_ffn_dim=16, decoder_ffn_dim=16, dropout=0.1, sampling_factor=2),
+             series_forecast(), ("dropout", "probsparse attention (randint samples)",
+                                 "distilling conv", "student-t likelihood"), find_unused=True),
+        Arch("time_series_transformer", S, "transformers.TimeSeriesTransformerForPrediction",
+             hf(T.TimeSeriesTransformerForPrediction, T.TimeSeriesTransformerConfig,
+                prediction_length=4, context_length=12, lags_sequence=[1, 2], num_time_features=2,
+                d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, dropout=0.1),
+             series_forecast(), ("dropout", "lagged inputs", "mean scaling",
+                                 "student-t likelihood"), find_unused=True),
+        Arch("patchtsmixer", E, "transformers.PatchTSMixerForPretraining",
+             hf(T.PatchTSMixerForPretraining, T.PatchTSMixerConfig, num_input_channels=2,
+                context_length=16, patch_length=4, patch_stride=4, d_model=16, num_layers=1,
+                mask_type="random", random_mask_ratio=0.4, dropout=0.1, masked_loss=True),
+             series_channels(), ("dropout", "random patch masking", "mlp mixing")),
+        Arch("groupvit", Kind.MULTIMODAL, "transformers.GroupViTModel",
+             hf(T.GroupViTModel, T.GroupViTConfig, projection_dim=16,
+                projection_intermediate_dim=16,
+                text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 max_position_embeddings=16),
+                vision_config=dict(hidden_size=16, intermediate_size=32, depths=[1, 1],
+                                   num_group_tokens=[4, 0], num_output_groups=[4, 4],
+                                   num_attention_heads=2, image_size=16, patch_size=4,
+                                   dropout=0.1)),
+             tokens_images(), ("dropout", "hard gumbel-softmax grouping", "contrastive loss")),
+        Arch("xlnet", D, "transformers.XLNetLMHeadModel",
+             hf(T.XLNetLMHeadModel, T.XLNetConfig, vocab_size=VOCAB, d_model=16, n_layer=2,
+                n_head=2, d_inner=32, dropout=0.1),
+             tokens_lm(), ("dropout", "two-stream relative attention", "tied embeddings"),
+             find_unused=True),
+        Arch("modernbert", E, "transformers.ModernBertForMaskedLM",
+             hf(T.ModernBertForMaskedLM, T.ModernBertConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4,
+                attention_dropout=0.1, mlp_dropout=0.1, embedding_dropout=0.1, pad_token_id=0,
+                bos_token_id=1, eos_token_id=1, sep_token_id=1, cls_token_id=1),
+             tokens_masked_lm(), ("dropout", "rotary", "local and global attention", "gated mlp",
+                                  "attention mask")),
+        Arch("esm", E, "transformers.EsmForMaskedLM",
+             hf(T.EsmForMaskedLM, T.EsmConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, position_embedding_type="rotary",
+                token_dropout=True, mask_token_id=3, pad_token_id=0, **DROP),
+             tokens_masked_lm(), ("dropout", "rotary", "token dropout rescaled by the mask ratio",
+                                  "attention mask"), find_unused=True),
+        Arch("segformer", V, "transformers.SegformerForSemanticSegmentation",
+             hf(T.SegformerForSemanticSegmentation, T.SegformerConfig, num_encoder_blocks=2,
+                depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[3, 3],
+                strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                decoder_hidden_size=16, num_labels=3, hidden_dropout_prob=0.1,
+                drop_path_rate=0.1),
+             images_segments(), ("dropout", "stochastic depth", "spatial-reduction attention",
+                                 "batchnorm", "bilinear upsampling", "per-pixel loss")),
+        Arch("bitnet", D, "transformers.BitNetForCausalLM",
+             hf(T.BitNetForCausalLM, T.BitNetConfig, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.1),
+             tokens_lm(), ("dropout", "rmsnorm", "rotary", "sub-layer norms")),
+        Arch("jetmoe", Kind.MOE, "transformers.JetMoeForCausalLM",
+             decoder(T.JetMoeForCausalLM, T.JetMoeConfig, num_key_value_heads=2, kv_channels=8,
+                     num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.1),
+             tokens_lm(), ("dropout", "rmsnorm", "rotary", "mixture of attention heads",
+                           "top-k routing"), find_unused=True),
+        Arch("deepseek_v2", Kind.MOE, "transformers.DeepseekV2ForCausalLM",
+             hf(T.DeepseekV2ForCausalLM, T.DeepseekV2Config, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                topk_group=1, topk_method="group_limited_greedy", kv_lora_rank=8,
+                q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                max_position_embeddings=64, attention_dropout=0.1),
+             tokens_lm(), ("dropout", "rmsnorm", "multi-head latent attention",
+                           "group-limited routing", "shared expert"), find_unused=True),
+        Arch("nllb_moe", Kind.MOE, "transformers.NllbMoeForConditionalGeneration",
+             hf(T.NllbMoeForConditionalGeneration, T.NllbMoeConfig, vocab_size=VOCAB, d_model=16,
+                encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4,
+                expert_capacity=8, encoder_sparse_step=2, decoder_sparse_step=2,
+                max_position_embeddings=64, dropout=0.1, moe_token_dropout=0.2,
+                decoder_start_token_id=0, pad_token_id=1),
+             tokens_seq2seq(), ("dropout", "top-2 routing", "expert capacity",
+                                "expert token dropout", "sinusoidal positions"), find_unused=True),
+        Arch("gemma3n", D, "transformers.Gemma3nForCausalLM",
+             hf(T.Gemma3nForCausalLM, T.Gemma3nTextConfig, vocab_size=VOCAB,
+                vocab_size_per_layer_input=VOCAB, hidden_size=16, hidden_size_per_layer_input=4,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                num_kv_shared_layers=0, activation_sparsity_pattern=[0.95, 0.0],
+                altup_num_inputs=2, laurel_rank=4, max_position_embeddings=64,
+                attention_dropout=0.1),
+             tokens_lm(), ("dropout", "rmsnorm", "rotary", "altup", "laurel",
+                           "per-layer embeddings", "activation sparsity (gaussian top-k)")),
+        Arch("lfm2", D, "transformers.Lfm2ForCausalLM",
+             hf(T.Lfm2ForCausalLM, T.Lfm2Config, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, layer_types=["conv", "full_attention"],
+                max_position_embeddings=64),
+             tokens_lm(), ("rmsnorm", "rotary", "gated short convolution")),
+        Arch("hiera", V, "transformers.HieraForImageClassification",
+             hf(T.HieraForImageClassification, T.HieraConfig, embed_dim=8, image_size=[32, 32],
+                patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1], depths=[1, 1],
+                num_heads=[1, 2], query_stride=[2, 2], masked_unit_size=[4, 4], num_query_pool=1,
+                num_labels=3, drop_path_rate=0.1),
+             images_classes(), ("stochastic depth", "mask-unit attention", "unroll and reroll",
+                                "query pooling")),
+        Arch("bit", V, "transformers.BitForImageClassification",
+             hf(T.BitForImageClassification, T.BitConfig, embedding_size=8, hidden_sizes=[8, 16],
+                depths=[1, 1], layer_type="preactivation", global_padding="SAME", num_groups=4,
+                num_labels=3, drop_path_rate=0.1),
+             images_classes(), ("stochastic depth", "weight standardization (batch norm of the "
+                                "weights)", "groupnorm", "same padding")),
+        Arch("upernet", V, "transformers.UperNetForSemanticSegmentation",
+             hf(T.UperNetForSemanticSegmentation, T.UperNetConfig,
+                backbone_config=T.ConvNextConfig(hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1],
+                                                 out_features=["stage1", "stage2", "stage3",
+                                                               "stage4"]),
+                hidden_size=16, auxiliary_in_channels=16, auxiliary_channels=8, num_labels=3,
+                use_auxiliary_head=True),
+             images_segments(), ("batchnorm", "pyramid pooling", "feature pyramid",
+                                 "auxiliary head", "bilinear upsampling", "per-pixel loss")),
+        Arch("timesformer", V, "transformers.TimesformerForVideoClassification",
+             hf(T.TimesformerForVideoClassification, T.TimesformerConfig, image_size=16,
+                patch_size=8, num_frames=4, hidden_size=16, num_hidden_layers=1,
+                num_attention_heads=2, intermediate_size=32, num_labels=3,
+                hidden_dropout_prob=0.1),
+             video_classes(), ("dropout", "divided space-time attention")),
+        Arch("minimax", Kind.MOE, "transformers.MiniMaxForCausalLM",
+             decoder(T.MiniMaxForCausalLM, T.MiniMaxConfig,
+                     layer_types=["linear_attention", "full_attention"], block_size=4,
+                     num_hidden_layers=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                     num_experts_per_tok=2, attention_dropout=0.1, max_position_embeddings=64),
+             tokens_lm(), ("dropout", "rmsnorm", "rotary", "lightning attention (blocks)",
+                           "top-k routing"), find_unused=True),
+        Arch("granitemoehybrid", Kind.MOE, "transformers.GraniteMoeHybridForCausalLM",
+             decoder(T.GraniteMoeHybridForCausalLM, T.GraniteMoeHybridConfig,
+                     num_hidden_layers=2, num_key_value_heads=1, layer_types=["mamba", "attention"],
+                     num_local_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_n_heads=2,
+                     mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=4,
+                     shared_intermediate_size=16, attention_dropout=0.1,
+                     max_position_embeddings=64),
+             tokens_lm(), ("dropout", "rmsnorm", "mamba2 (chunked scan)", "top-k routing",
+                           "shared expert"), find_unused=True),
+        Arch("big_bird_block_sparse", E, "transformers.BigBirdForMaskedLM",
+             hf(T.BigBirdForMaskedLM, T.BigBirdConfig, attention_type="block_sparse",
+                block_size=2, num_random_blocks=2, vocab_size=VOCAB, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, **DROP),
+             tokens_lm(32), ("dropout", "block-sparse attention", "random blocks"),
+             refused=r"np\.random\.permutation",
+             why="its random attention blocks are drawn with numpy and indexed on the host "
+                 "every training call (np.random.permutation): the program would reuse the "
+                 "first call's blocks; attention_type='original_full' trains"),
+        Arch("reformer", D, "transformers.ReformerModelWithLMHead",
+             hf(T.ReformerModelWithLMHead, T.ReformerConfig, vocab_size=VOCAB, hidden_size=16,
+                feed_forward_size=32, attention_head_size=8, num_attention_heads=2,
+                attn_layers=["local", "lsh"], axial_pos_embds=False, max_position_embeddings=16,
+                local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2,
+                is_decoder=True, hidden_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1,
+                local_attention_probs_dropout_prob=0.1),
+             tokens_lm(16), ("dropout", "lsh attention", "reversible layers"),
+             refused=r"torch\.seed\(\)",
+             why="its reversible layers seed torch with torch.seed() in every training "
+                 "forward (a nondeterministic seed, not reproducible in eager either)"),
     ]
 
 
