@@ -4,8 +4,10 @@ seeds, bit for bit. Whisper and ViT drew other dropout masks than eager
 (dropout on a tensor that is not contiguous); Mamba took a compile-only
 branch; Mixtral's experts call aten._grouped_mm, whose meta function refuses
 float32; Longformer and Qwen2-MoE decide on tensor values; BEiT memoizes its
-relative position index (capture/memoized.py). tests/test_zoo.py runs the zoo
-on 2 ranks against DDP."""
+relative position index (capture/memoized.py); PatchTST's BatchNorm between
+two transposes is laid out otherwise by CPU's kernel than by its meta
+function (capture/kernel_layouts.py). tests/test_zoo.py runs the zoo on 2
+ranks against DDP."""
 
 import copy
 
@@ -18,7 +20,7 @@ from transpiler.errors import TranspileError
 
 # (switch_transformers, whose routing decisions trace about 30 s, runs in `make zoo`)
 SAMPLE = ["whisper", "mamba", "bert", "t5", "vit", "beit", "mixtral", "qwen2_moe", "deepseek_v3",
-          "gpt2", "wav2vec2", "longformer", "clip", "resnet"]
+          "gpt2", "wav2vec2", "longformer", "clip", "resnet", "patchtst"]
 
 pytestmark = pytest.mark.skipif(zoo.T is None, reason="transformers is not installed")
 
