@@ -100,8 +100,11 @@ class RankPool:
             silent = sorted(waited - set(got))
             stacks = self._stacks(silent)
             self.close(kill=True)
+            # a rank that failed first often left the silent ones waiting for it
+            failed = "".join(f"\n--- rank {r} failed first ---\n{v}"
+                             for r, (ok, v) in sorted(got.items()) if not ok)
             raise RankFailure(f"ranks {silent} did not answer {fn.__name__} within {timeout}s"
-                              f"{stacks}") from None
+                              f"{failed}{stacks}") from None
         errors = {r: v for r, (ok, v) in got.items() if not ok and r in waited}
         if errors:
             rank = min(errors)
@@ -116,8 +119,11 @@ class RankPool:
         time.sleep(2)
         out = ""
         for r in ranks:
-            with open(_stacks_path(self._store, r)) as f:
-                out += f"\n--- rank {r}'s threads ---\n{f.read()}"
+            try:
+                with open(_stacks_path(self._store, r)) as f:
+                    out += f"\n--- rank {r}'s threads ---\n{f.read()}"
+            except FileNotFoundError:   # the rank had not started its worker yet
+                out += f"\n--- rank {r}: no stacks (its worker had not started) ---"
         return out
 
     @property
