@@ -206,7 +206,11 @@ def train(args) -> dict:
                 }
                 if master_process:
                     log.info("saving checkpoint to %s", args.out_dir)
-                    torch.save(checkpoint, ckpt_path)
+                    # Written whole, then renamed: a resumed run saves at its first
+                    # iteration, while another rank may still read the file it
+                    # resumed from (it keeps reading the old one).
+                    torch.save(checkpoint, ckpt_path + ".tmp")
+                    os.replace(ckpt_path + ".tmp", ckpt_path)
 
         # A seed per (iteration, rank): each rank draws its own batches, and a
         # resumed run draws the same ones.
