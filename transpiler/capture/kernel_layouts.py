@@ -71,7 +71,10 @@ def _checked(func) -> bool:
 
 def _hinted(t: torch.Tensor):
     """((sizes, strides), storage offset) of t as integers, symbolic ones at
-    their hints (no guard is added); None where one has no hint."""
+    their hints (no guard is added); None where one has no hint, or t is not
+    strided (a sparse tensor)."""
+    if t.layout is not torch.strided:
+        return None
     values = (*t.shape, *t.stride(), t.storage_offset())
     if not all(has_guarding_hint(v) for v in values):
         return None
