@@ -14,7 +14,8 @@ random op fills another memory order than eager's (other dropout masks).
 While the step is traced, an aten op with a tensor input that is not
 contiguous (where the two disagree) also runs its kernel once on zero tensors
 of its inputs' exact layouts; where the kernel's result has the same shapes
-and dtypes but other strides, the traced result takes the kernel's strides.
+and dtypes but another order in memory, the traced result takes the kernel's
+order (a fresh tensor of that order: symbolic sizes stay symbolic).
 Skipped: views and ops that return an input (their strides are the view's own
 computation), random ops (the kernel would draw), ops of backend libraries
 (their buffers are not valid as zeros), and any op whose kernel raises on
