@@ -21,7 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import models as M
 from transpiler import transpile
 
-# Views and copies of an (8, 32) tensor, none of them contiguous but the last.
+# Views and copies of an (8, 32) tensor, none of them contiguous but "offset".
+# "normalized" is batch norm of a transposed tensor, transposed back: CPU's
+# kernel returns a contiguous tensor, so the result is transposed (the
+# decomposition would keep its input's layout, and inductor's batch norm does).
 LAYOUTS = {
     "transposed": lambda h: h.t(),
     "permuted": lambda h: h.view(2, 4, 32).permute(2, 0, 1),
@@ -29,6 +32,8 @@ LAYOUTS = {
     "strided": lambda h: h[:, ::2],
     "strided_transposed": lambda h: h[::2].t(),
     "offset": lambda h: h[3:],
+    "normalized": lambda h: F.batch_norm(h.view(2, 4, 32).transpose(1, 2), None, None,
+                                         training=True).transpose(1, 2),
 }
 
 # Random ops that fill their tensor in place.
@@ -150,6 +155,26 @@ def test_dropout_on_a_transposed_tensor_under_inductor():
                                            dict(theirs.named_parameters())))
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert worst < 1e-5
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("layout, draw, dynamic", [
+    ("normalized", lambda v: F.dropout(v, 0.4), False),
+    ("normalized", lambda v: F.dropout(v, 0.4), True),   # traced as native_dropout
+    ("normalized", lambda v: v * torch.empty_like(v).normal_(), False),
+    ("channels_last", lambda v: v + torch.randn_like(v), False)],
+    ids=["dropout", "dropout_symbolic", "normal_", "randn_like"])
+def test_a_draw_on_a_layout_the_compiler_chooses_otherwise_draws_eagers_numbers(layout, draw, dynamic):
+    """Under inductor a random op's input is laid out as eager's
+    (compiler_graph.draws_in_eager_order), not as the compiler lays the value
+    out: inductor keeps batch norm's input layout and made the channels_last
+    copy contiguous. Dropout's masks were other ones from the second call on,
+    and normal_ and randn_like, which draw another count of numbers for a
+    contiguous tensor, left the generator elsewhere than eager."""
+    for i, (a, b), (ours, theirs) in _eager_and_transpiled(lambda: Net(Layout(layout, draw)),
+                                                           backend="inductor", dynamic=dynamic):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert M.max_rel_error(dict(ours.named_parameters()), dict(theirs.named_parameters())) < 1e-5
 
 
 def _rank_attention_vs_ddp(mode):

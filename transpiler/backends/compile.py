@@ -30,8 +30,9 @@ import torch.fx as fx
 
 from ..capture.meta_fallback import kernels_where_meta_refuses
 from ..capture.shapes import is_symbolic
-from .compiler_graph import (draws_as_kernels, packs_as_cat, pool_grads_as_kernels, reshapes_in_steps,
-                             scatters_as_kernels, unscales_as_math, views_as_reshapes)
+from .compiler_graph import (draws_as_kernels, draws_in_eager_order, lower_in_order, packs_as_cat,
+                             pool_grads_as_kernels, reshapes_in_steps, scatters_as_kernels, unscales_as_math,
+                             views_as_reshapes)
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from ..errors import TranspileError
 from .failure_points import written_safely
@@ -168,6 +169,7 @@ class _Inductor:
         # Importing inductor takes seconds: done here, before a rank waits for
         # the first rank of its node to compile (compile_once.py), not after.
         import torch._inductor.compile_fx  # noqa: F401
+        lower_in_order()
         self.gm = gm
         self.compiled = None
 
@@ -344,6 +346,7 @@ def _updating_inputs(program: Program) -> tuple[fx.GraphModule, list[bool]]:
     packs_as_cat(graph)
     views_as_reshapes(graph)
     reshapes_in_steps(graph)
+    draws_in_eager_order(graph)
     draws_as_kernels(graph)
     pool_grads_as_kernels(graph)
     scatters_as_kernels(graph)

@@ -7,6 +7,7 @@ graph, never the program (its listing stays as traced).
     reshapes_in_steps   a reshape that splits and merges dimensions at once ->
                         a split, then a merge (symbolic batch dimensions)
     draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
+    draws_in_eager_order  a random op's input -> laid out as eager's
     pool_grads_as_kernels  avg_pool's backward with ceil_mode -> ATen's kernel
     scatters_as_kernels    index_put with accumulate -> ATen's kernel
     unscales_as_math    GradScaler's unscale -> a multiply and a finiteness check
@@ -20,7 +21,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..program.program import new_node
+from ..capture.kernel_layouts import memory_order
+from ..program.program import draws_random, new_node
 from ..program.roles import ROLE
 
 aten = torch.ops.aten
@@ -73,6 +75,56 @@ def draws_as_kernels(graph: fx.Graph) -> None:
                 and set(node.kwargs) <= {"generator"} and node.kwargs.get("generator") is None):
             node.target = torch.ops.transpiler.bernoulli.default
             node.kwargs = {}
+
+
+@torch.library.custom_op("transpiler::in_order", mutates_args=())
+def _in_order(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device).copy_(x)
+
+
+@_in_order.register_fake
+def _(x, order):
+    return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
+
+
+def lower_in_order() -> None:
+    """Inductor's lowering of in_order: x's buffer takes that order where its
+    layout is still inductor's to choose (no copy), and is copied into it
+    where not. Registered where inductor is imported (backends/compile.py)."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings, register_lowering
+    if torch.ops.transpiler.in_order.default in lowerings:
+        return
+
+    @register_lowering(torch.ops.transpiler.in_order.default, type_promotion_kind=None)
+    def _(x, order):
+        rank = {d: len(order) - 1 - k for k, d in enumerate(order)}   # 0: the innermost
+        return ir.ExternKernel.require_stride_order(x, [rank[d] for d in range(len(order))])
+
+
+def draws_in_eager_order(graph: fx.Graph) -> None:
+    """draw(x, ...) -> draw(in_order(x, order), ...) for each random op and
+    each tensor x it takes, order: x's order in memory as traced, which is
+    eager's (capture/kernel_layouts.py). A random kernel's numbers follow the
+    layouts of its inputs: rand_like(x), dropout and an in-place draw's twin
+    (capture/random_layout.py) fill a tensor laid out as x in memory order,
+    multinomial reads its rows in x's order, and some kernels draw another
+    count of numbers for a contiguous tensor (normal_'s vectorized fill). A
+    compiler lays its values out as it chooses: inductor's batch norm keeps a
+    transposed input's layout where CPU's kernel returns a contiguous tensor,
+    and dropout after it drew other masks than eager from the second call on;
+    inductor made a channels_last copy contiguous, and randn_like of it drew
+    other numbers. An x that is not dense (a strided view filled in place),
+    or has one dimension, keeps the compiler's layout."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not draws_random(node):
+            continue
+        for x in {x for x in node.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor)}:
+            order = memory_order(x.meta["val"]) if x.meta["val"].dim() > 1 else None
+            if order is not None:
+                with graph.inserting_before(node):
+                    pinned = _call(graph, node, torch.ops.transpiler.in_order.default, x, order)
+                node.replace_input_with(x, pinned)
 
 
 @torch.library.custom_op("transpiler::avg_pool_backward", mutates_args=())

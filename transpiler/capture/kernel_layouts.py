@@ -147,13 +147,21 @@ def _relaid(mode, fake, real):
     order = _dense_order(real.shape, real.stride())
     if order is None or order == _dense_order(*_hinted(fake)[0]):
         return fake
-    ones = [d for d in range(fake.dim()) if d not in order]   # any stride fits them
     with mode:
-        relaid = torch.empty_permuted(fake.shape, [*order, *ones], dtype=fake.dtype,
+        relaid = torch.empty_permuted(fake.shape, memory_order(real), dtype=fake.dtype,
                                       device=fake.device)
     if getattr(fake, "real_tensor", None) is not None:   # a trace on the call's real values
         relaid.real_tensor = fake.real_tensor
     return relaid
+
+
+def memory_order(t: torch.Tensor) -> list[int] | None:
+    """t's dimensions in their order in memory, outermost first (dimensions of
+    one element last), for `torch.empty_permuted`; None where t does not cover
+    its memory without gaps or overlaps, or has sizes without hints."""
+    hinted = _hinted(t)
+    order = None if hinted is None else _dense_order(*hinted[0])
+    return None if order is None else [*order, *(d for d in range(t.dim()) if d not in order)]
 
 
 def laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
