@@ -115,7 +115,8 @@ def draws_in_eager_order(graph: fx.Graph) -> None:
     and dropout after it drew other masks than eager from the second call on;
     inductor made a channels_last copy contiguous, and randn_like of it drew
     other numbers. An x that is not dense (a strided view filled in place),
-    or has one dimension, keeps the compiler's layout."""
+    or has one dimension, keeps the compiler's layout. Symbolic strides are
+    compared at their hints."""
     for node in list(graph.nodes):
         if node.op != "call_function" or not draws_random(node):
             continue
