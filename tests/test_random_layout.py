@@ -158,13 +158,12 @@ def test_dropout_on_a_transposed_tensor_under_inductor():
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("layout, draw, dynamic", [
-    ("normalized", lambda v: F.dropout(v, 0.4), False),
-    ("normalized", lambda v: F.dropout(v, 0.4), True),   # traced as native_dropout
-    ("normalized", lambda v: v * torch.empty_like(v).normal_(), False),
-    ("channels_last", lambda v: v + torch.randn_like(v), False)],
-    ids=["dropout", "dropout_symbolic", "normal_", "randn_like"])
-def test_a_draw_on_a_layout_the_compiler_chooses_otherwise_draws_eagers_numbers(layout, draw, dynamic):
+@pytest.mark.parametrize("layout, draw", [
+    ("normalized", lambda v: F.dropout(v, 0.4)),
+    ("normalized", lambda v: v * torch.empty_like(v).normal_()),
+    ("channels_last", lambda v: v + torch.randn_like(v))],
+    ids=["dropout", "normal_", "randn_like"])
+def test_a_draw_on_a_layout_the_compiler_chooses_otherwise_draws_eagers_numbers(layout, draw):
     """Under inductor a random op's input is laid out as eager's
     (compiler_graph.draws_in_eager_order), not as the compiler lays the value
     out: inductor keeps batch norm's input layout and made the channels_last
@@ -172,7 +171,7 @@ def test_a_draw_on_a_layout_the_compiler_chooses_otherwise_draws_eagers_numbers(
     and normal_ and randn_like, which draw another count of numbers for a
     contiguous tensor, left the generator elsewhere than eager."""
     for i, (a, b), (ours, theirs) in _eager_and_transpiled(lambda: Net(Layout(layout, draw)),
-                                                           backend="inductor", dynamic=dynamic):
+                                                           backend="inductor"):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert M.max_rel_error(dict(ours.named_parameters()), dict(theirs.named_parameters())) < 1e-5
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.kernel_layouts import memory_order
+from ..capture.shapes import is_symbolic
 from ..program.program import draws_random, new_node
 from ..program.roles import ROLE
 
@@ -115,13 +116,16 @@ def draws_in_eager_order(graph: fx.Graph) -> None:
     and dropout after it drew other masks than eager from the second call on;
     inductor made a channels_last copy contiguous, and randn_like of it drew
     other numbers. An x that is not dense (a strided view filled in place),
-    or has one dimension, keeps the compiler's layout. Symbolic strides are
-    compared at their hints."""
+    has one dimension, or has symbolic sizes keeps the compiler's layout: an
+    order read at the sizes' hints would differ between ranks of one node
+    (a dimension of one row on one of them), which compile one program, and
+    from eager's at other sizes."""
     for node in list(graph.nodes):
         if node.op != "call_function" or not draws_random(node):
             continue
         for x in {x for x in node.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor)}:
-            order = memory_order(x.meta["val"]) if x.meta["val"].dim() > 1 else None
+            val = x.meta["val"]
+            order = memory_order(val) if val.dim() > 1 and not is_symbolic(val) else None
             if order is not None:
                 with graph.inserting_before(node):
                     pinned = _call(graph, node, torch.ops.transpiler.in_order.default, x, order)
