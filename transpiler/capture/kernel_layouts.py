@@ -144,12 +144,11 @@ def _relaid(mode, fake, real):
     real, a dense tensor, has another order."""
     if not isinstance(fake, torch.Tensor):
         return fake
-    order = _dense_order(real.shape, real.stride())
-    if order is None or order == _dense_order(*_hinted(fake)[0]):
+    order = memory_order(real)
+    if order is None or order == memory_order(fake):
         return fake
     with mode:
-        relaid = torch.empty_permuted(fake.shape, memory_order(real), dtype=fake.dtype,
-                                      device=fake.device)
+        relaid = torch.empty_permuted(fake.shape, order, dtype=fake.dtype, device=fake.device)
     if getattr(fake, "real_tensor", None) is not None:   # a trace on the call's real values
         relaid.real_tensor = fake.real_tensor
     return relaid
