@@ -33,6 +33,7 @@ from ..capture.shapes import is_symbolic
 from .compiler_graph import (draws_as_kernels, draws_in_eager_order, lower_in_order, packs_as_cat,
                              pool_grads_as_kernels, reshapes_in_steps, scatters_as_kernels, unscales_as_math,
                              views_as_reshapes)
+from .checks_on_failure import checks_on_failure
 from .cuda_graphs import WholeStepGraph, collectives_not_capturable, split_host
 from ..errors import TranspileError
 from .failure_points import written_safely
@@ -112,7 +113,8 @@ def compile_program(program: Program, backend: str) -> Executable:
         run, written = _op_by_op(program)
         return Executable(lambda inputs: run(*inputs), written)
     if backend == "inductor":
-        return _with_outputs(*_updating_inputs(program), lambda gm, static: _Inductor(gm))
+        return _checked(program, _with_outputs(*_updating_inputs(program),
+                                               lambda gm, static: _Inductor(gm)))
     if backend == "cudagraphs":
         return _whole_step_graph(program)
     if backend == "hpu":
@@ -120,8 +122,14 @@ def compile_program(program: Program, backend: str) -> Executable:
         gm, written = _updating_inputs(program)
         returned = [spec.kind is OutputKind.USER
                     for spec, w in zip(program.outputs, written) if not w]
-        return _with_outputs(gm, written, hpu.compile_graph, returned=returned)
+        return _checked(program, _with_outputs(gm, written, hpu.compile_graph, returned=returned))
     raise TranspileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+def _checked(program: Program, executable: Executable) -> Executable:
+    """A compiled executable that raises a decision's failed check where it
+    fails for a call that decides otherwise (checks_on_failure.py)."""
+    return dataclasses.replace(executable, run=checks_on_failure(program, executable.run))
 
 
 def _op_by_op(program: Program) -> tuple[Callable, list[bool]]:
@@ -230,19 +238,32 @@ def _cacheable(gm: fx.GraphModule):
     guards on a shape environment, which it reads from the tracing context that
     Dynamo would have set (without one it bypasses the cache). The shapes stay
     static: no input is given a source, so none becomes a symbol. A program
-    holding a lifted number (capture/numbers.py) keeps the shape environment of
-    its trace, where the number's symbol lives: inductor's retrace binds its own
-    symbol for it to that one."""
+    holding a lifted number (capture/numbers.py) or a data-dependent size keeps
+    the shape environment of its trace, where that symbol lives: inductor's
+    retrace binds its own symbol for it to that one (in a fresh environment its
+    own would be named as the trace's, and the binding refused)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     symbolic = next((v.fake_mode for v in _placeholder_values(gm) if is_symbolic(v)), None)
     if symbolic is not None:
         return tracing(TracingContext(symbolic))
-    traced = next((node.meta["val"].node.shape_env for node in gm.graph.nodes
-                   if isinstance(node.meta.get("val"), (torch.SymFloat, torch.SymInt))), None)
+    traced = next(filter(None, (_shape_env_of(node) for node in gm.graph.nodes)), None)
     fake_mode = FakeTensorMode(shape_env=traced or ShapeEnv())
     return tracing(TracingContext(fake_mode))
+
+
+def _shape_env_of(node: fx.Node):
+    """The shape environment of the trace where `node` holds a symbol: a
+    symbolic number, or a data-dependent size (masked_select's, nonzero's,
+    even one a decision fixed)."""
+    value = node.meta.get("val")
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value.node.shape_env
+    if is_symbolic(value) or (node.meta.get("unbacked_bindings")
+                              and isinstance(value, torch.Tensor)):
+        return value.fake_mode.shape_env
+    return None
 
 
 def _placeholder_values(gm: fx.GraphModule) -> list:
