@@ -118,3 +118,64 @@ def test_each_rank_prints_what_it_prints_under_ddp(ranks2, rank_zero_only):
     expected = ranks2.run(_rank_prints, rank_zero_only, False)
     assert ranks2.run(_rank_prints, rank_zero_only, True) == expected
     assert expected[0].count("\n") == 4 and (expected[1] == "") == rank_zero_only
+
+
+def _shown(how: str, model, opt, x, y) -> None:
+    """What a step shows besides a number: text that is the same on every
+    call, host values, sizes, whole tensors."""
+    out = model(x)
+    if how == "constant":
+        print("step done")
+        log.info("optimizer stepped")
+    elif how == "host values":   # an lr a scheduler changes between calls
+        print(f"lr {opt.param_groups[0]['lr']} momentum {opt.param_groups[0]['momentum']}")
+    elif how == "sizes":   # the batch's size changes: a symbolic dimension
+        print("batch", tuple(x.shape), x.size(0), x.shape)
+    elif how == "tensors":
+        print(out.argmax(1), (out > 0)[:2])
+        print(f"preds {out.argmax(1)}")
+    elif how == "summarized":   # more values than torch shows
+        print(torch.arange(2000.0).view(20, 100) * model.weight[0, 0])
+    elif how == "logged tensors":
+        log.info("preds %s of %r", out.argmax(1), y)
+
+
+def _show_step(model, opt, x, y, how):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        _shown(how, model, opt, x, y)
+    return loss.detach()
+
+
+@pytest.mark.parametrize("how", ["constant", "host values", "sizes", "tensors", "summarized",
+                                 "logged tensors"])
+def test_each_call_shows_what_eager_shows(how, capsys, caplog):
+    """The program runs without the step's Python: what the trace printed and
+    logged is shown again after every later run (capture/printed.py); it
+    showed once. A size printed read as the symbol's name (`batch (s17, 8)`)
+    and a tensor as `FakeTensor(..., size=(6,))`: each is now its value (a
+    decision, or a guard on the size), as eager prints it."""
+    shown = []
+    for transpiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        fn = transpile(_show_step) if transpiled else _show_step
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tests.value_text"):
+            for i in range(6):
+                n = 6 if i < 3 else 4 + i % 2
+                fn(model, opt, torch.randn(n, 8, generator=g),
+                   torch.randint(0, 3, (n,), generator=g), how)
+                scheduler.step()
+        printed = capsys.readouterr().out.splitlines()
+        shown.append(printed + [r.getMessage() for r in caplog.records
+                                if r.name == "tests.value_text"])
+    assert shown[1] == shown[0]
+    assert len(shown[0]) >= 6

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import io
 import logging
 import operator
 import sys
@@ -82,6 +81,7 @@ from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
 from .reads import Recorder, Write, refuse_scripted_modules
+from .printed import Output, Printed
 from .raised import Raised, raised_by_the_step
 from .finite_tests import finite_tests_as_tensor_ops
 from .buffer_sync import buffer_sync_points
@@ -94,8 +94,8 @@ from ..program.collectives import WAIT
 from ..world import world
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
-from .value_text import KINDS, values_as_text
-from .user_code import step_name, trace_error, user_line
+from .value_text import KINDS, eager_repr, shows_values, values_as_text
+from .user_code import is_user_file, step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
 
@@ -193,6 +193,8 @@ class Captured:
     steps: bool = True
     # the exception the step raised on the values it was traced on, raised after each run
     raised: Raised | None = None
+    # what it printed and logged, shown again after each later run (printed.py)
+    printed: Output | None = None
 
     def param_names(self) -> dict[int, str]:
         """id of each parameter the program reads -> its input's name."""
@@ -599,7 +601,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     rng = RngRecorder(step_fn, inputs, symbols)
-    printed = _Printed()
+    printed = Printed()
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -718,7 +720,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         decisions=decisions, number_guards=number_guards,
                         argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves),
-                        steps=bool(markers.steps), raised=raised[0] if raised else None)
+                        steps=bool(markers.steps), raised=raised[0] if raised else None,
+                        printed=printed.output())
     except BaseException:
         host.abandon()
         raise
@@ -961,29 +964,6 @@ def _autocast_cache(enabled: bool):
         torch.set_autocast_cache_enabled(before)
 
 
-class _Printed:
-    """What the step's Python prints while it is traced (its stdout and
-    stderr, where logging reports an error of its own), shown once the trace
-    is over, unless the trace is done again on this call's values (it stopped
-    at a decision on one), which prints it again."""
-
-    def __init__(self):
-        self._out, self._err = io.StringIO(), io.StringIO()
-        self._redirects = contextlib.ExitStack()
-
-    def __enter__(self):
-        self._redirects.enter_context(contextlib.redirect_stdout(self._out))
-        self._redirects.enter_context(contextlib.redirect_stderr(self._err))
-        return self
-
-    def __exit__(self, *exc_info):
-        self._redirects.close()
-
-    def show(self) -> None:
-        sys.stdout.write(self._out.getvalue())
-        sys.stderr.write(self._err.getvalue())
-
-
 @contextlib.contextmanager
 def _seen_as_in_eager():
     """What model and torch code may branch on, as eager has it while the step
@@ -1054,6 +1034,9 @@ def _format_as_in_eager(self, format_spec):
         value = self.detach().item()
         kind = KINDS.get(type(value))
         return (kind(value) if kind else value).__format__(format_spec)
+    if not format_spec and shows_values(self) \
+            and is_user_file(sys._getframe(1).f_code.co_filename):   # f"{logits}"
+        return eager_repr(self)
     return _FORMAT(self, format_spec)
 
 

@@ -28,6 +28,13 @@ def library_dirs() -> tuple[str, ...]:
     return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
 
 
+def is_user_file(filename: str) -> bool:
+    """Whether code of `filename` is the user's own: not a library's (as
+    library_dirs, and any installed package)."""
+    return not filename.startswith(library_dirs() + ("<",)) \
+        and "site-packages" not in filename and "dist-packages" not in filename
+
+
 def user_line(step_fn, tb=None, frames=None) -> str:
     """' at file:line (code)' for the innermost frame in the user's code (of
     the traceback `tb`, the `frames` given, or the current stack)."""

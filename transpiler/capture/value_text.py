@@ -12,20 +12,29 @@ call's values and again for a call whose value differs. A trace on fake
 values stops there, even where the stop is caught (logging prints the error
 and goes on). A logging call's arguments are such values as the record is
 made, since a handler may format it later (a queue's, pytest's caplog), after
-the trace. Sizes (backed symbols) and torch's own texts of symbols (its
-graphs, messages, logs) are left as they are.
+the trace. A symbolic size turned into text by the user's own code
+(`print(x.shape)`) is its value too: reading it as a number specializes the
+size (a guard: the program is for that size, as for `range(n)`). Sizes in
+libraries' texts and torch's own texts of symbols (its graphs, messages,
+logs) are left as they are. What the trace printed is shown again after each
+later run of its program (printed.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
                                                    free_unbacked_symbols)
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .user_code import is_user_file
 
 # a symbolic number's Python type
 KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
@@ -40,7 +49,8 @@ def _as_value(cls, name: str, original, stops: list):
 
     def text(self, *args):
         caller = sys._getframe(1).f_code.co_filename
-        if not free_unbacked_symbols(self) or caller.startswith(_OWN):
+        if caller.startswith(_OWN) or not (free_unbacked_symbols(self) or (
+                self.node.expr.free_symbols and is_user_file(caller))):
             return original(self, *args)
         try:
             value = kind(self)
@@ -51,21 +61,94 @@ def _as_value(cls, name: str, original, stops: list):
     return text
 
 
+def eager_repr(t: torch.Tensor) -> str:
+    """repr(t) as eager shows it: each value it shows read (a decision on
+    that value, as `.item()` is), formatted by torch from a real tensor of t's
+    shape, dtype and device that holds them, with t's autograd suffix (a
+    summarized tensor's formatting reads the values it shows only)."""
+    opts = torch._tensor_str.PRINT_OPTS
+    shape = [int(n) for n in t.shape]   # a symbolic size: specialized
+    summarized = math.prod(shape) > opts.threshold
+    shown = [list(range(n)) if not summarized or n <= 2 * opts.edgeitems
+             else [*range(opts.edgeitems), *range(n - opts.edgeitems, n)] for n in shape]
+    values = t.detach()
+    for dim, rows in enumerate(shown):
+        if len(rows) < shape[dim]:
+            values = values.index_select(dim, torch.tensor(rows, device=t.device))
+    read = _numbers(values.tolist())
+    with _disable_current_modes():
+        real = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        index = torch.meshgrid(*(torch.tensor(rows, dtype=torch.long) for rows in shown),
+                               indexing="ij") if shape else ()
+        real[index] = torch.tensor(read, dtype=t.dtype, device=t.device)
+        text = repr(real)
+    grad_fn = t.grad_fn
+    if grad_fn is None and not t.requires_grad:
+        return text
+    name = "requires_grad=True" if grad_fn is None else (
+        f"grad_fn=<{grad_fn.name().rsplit('::', 1)[-1]}>" if type(grad_fn).__name__ == "CppFunction"
+        else f"grad_fn=<{type(grad_fn).__name__}>")
+    return torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
+
+
+def _numbers(values):
+    if isinstance(values, list):
+        return [_numbers(v) for v in values]
+    return KINDS[type(values)](values) if type(values) in KINDS else values
+
+
+def shows_values(t) -> bool:
+    """A traced tensor whose repr eager_repr gives (a plain dense one)."""
+    return isinstance(t, FakeTensor) and t.layout is torch.strided \
+        and not t.is_complex() and not t.is_quantized
+
+
+class _Shown:
+    """A traced tensor logged by the user's code: as eager's text, or as its
+    value for a number format (`%.4f`)."""
+
+    def __init__(self, tensor):
+        self.text, self._tensor = eager_repr(tensor), tensor
+
+    def __str__(self):
+        return self.text
+
+    __repr__ = __str__
+
+    def __float__(self):
+        return float(self._tensor)
+
+    def __int__(self):
+        return int(self._tensor)
+
+
 _MAKE_RECORD = logging.Logger.makeRecord
 
 
-def _value(x):
+def _value(x, user: bool):
     if type(x) in KINDS and free_unbacked_symbols(x):
         return KINDS[type(x)](x)
+    if user and shows_values(x):
+        return _Shown(x)
     return x
 
 
 def _make_record(self, name, level, fn, lno, msg, args, *rest, **kwargs):
+    user = is_user_file(fn)
     if isinstance(args, dict):
-        args = {k: _value(v) for k, v in args.items()}
+        args = {k: _value(v, user) for k, v in args.items()}
     elif isinstance(args, tuple):
-        args = tuple(map(_value, args))
-    return _MAKE_RECORD(self, name, level, fn, lno, _value(msg), args, *rest, **kwargs)
+        args = tuple(_value(v, user) for v in args)
+    return _MAKE_RECORD(self, name, level, fn, lno, _value(msg, user), args, *rest, **kwargs)
+
+
+_FAKE_REPR = FakeTensor.__repr__
+
+
+def _repr_as_in_eager(self, *args, **kwargs):
+    if shows_values(self) and is_user_file(sys._getframe(1).f_code.co_filename):
+        return eager_repr(self)
+    return _FAKE_REPR(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -76,9 +159,11 @@ def values_as_text():
     for cls, name, own in saved:
         setattr(cls, name, _as_value(cls, name, getattr(cls, name), stops))
     logging.Logger.makeRecord = _make_record
+    FakeTensor.__repr__ = _repr_as_in_eager
     try:
         yield
     finally:
+        FakeTensor.__repr__ = _FAKE_REPR
         logging.Logger.makeRecord = _MAKE_RECORD
         for cls, name, own in saved:
             if own is None:

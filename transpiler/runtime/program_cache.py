@@ -21,6 +21,7 @@ from ..capture import Returned, StepArgs, describe_change, grad_signature, signa
 from ..capture.argument_objects import CallArguments, tracing_for
 from ..capture.guards import Guards
 from ..capture.host_random import Draws
+from ..capture.printed import Output
 from ..capture.numbers import is_number
 from ..capture.observed_arrays import ValuesRead, is_ndarray
 from ..capture.raised import Raised
@@ -70,6 +71,7 @@ class Built:
     values_read: ValuesRead | None = None
     steps: bool = True   # whether it steps an optimizer (unreduced.py)
     raised: Raised | None = None   # raised after each run, as the step did (capture/raised.py)
+    printed: Output | None = None  # shown again after each run (capture/printed.py)
 
     def fits(self, leaves) -> bool:
         """Whether a call with this signature may run these programs."""

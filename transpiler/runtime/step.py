@@ -402,6 +402,8 @@ class TranspiledStep:
             param.grad = None
         for write in built.host_writes:   # what the step's Python wrote on the host
             write.redo()
+        if built.printed is not None and not traced_now:   # the trace showed its own
+            built.printed.show_again()
         for edit in built.argument_edits:   # keys it popped, tensors made to require grad
             edit.apply()
         if world()[0] > 1:   # a step of its optimizers outside it is refused until one inside
@@ -590,7 +592,8 @@ class TranspiledStep:
                            captured.shape_guards, captured.host_writes, captured.draws,
                            captured.rng, captured.made_state, captured.decisions,
                            captured.number_guards, captured.argument_edits,
-                           captured.values_read, captured.steps, captured.raised)
+                           captured.values_read, captured.steps, captured.raised,
+                           captured.printed)
             to_agree = [r.program for r in programs.values()] + ([startup.program] if startup else [])
             new_state = startup is not None and self._held.needs_startup(state_key)
             log.info("transpiler: passes for %s in %.2fs; collectives per program: %s",
