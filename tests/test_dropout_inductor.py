@@ -176,3 +176,42 @@ def test_transformer_with_dropout_under_inductor_equals_eager(build, step, batch
     torch.testing.assert_close(torch.stack(loss), torch.stack(eager_loss), rtol=1e-5, atol=0)
     assert torch.equal(after, eager_after)
     assert _max_rel(params, eager_params) <= 1e-5
+
+
+def mixup_step(model, opt, x, y):
+    """Mixup as scripts write it: lambda from numpy's Beta, the partner batch
+    by a permutation of torch's (`x[perm]`, `y[perm]`), a loss of each."""
+    import numpy as np
+    opt.zero_grad()
+    lam = np.random.beta(0.4, 0.4)
+    perm = torch.randperm(x.shape[0])
+    out = model(lam * x + (1 - lam) * x[perm])
+    loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_mixup_by_a_randperm_under_inductor_equals_eager():
+    """inductor's pattern for a batch indexed by a randperm failed to compile
+    it where the permutation is not sliced (torch 2.13: `Not all inputs to
+    pattern found`, as under torch.compile): randperm reaches it as ATen's
+    kernel behind a custom op (compiler_graph.draws_as_kernels), which draws
+    eager's permutation."""
+    import numpy as np
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(mixup_step, backend="inductor")
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        losses = []
+        for fn, model, opt in ((step, ours, opts[0]), (mixup_step, theirs, opts[1])):
+            np.random.seed(i)
+            torch.manual_seed(i)
+            losses.append(fn(model, opt, x, y))
+        assert torch.allclose(*losses, rtol=1e-5), (i, losses)
+    assert _max_rel(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) < 1e-5
+    assert step.traces == 1 and step.compiles == 1

@@ -6,7 +6,7 @@ graph, never the program (its listing stays as traced).
     views_as_reshapes   view -> reshape, chosen again from the compiler's strides
     reshapes_in_steps   a reshape that splits and merges dimensions at once ->
                         a split, then a merge (symbolic batch dimensions)
-    draws_as_kernels    bernoulli(x, p) -> a kernel that returns its own mask
+    draws_as_kernels    bernoulli(x, p), randperm(n) -> a kernel that returns its own buffer
     draws_in_eager_order  a random op's input -> laid out as eager's
     pool_grads_as_kernels  avg_pool's backward with ceil_mode -> ATen's kernel
     scatters_as_kernels    index_put with accumulate -> ATen's kernel
@@ -52,7 +52,8 @@ def views_as_reshapes(graph: fx.Graph) -> None:
             node.target = _RESHAPE
 
 
-@torch.library.custom_op("transpiler::bernoulli", mutates_args=())
+@torch.library.custom_op("transpiler::bernoulli", mutates_args=(),
+                         tags=torch.Tag.nondeterministic_seeded)
 def _bernoulli(like: torch.Tensor, p: float) -> torch.Tensor:
     return torch.bernoulli(like, p)
 
@@ -62,20 +63,40 @@ def _(like, p):
     return torch.empty_like(like)
 
 
+@torch.library.custom_op("transpiler::randperm", mutates_args=(),
+                         tags=torch.Tag.nondeterministic_seeded)
+def _randperm(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randperm(n, dtype=dtype, device=device)
+
+
+@_randperm.register_fake
+def _(n, dtype, device):
+    return torch.empty(n, dtype=dtype, device=device)
+
+
 def draws_as_kernels(graph: fx.Graph) -> None:
-    """bernoulli(x, p) (dropout's mask, as sdpa's math path draws it) -> the
-    same ATen kernel behind a custom op, which returns a buffer of its own.
-    With fallback_random, inductor lowers bernoulli(x, p) as bernoulli_ on a
-    clone of x, and fuses the clone's kernel (of an empty_like: NaN) with a
-    consumer of the mask, which then reads the mask before bernoulli_ has
-    drawn it: T5's attention dropout gave NaN losses, and ViT's dropout (traced
-    with generator=None spelled out) from its second call. The kernel draws
-    what eager draws, from the default generator, at the same point."""
+    """bernoulli(x, p) (dropout's mask, as sdpa's math path draws it) and
+    randperm(n) -> the same ATen kernel behind a custom op, which returns a
+    buffer of its own; each draws what eager draws, from the default
+    generator, at the same point. With fallback_random, inductor lowers
+    bernoulli(x, p) as bernoulli_ on a clone of x, and fuses the clone's
+    kernel (of an empty_like: NaN) with a consumer of the mask, which then
+    reads the mask before bernoulli_ has drawn it: T5's attention dropout gave
+    NaN losses, and ViT's dropout (traced with generator=None spelled out)
+    from its second call. inductor's pattern for a batch indexed by a
+    randperm (`x[torch.randperm(n)]`, mixup's partner batch) failed to compile
+    where the permutation is not sliced (torch 2.13; torch.compile fails on
+    it too)."""
     for node in graph.nodes:
         if (node.op == "call_function" and node.target is _BERNOULLI_P
                 and set(node.kwargs) <= {"generator"} and node.kwargs.get("generator") is None):
             node.target = torch.ops.transpiler.bernoulli.default
             node.kwargs = {}
+        elif node.op == "call_function" and node.target is aten.randperm.default \
+                and node.kwargs.get("layout") in (None, torch.strided):
+            val = node.meta["val"]
+            node.target = torch.ops.transpiler.randperm.default
+            node.args, node.kwargs = (node.args[0], val.dtype, val.device), {}
 
 
 @torch.library.custom_op("transpiler::in_order", mutates_args=())
