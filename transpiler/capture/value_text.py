@@ -115,11 +115,16 @@ class _Shown:
 
     __repr__ = __str__
 
+    def __format__(self, spec):   # a number format of a 0-d tensor: its value's, as eager's
+        return format(_numbers(self._tensor.item()), spec) if spec else self.text
+
     def __float__(self):
         return float(self._tensor)
 
     def __int__(self):
         return int(self._tensor)
+
+    __index__ = __int__
 
 
 _MAKE_RECORD = logging.Logger.makeRecord
