@@ -138,6 +138,10 @@ def _shown(how: str, model, opt, x, y) -> None:
         print(torch.arange(2000.0).view(20, 100) * model.weight[0, 0])
     elif how == "logged tensors":
         log.info("preds %s of %r", out.argmax(1), y)
+    elif how == "after a lazy initialization":   # traced again to see it converge: shown once
+        if getattr(model, "problem_type", None) is None:
+            model.problem_type = "single_label"
+        print("problem", model.problem_type)
 
 
 def _show_step(model, opt, x, y, how):
@@ -151,7 +155,7 @@ def _show_step(model, opt, x, y, how):
 
 
 @pytest.mark.parametrize("how", ["constant", "host values", "sizes", "tensors", "summarized",
-                                 "logged tensors"])
+                                 "logged tensors", "after a lazy initialization"])
 def test_each_call_shows_what_eager_shows(how, capsys, caplog):
     """The program runs without the step's Python: what the trace printed and
     logged is shown again after every later run (capture/printed.py); it

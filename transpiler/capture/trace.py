@@ -251,13 +251,15 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
 
 
 def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
-                           on_values: bool = False, zero_unused: bool = False) -> Captured:
+                           on_values: bool = False, zero_unused: bool = False,
+                           shown: bool = True) -> Captured:
     """Trace; after a failure, again with the batch's dimensions static or
     with fewer numbers lifted, where that is what failed; one that stopped at
-    a decision on a tensor value, again on real values (decisions.py)."""
+    a decision on a tensor value, again on real values (decisions.py).
+    shown: whether what the step prints while traced is shown."""
     while True:
         try:
-            return _trace(step_fn, step_args, state_stand_in, on_values, zero_unused)
+            return _trace(step_fn, step_args, state_stand_in, on_values, zero_unused, shown)
         except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
             if isinstance(exc, NotRollable):
                 raise
@@ -300,8 +302,8 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
              "from the written state to check that it writes nothing more", step_name(step_fn),
              writes[0].describe(), f" and {len(writes) - 1} more" if len(writes) > 1 else "")
     try:
-        again = _trace_until_it_traces(step_fn, step_args, state_stand_in,
-                                       on_values or bool(captured.decisions))
+        again = _trace_until_it_traces(step_fn, step_args, state_stand_in,   # printed once
+                                       on_values or bool(captured.decisions), shown=False)
     except BaseException:
         for w in reversed(writes):
             w.undo()
@@ -366,7 +368,7 @@ class _StoppedAtDecision(TranspileError):
 
 
 def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | None,
-           on_values: bool = False, zero_unused: bool = False) -> Captured:
+           on_values: bool = False, zero_unused: bool = False, shown: bool = True) -> Captured:
     modules, optimizers = step_args.modules, step_args.optimizers
     inputs = collect_inputs(step_args, state_stand_in)
     # the step counts the call starts from, for the values of later updates
@@ -631,12 +633,14 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             raise NotLiftable(guarded, str(error)) from exc
         if not on_values and tracing_mode == "fake" and stopped_at_decision(exc):
             raise _StoppedAtDecision(str(error)) from exc   # what it printed: printed again
-        printed.show()
+        if shown:
+            printed.show()
         if error is exc:
             raise
         raise error from exc
 
-    printed.show()
+    if shown:
+        printed.show()
     host = hosts[0]
     try:
         number_guards = take_number_guards(
