@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-import torch.fx as fx
-
 from ..capture.decisions import set_torch_generators, torch_generators
 from ..program.program import Program, draws_random, graph_module
 from ..program.roles import DECISION
