@@ -94,7 +94,7 @@ from ..program.collectives import WAIT
 from ..world import world
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
-from .value_text import KINDS, eager_repr, shows_values, values_as_text
+from .value_text import as_numbers, eager_repr, shows_values, values_as_text
 from .user_code import is_user_file, step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
@@ -1035,9 +1035,7 @@ def _has_torch_function_as_in_eager(args) -> bool:
 
 def _format_as_in_eager(self, format_spec):
     if isinstance(self, FakeTensor) and self.dim() == 0:
-        value = self.detach().item()
-        kind = KINDS.get(type(value))
-        return (kind(value) if kind else value).__format__(format_spec)
+        return as_numbers(self.detach().item()).__format__(format_spec)
     if not format_spec and shows_values(self) \
             and is_user_file(sys._getframe(1).f_code.co_filename):   # f"{logits}"
         return eager_repr(self)

@@ -75,7 +75,7 @@ def eager_repr(t: torch.Tensor) -> str:
     for dim, rows in enumerate(shown):
         if len(rows) < shape[dim]:
             values = values.index_select(dim, torch.tensor(rows, device=t.device))
-    read = _numbers(values.tolist())
+    read = as_numbers(values.tolist())
     with _disable_current_modes():
         real = torch.zeros(shape, dtype=t.dtype, device=t.device)
         index = torch.meshgrid(*(torch.tensor(rows, dtype=torch.long) for rows in shown),
@@ -91,9 +91,11 @@ def eager_repr(t: torch.Tensor) -> str:
     return torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
 
 
-def _numbers(values):
+def as_numbers(values):
+    """A traced tensor's values (.item(), .tolist()) as Python numbers: each a
+    decision on its value."""
     if isinstance(values, list):
-        return [_numbers(v) for v in values]
+        return [as_numbers(v) for v in values]
     return KINDS[type(values)](values) if type(values) in KINDS else values
 
 
@@ -116,7 +118,7 @@ class _Shown:
     __repr__ = __str__
 
     def __format__(self, spec):   # a number format of a 0-d tensor: its value's, as eager's
-        return format(_numbers(self._tensor.item()), spec) if spec else self.text
+        return format(as_numbers(self._tensor.item()), spec) if spec else self.text
 
     def __float__(self):
         return float(self._tensor)
