@@ -19,6 +19,8 @@ of docs/habits.md is made from it); `--ranks` runs the 2-rank part too.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import random
 import sys
@@ -330,21 +332,26 @@ def _later_calls(h, step, eager, ours, theirs, first, r, ranked) -> list[str]:
 def _one_call(h, step, eager, ours, theirs, i, r, ranked) -> list[str]:
     if True:
         seed(i, r)
+        printed = io.StringIO()   # what the call prints: eager's text, on every call
         try:
-            result = h.call(step, ours, i, Data(i, r))
+            with contextlib.redirect_stdout(printed):
+                result = h.call(step, ours, i, Data(i, r))
         except TranspileError as e:
             return [f"call {i}: wrong refusal: {str(e).splitlines()[0]}"]
         except Exception as e:  # noqa: BLE001
             text = str(e).strip().splitlines()
             return [f"call {i}: crash: {type(e).__name__}: {text[0] if text else ''}"[:400]]
-        mine = {**flatten(result), **snapshot(ours), **rng_state()}
+        mine = {**flatten(result), **snapshot(ours), **rng_state(), "printed": printed.getvalue()}
         seed(i, r)
+        printed = io.StringIO()
         try:
-            expected = h.call(eager, theirs, i, Data(i, r))
+            with contextlib.redirect_stdout(printed):
+                expected = h.call(eager, theirs, i, Data(i, r))
         except Exception as e:  # noqa: BLE001 - the reference itself failed
             return [f"call {i}: the {'DDP' if ranked else 'eager'} reference failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-        reference = {**flatten(expected), **snapshot(theirs, ranked), **rng_state()}
+        reference = {**flatten(expected), **snapshot(theirs, ranked), **rng_state(),
+                     "printed": printed.getvalue()}
         diff = compare(mine, reference)
         if diff:
             return [f"call {i}: silent difference, {len(diff)} values differ from "
