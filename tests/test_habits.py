@@ -3,8 +3,8 @@
 One process: every habit runs for its calls (4 by default) on two setups
 built alike, the transpiled step on one and the eager step on the other, the
 same seeds for torch, random and numpy before each call (and before each
-between-calls action), and compares bit for bit what comes back, every
-parameter, buffer and .grad, optimizer, scaler and scheduler state, the plain
+between-calls action), and compares bit for bit what comes back, what it
+prints, every parameter, buffer and .grad, optimizer, scaler and scheduler state, the plain
 values the script can read afterwards on the objects it holds, and where
 torch's, Python's and numpy's generators are left. A REFUSED habit must raise
 TranspileError at its call with everything as it was before that call.
