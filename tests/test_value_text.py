@@ -132,7 +132,7 @@ def _shown(how: str, model, opt, x, y) -> None:
     elif how == "sizes":   # the batch's size changes: a symbolic dimension
         print("batch", tuple(x.shape), x.size(0), x.shape)
     elif how == "tensors":
-        print(out.argmax(1), (out > 0)[:2])
+        print(out.argmax(1), (out > 0)[:2], out[:0])
         print(f"preds {out.argmax(1)}")
     elif how == "summarized":   # more values than torch shows (the same each call: one program)
         print(torch.arange(2000.0).view(20, 100) / 7 + x.shape[0])

@@ -75,12 +75,14 @@ def eager_repr(t: torch.Tensor) -> str:
     for dim, rows in enumerate(shown):
         if len(rows) < shape[dim]:
             values = values.index_select(dim, torch.tensor(rows, device=t.device))
-    read = as_numbers(values.tolist())
+    empty = math.prod(shape) == 0   # (shows no values)
+    read = [] if empty else as_numbers(values.tolist())
     with _disable_current_modes():
         real = torch.zeros(shape, dtype=t.dtype, device=t.device)
-        index = torch.meshgrid(*(torch.tensor(rows, dtype=torch.long) for rows in shown),
-                               indexing="ij") if shape else ()
-        real[index] = torch.tensor(read, dtype=t.dtype, device=t.device)
+        if not empty:
+            index = torch.meshgrid(*(torch.tensor(rows, dtype=torch.long) for rows in shown),
+                                   indexing="ij") if shape else ()
+            real[index] = torch.tensor(read, dtype=t.dtype, device=t.device)
         text = repr(real)
     grad_fn = t.grad_fn
     if grad_fn is None and not t.requires_grad:
