@@ -4,6 +4,9 @@ optimizers' param groups.
 - Python numbers the step computes from tensors (`loss.item()`, `.tolist()`,
   an int count, a bool) are returned as eager returns them, read after the
   program ran; strings and sizes as traced.
+- A tensor's `.numpy()` is returned as eager's (the program's output, read
+  with .numpy() after it ran) and printed as eager prints it; numpy computing
+  with its values inside the step is refused at the user's line.
 - A param-group value the step reads (`optimizer.param_groups[0]["lr"]`) that
   an LR scheduler changes between calls is read from an input on every call,
   not baked in.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -205,6 +209,51 @@ def test_a_value_a_scheduler_stepped_inside_sets_is_refused_for_other_uses():
     assert scheduler.state_dict() == before[1]
     assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == \
         {k: v for k, v in before[2].items() if k != "params"}
+
+
+def numpy_step(model, opt, x, y, shown=False):
+    """Returns (and, shown, prints) numpy arrays of what it computed, as older
+    scripts log."""
+    opt.zero_grad()
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    opt.step()
+    probs = out.softmax(1).numpy(force=True)
+    if shown:
+        print(f"loss {loss.detach().numpy():.4f}", probs)
+    return {"loss": loss.detach().cpu().numpy(), "pred": out.argmax(1).numpy(), "probs": probs}
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_numpy_arrays_are_returned_and_printed_as_eager_does(shown, capsys):
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [M.make_optimizer("sgd", m) for m in (model, reference)]
+    step = transpile(numpy_step)
+    for x, y in M.batches("mlp", 4, 8):
+        ours, ours_printed = step(model, opts[0], x, y, shown), capsys.readouterr().out
+        theirs, their_printed = numpy_step(reference, opts[1], x, y, shown), capsys.readouterr().out
+        assert ours_printed == their_printed and ("[[" in ours_printed) == shown
+        for key in theirs:
+            assert type(ours[key]) is np.ndarray and ours[key].dtype == theirs[key].dtype
+            assert np.array_equal(ours[key], theirs[key]), key
+    assert M.max_rel_error(M.state_of(model, opts[0]), M.state_of(reference, opts[1])) == 0.0
+    # values printed are decisions (as .item()): a program per call's values
+    assert step._cache.builds == (4 if shown else 1)
+
+
+def test_numpy_computing_with_traced_values_is_refused_with_nothing_changed():
+    def numpy_mean(model, opt, x, y):
+        loss = M.classify_step(model, opt, x, y)
+        return float(np.mean(loss.detach().numpy()))
+    model = M.make("mlp")
+    opt = M.make_optimizer("sgd", model)
+    before = copy.deepcopy(model.state_dict())
+    x, y = M.batches("mlp", 1, 8)[0]
+    with pytest.raises(TranspileError, match=r"values of a tensor's \.numpy\(\) at .*test_returned"):
+        transpile(numpy_mean)(model, opt, x, y)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_an_object_returned_is_refused():

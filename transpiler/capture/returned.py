@@ -6,7 +6,9 @@ tensors (`loss.item()`, `correct.sum().item()`, `losses.tolist()`) is a
 symbolic number in the trace: the program outputs it as a 0-d tensor of a
 dtype that holds it exactly (float64, int64, bool), or where it is a tensor's
 value as read (`loss.item()`) that tensor, and the call reads it back with
-`.item()`, the host read eager's `.item()` made. A plain value the trace
+`.item()`, the host read eager's `.item()` made. A tensor's `.numpy()` is
+that tensor, output, and the call returns its `.numpy()` (ReturnedArray); the
+step may only return it. A plain value the trace
 saw as a constant (a string, None, a size of a fixed shape, a number read from
 a guarded host value) is returned as traced: the program is only chosen while
 what it was computed from is as the trace read it. A value an LR scheduler
@@ -15,21 +17,27 @@ stepped in the step sets (group_reads.AfterTheCall) is read after the call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import sys
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.utils._pytree as pytree
 
 from ..errors import TranspileError
 from .group_reads import AfterTheCall
+from .user_code import is_user_file, step_name, user_line
+from .value_text import eager_array_text
 
 
 class LeafKind(enum.Enum):
     TENSOR = "tensor"
     NUMBER = "number"       # a symbolic number: an output, read back as a Python number
+    ARRAY = "array"         # a tensor's .numpy(): the tensor, output, returned as .numpy()
     CONSTANT = "constant"   # a plain value (None included), returned as traced
     AFTER = "after"         # a value an LR scheduler of the step sets: read after the call
 
@@ -38,6 +46,7 @@ class LeafKind(enum.Enum):
 _NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64,
                   torch.SymBool: torch.bool}
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_OUTPUTS = (LeafKind.TENSOR, LeafKind.NUMBER, LeafKind.ARRAY)   # the leaves the program outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,8 @@ class Returned:
         for value in values:
             if isinstance(value, torch.Tensor):
                 leaves.append(ReturnedLeaf(LeafKind.TENSOR))
+            elif isinstance(value, ReturnedArray):
+                leaves.append(ReturnedLeaf(LeafKind.ARRAY))
             elif type(value) in _NUMBER_DTYPES:
                 leaves.append(ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(value)]))
             elif isinstance(value, AfterTheCall):
@@ -79,7 +90,7 @@ class Returned:
     @property
     def num_outputs(self) -> int:
         """How many of the program's first outputs are the step's."""
-        return sum(leaf.kind in (LeafKind.TENSOR, LeafKind.NUMBER) for leaf in self.leaves)
+        return sum(leaf.kind in _OUTPUTS for leaf in self.leaves)
 
     def outputs(self, result) -> list[torch.Tensor]:
         """The program's outputs for a result of this structure: its tensors, and
@@ -89,6 +100,9 @@ class Returned:
         for leaf, value in zip(self.leaves, pytree.tree_leaves(result)):
             if leaf.kind is LeafKind.TENSOR:
                 outs.append(value)
+            elif leaf.kind is LeafKind.ARRAY:
+                outs.append(value.tensor if isinstance(value, ReturnedArray)
+                            else torch.from_numpy(value))
             elif leaf.kind is LeafKind.NUMBER:
                 outs.append(torch.scalar_tensor(value, dtype=leaf.dtype, device="cpu"))
         return outs
@@ -101,6 +115,8 @@ class Returned:
         for leaf in self.leaves:
             if leaf.kind is LeafKind.TENSOR:
                 values.append(next(outs))
+            elif leaf.kind is LeafKind.ARRAY:
+                values.append(next(outs).numpy())
             elif leaf.kind is LeafKind.NUMBER:
                 values.append(next(outs).item())
             elif leaf.kind is LeafKind.AFTER:
@@ -118,11 +134,98 @@ def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
     program."""
     out = graph.output_node()
     results = list(out.args[0])
-    for k, leaf in enumerate(leaf for leaf in returned.leaves
-                             if leaf.kind in (LeafKind.TENSOR, LeafKind.NUMBER)):
+    for k, leaf in enumerate(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS):
         node = results[k]
         if leaf.kind is LeafKind.NUMBER and node.target is torch.ops.aten.scalar_tensor.default \
                 and isinstance(node.args[0], fx.Node) \
                 and node.args[0].target is torch.ops.aten._local_scalar_dense.default:
             results[k] = node.args[0].args[0]
     out.args = (type(out.args[0])(results),) + tuple(out.args[1:])
+
+
+class ReturnedArray:
+    """A traced tensor's `.numpy()`: the program outputs the tensor and the call
+    returns its `.numpy()`, which shares its memory as eager's does. Printed
+    or formatted, it shows eager's text. Its values do not exist while the
+    step is traced: any other use raises, naming the step's line."""
+
+    __slots__ = ("tensor", "_step_fn")
+
+    def __init__(self, tensor: torch.Tensor, step_fn):
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "_step_fn", step_fn)
+
+    def _refused(self, *args, **kwargs):
+        raise TranspileError(
+            f"{step_name(self._step_fn)} uses the values of a tensor's .numpy()"
+            f"{user_line(self._step_fn)}: the program runs without the step's Python, so "
+            "numpy cannot compute with them inside the step; a transpiled step may return "
+            ".numpy() of a tensor as it is. Compute with tensor operations (the program's "
+            "own), read numbers with .item() or .tolist(), or call numpy on what the step "
+            "returns")
+
+    def __getattr__(self, name):
+        if name.startswith("__"):   # a probe of a protocol (hasattr): not a use
+            raise AttributeError(name)
+        self._refused()
+
+    # its text, as eager's: the values it shows read (decisions, as .item())
+    def __repr__(self) -> str:
+        if is_user_file(sys._getframe(1).f_code.co_filename):
+            return eager_array_text(self.tensor, repr)
+        return f"ReturnedArray({self.tensor.dtype}, {tuple(self.tensor.shape)})"
+
+    def __str__(self) -> str:
+        return eager_array_text(self.tensor, str)
+
+    def __format__(self, spec: str) -> str:
+        return eager_array_text(self.tensor, lambda a: format(a, spec))
+
+
+for _name in ("__bool__", "__len__", "__iter__", "__getitem__",
+              "__setitem__", "__contains__", "__float__", "__int__", "__index__",
+              "__complex__", "__array__", "__array_ufunc__", "__array_function__",
+              "__setattr__", "__neg__", "__pos__", "__abs__", "__invert__",
+              *(f"__{op}__" for base in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                          "pow", "matmul", "and", "or", "xor", "lshift",
+                                          "rshift")
+                for op in (base, "r" + base, "i" + base)),
+              "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(ReturnedArray, _name, ReturnedArray._refused)
+ReturnedArray.__hash__ = None
+
+
+_NUMPY = torch.Tensor.numpy
+
+
+@contextlib.contextmanager
+def arrays_returned(step_fn):
+    """While tracing: `.numpy()` of a traced tensor is a ReturnedArray, after
+    the checks eager's .numpy() makes (no grad, on the CPU, a dtype numpy has;
+    `force=True` detaches and moves it first)."""
+    def numpy(self, *, force: bool = False):
+        if not isinstance(self, FakeTensor):
+            return _NUMPY(self, force=force)
+        if force:
+            self = self.detach().cpu().resolve_conj().resolve_neg()
+        elif self.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
+        elif self.device.type != "cpu":
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use "
+                            "Tensor.cpu() to copy the tensor to host memory first.")
+        if self.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"Got unsupported ScalarType {str(self.dtype).split('.')[-1]}")
+        return ReturnedArray(self, step_fn)
+
+    torch.Tensor.numpy = numpy
+    try:
+        yield
+    finally:
+        torch.Tensor.numpy = _NUMPY
+
+
+# the dtypes .numpy() converts (torch's tensor_numpy.cpp)
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                 torch.complex128, torch.uint16, torch.uint32, torch.uint64}

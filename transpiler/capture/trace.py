@@ -86,7 +86,7 @@ from .raised import Raised, raised_by_the_step
 from .finite_tests import finite_tests_as_tensor_ops
 from .buffer_sync import buffer_sync_points
 from .group_reads import group_reads
-from .returned import Returned, returned_as_read
+from .returned import Returned, arrays_returned, returned_as_read
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
@@ -492,6 +492,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
             stack.enter_context(values_as_text())
+            stack.enter_context(arrays_returned(step_fn))
             stack.enter_context(finite_tests_as_tensor_ops())
             gru_orders = stack.enter_context(recurrent_layers_traced())
             stack.enter_context(synced_batch_norms())

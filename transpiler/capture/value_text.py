@@ -28,6 +28,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
@@ -67,10 +68,35 @@ def eager_repr(t: torch.Tensor) -> str:
     shape, dtype and device that holds them, with t's autograd suffix (a
     summarized tensor's formatting reads the values it shows only)."""
     opts = torch._tensor_str.PRINT_OPTS
+    real = _shown_values(t, opts.threshold, opts.edgeitems)
+    with _disable_current_modes():
+        text = repr(real)
+    grad_fn = t.grad_fn
+    if grad_fn is None and not t.requires_grad:
+        return text
+    name = "requires_grad=True" if grad_fn is None else (
+        f"grad_fn=<{grad_fn.name().rsplit('::', 1)[-1]}>" if type(grad_fn).__name__ == "CppFunction"
+        else f"grad_fn=<{type(grad_fn).__name__}>")
+    return torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
+
+
+def eager_array_text(t: torch.Tensor, show) -> str:
+    """show(t.numpy()) (str, repr, a format) as eager's: each value numpy's
+    printout shows read, as eager_repr's."""
+    opts = np.get_printoptions()
+    real = _shown_values(t, opts["threshold"], opts["edgeitems"])
+    with _disable_current_modes():
+        return show(real.numpy())
+
+
+def _shown_values(t: torch.Tensor, threshold: int, edgeitems: int) -> torch.Tensor:
+    """A real tensor of t's shape, dtype and device holding the values of t a
+    printout summarized at (threshold, edgeitems) shows, each read (a
+    decision), zeros elsewhere."""
     shape = [int(n) for n in t.shape]   # a symbolic size: specialized
-    summarized = math.prod(shape) > opts.threshold
-    shown = [list(range(n)) if not summarized or n <= 2 * opts.edgeitems
-             else [*range(opts.edgeitems), *range(n - opts.edgeitems, n)] for n in shape]
+    summarized = math.prod(shape) > threshold
+    shown = [list(range(n)) if not summarized or n <= 2 * edgeitems
+             else [*range(edgeitems), *range(n - edgeitems, n)] for n in shape]
     values = t.detach()
     for dim, rows in enumerate(shown):
         if len(rows) < shape[dim]:
@@ -83,14 +109,7 @@ def eager_repr(t: torch.Tensor) -> str:
             index = torch.meshgrid(*(torch.tensor(rows, dtype=torch.long) for rows in shown),
                                    indexing="ij") if shape else ()
             real[index] = torch.tensor(read, dtype=t.dtype, device=t.device)
-        text = repr(real)
-    grad_fn = t.grad_fn
-    if grad_fn is None and not t.requires_grad:
-        return text
-    name = "requires_grad=True" if grad_fn is None else (
-        f"grad_fn=<{grad_fn.name().rsplit('::', 1)[-1]}>" if type(grad_fn).__name__ == "CppFunction"
-        else f"grad_fn=<{type(grad_fn).__name__}>")
-    return torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
+    return real
 
 
 def as_numbers(values):
