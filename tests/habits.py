@@ -1503,8 +1503,9 @@ def _seq2seq_setup():
        source="pytorch/tutorials intermediate_source/seq2seq_translation_tutorial.py train(): "
               "use_teacher_forcing = True if random.random() < teacher_forcing_ratio else False",
        what="a host random draw decides, every call, between teacher forcing and feeding the "
-            "decoder its own prediction (with `if decoder_input.item() == EOS_token: break`)",
-       expect=REFUSED, rule=HOST_RNG, setup=_seq2seq_setup,
+            "decoder its own prediction (with `if decoder_input.item() == EOS_token: break`): "
+            "a program per outcome, the draw's value guarded",
+       expect=EQUAL, rule=HOST_RNG, setup=_seq2seq_setup,
        call=lambda step, s, i, d: step(d.cls(4, 10).view(4, 1), d.cls(3, 10).view(3, 1),
                                        s.encoder, s.decoder, s.encoder_optimizer,
                                        s.decoder_optimizer, s.criterion))
@@ -2275,8 +2276,9 @@ habit(id="fairseq_layerdrop_random_uniform",
       source="facebookresearch/fairseq fairseq/models/transformer.py TransformerEncoder.forward "
              "(v0.9): dropout_probability = random.uniform(0, 1); if not self.training or "
              "(dropout_probability > self.encoder_layerdrop): x = layer(x)",
-      what="LayerDrop: Python's random decides per layer and per call whether it runs",
-      expect=REFUSED, rule=HOST_RNG, setup=_model_setup(LayerDropEncoder), call=xy)(plain_step)
+      what="LayerDrop: Python's random decides per layer and per call whether it runs (a "
+           "program per set of layers run)",
+      expect=EQUAL, rule=HOST_RNG, setup=_model_setup(LayerDropEncoder), call=xy)(plain_step)
 
 habit(id="fairseq_layerdrop_module_list",
       source="facebookresearch/fairseq fairseq/modules/layer_drop.py LayerDropModuleList.__iter__: "
@@ -2719,8 +2721,9 @@ def yolo_ema_step(model, optimizer, scaler, batch, ema):
        source="ultralytics/ultralytics models/yolo/detect/train.py preprocess_batch: "
               "if self.args.multi_scale: sz = random.randrange(int(imgsz * 0.5), int(imgsz * 1.5 "
               "+ stride)) // stride * stride; ... imgs = nn.functional.interpolate(imgs, size=ns)",
-       what="Python's random picks the input resolution every call (a shape)",
-       expect=REFUSED, rule=HOST_RNG, setup=_yolo_setup(),
+       what="Python's random picks the input resolution every call (a shape): the drawn "
+            "integer taken as a constant, a program per value drawn",
+       expect=EQUAL, rule=HOST_RNG, setup=_yolo_setup(),
        call=lambda step, s, i, d: step(s.model, s.opt, s.scaler, _yolo_batch(d)))
 def yolo_multiscale_step(model, optimizer, scaler, batch, imgsz=8, stride=4):
     batch = yolo_preprocess_batch(batch)
@@ -3325,8 +3328,9 @@ def byol_step(learner, opt, images):
 habit(id="byol_default_aug_random_apply",
       source="lucidrains/byol-pytorch byol_pytorch.py RandomApply.forward: if random.random() > "
              "self.p: return x (DEFAULT_AUG's color jitter and blur)",
-      what="augmentations applied or skipped by Python's random inside forward",
-      expect=REFUSED, rule=HOST_RNG,
+      what="augmentations applied or skipped by Python's random inside forward (a program "
+           "per set applied)",
+      expect=EQUAL, rule=HOST_RNG,
       setup=_byol_setup(RandomApply(lambda x: x * 0.8 + 0.1, p=0.3)),
       call=lambda step, s, i, d: step(s.model, s.opt, d.img(4)))(byol_step)
 

@@ -1,8 +1,11 @@
 """Values the step draws on the host: Python's random, numpy's global
 generator and Generator objects, the clock. Each call draws them again, as
-eager does (same values, same generator states after); a decision on a drawn
-value is refused at the first call, naming the draw, with nothing changed.
-Against the eager step in one process and torch DDP on 2 ranks."""
+eager does (same values, same generator states after). A decision on a drawn
+number runs the program of its outcome (a program per outcome; a branch may
+draw more); an integer drawn for a size, a program per value. A decision the
+host cannot evaluate as Python does is refused at the first call, naming the
+draw, with nothing changed. Against the eager step in one process and torch
+DDP on 2 ranks, each rank its own draws and branches."""
 
 import copy
 import random
@@ -122,7 +125,58 @@ def decides_on_a_draw(model, opt, x, y):
     return M.classify_step(model, opt, x, y)
 
 
-def test_a_decision_on_a_draw_is_refused_with_nothing_changed():
+def cutmix_like(model, opt, x, y, p=0.5):
+    """clovaai's CutMix: a draw decides whether to mix; only then is the
+    weight drawn (a branch draws more)."""
+    if np.random.rand() < p:
+        lam = np.random.beta(1.0, 1.0)
+        mixed = lam * x + (1 - lam) * x.flip(0)
+        opt.zero_grad()
+        out = model(mixed)
+        loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y.flip(0))
+        loss.backward()
+        opt.step()
+        return loss
+    return M.classify_step(model, opt, x, y)
+
+
+def random_sub_batch(model, opt, x, y):
+    """A size drawn on the host (yolo's multi-scale resolution): the integer
+    is a constant of its program, a program per value drawn."""
+    n = random.randrange(2, 8, 2)
+    return M.classify_step(model, opt, x[:n].reshape(n, -1), y[:n])
+
+
+@pytest.mark.parametrize("step_fn,programs", [
+    (decides_on_a_draw, 2), (cutmix_like, 2), (random_sub_batch, 3)],
+    ids=["a branch", "a branch that draws more", "a size"])
+def test_a_decision_on_a_draw_runs_the_program_of_its_outcome(step_fn, programs):
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(step_fn)
+    _seed(0)
+    for i, (x, y) in enumerate(M.batches("mlp", 10, 8)):
+        states = random.getstate(), np.random.get_state()
+        a = step(ours, opts[0], x, y)
+        after = (random.getstate(), np.random.get_state()[1].tolist())
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        b = step_fn(theirs, opts[1], x, y)
+        assert torch.equal(a, b), i
+        assert _equal(ours, theirs), i
+        assert after == (random.getstate(), np.random.get_state()[1].tolist()), i
+    assert step.traces == programs
+
+
+def decides_on_a_sum_of_a_draw(model, opt, x, y):
+    if random.random() * 2 - 0.1 > 0.5:   # torch restates it: a float computed otherwise
+        x = x.flip(0)
+    return M.classify_step(model, opt, x, y)
+
+
+def test_a_decision_on_a_draw_the_host_cannot_repeat_is_refused_with_nothing_changed():
     model = M.make("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = copy.deepcopy(model.state_dict())
@@ -130,7 +184,7 @@ def test_a_decision_on_a_draw_is_refused_with_nothing_changed():
     state = random.getstate()
     with pytest.raises(TranspileError, match=r"decides on a value it draws on the host "
                                              r"\(random.random\(\) at .*test_host_random.py"):
-        transpile(decides_on_a_draw)(model, opt, *M.batches("mlp", 1, 8)[0])
+        transpile(decides_on_a_sum_of_a_draw)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert random.getstate() == state
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state
@@ -227,3 +281,28 @@ def rank_mixup_vs_ddp(mode: str):
 @pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
 def test_host_draws_equal_ddp(mode, ranks2):
     assert ranks2.run(rank_mixup_vs_ddp, mode) == [True, True]
+
+
+def rank_branches_vs_ddp(mode: str):
+    """Each rank's draws take its own branches and sizes, as its DDP twin's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    ddp = DDP(theirs)
+    steps = {fn: transpile(fn, mode=mode) for fn in (cutmix_like, random_sub_batch)}
+    for i, batch in enumerate(M.batches("mlp", 6, 16)):
+        x, y = M.shard(batch, rank, world)
+        for fn, step in steps.items():
+            _seed(100 * rank + i)
+            a = step(ours, opts[0], x, y)
+            _seed(100 * rank + i)
+            if not torch.equal(a, fn(ddp, opts[1], x, y)):
+                return False
+    return _equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_decisions_on_draws_equal_ddp(mode, ranks2):
+    assert ranks2.run(rank_branches_vs_ddp, mode) == [True, True]

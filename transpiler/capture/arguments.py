@@ -32,6 +32,10 @@ class StepArgs:
     # last trace lifted them; the trace drops those it cannot lift.
     lift_places: frozenset[tuple] = frozenset()
     places_lifted: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # Names of the integers the step draws on the host (host_random.py) that the
+    # trace takes as constants, each guarded by its value: set when a trace with
+    # them symbolic failed (one used as a size)
+    constant_draws: frozenset[str] = frozenset()
     # Leaf index -> the dimensions of that batch tensor traced as symbols (shapes.py).
     dynamic: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # (name, object) of the modules, optimizers and GradScalers the step

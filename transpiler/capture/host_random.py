@@ -11,10 +11,14 @@ number becomes a symbolic Python number read from a 0-d float64 or int64 input
 Python does; an array becomes an array input (torch.from_numpy gives the traced
 tensor, outside.py). Before every later run the runtime draws the same calls
 again, in the same order, and feeds the values: each call's values, and the
-generators' states after it, are eager's. A decision on a drawn value (`if
-random.random() < p`, `max(lam, 1 - lam)`, `float(lam)`) cannot be replayed by
-one program: the trace refuses it, naming the draw and the line. Draws made by
-torch's or numpy's own code are not the step's and pass through.
+generators' states after it, are eager's. A decision on a drawn number (`if
+random.random() < p`, `max(lam, 1 - lam)`) is a number guard, as one on a
+lifted number: the trace takes this call's branch, and a later call first draws
+its values (Draws.peek, the generators put back after) to choose the program of
+its outcome, tracing another where none holds; that program draws what its
+branch draws. A decision the host cannot evaluate as Python does (a sum of
+floats), or one on a drawn array, is refused, naming the draw and the line.
+Draws made by torch's or numpy's own code are not the step's and pass through.
 """
 
 from __future__ import annotations
@@ -87,6 +91,19 @@ class Draws:
         self.values = [d.call(*d.args, **d.kwargs) for d in self.draws]
         return before
 
+    def peek(self) -> None:
+        """Draw this call's values for the program's number guards to read
+        (a decision on a drawn value: a program per outcome, numbers.py), then
+        put the generators back: the run draws the same values again
+        (for_run). The call that traced the program reads the trace's."""
+        if self._traced:
+            return
+        before = self.states()
+        try:
+            self.values = [d.call(*d.args, **d.kwargs) for d in self.draws]
+        finally:
+            self.restore(before)
+
     def note_state(self, generator, get: Callable, set_: Callable) -> None:
         """Remember a generator's state before its first draw of this trace."""
         if id(generator) not in self._sources:
@@ -114,6 +131,10 @@ class DrawSlot:
 
     draws: Draws
     index: int
+
+    def number(self, leaves):
+        """The value a number guard reads (Draws.peek drew it for this call)."""
+        return self.draws.values[self.index]
 
     def read(self, leaves):
         value = self.draws.values[self.index]

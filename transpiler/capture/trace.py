@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Callable
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
@@ -274,6 +275,12 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                     "(an LR scheduler changes it without a new trace), so the program cannot "
                     "hold that condition: compare the value itself with a constant "
                     "(`if lr < 0.01:`), or decide outside the step") from exc
+            if isinstance(exc, _ConstantDraws):
+                log.info("transpiler: tracing %s with the integers it draws on the host as "
+                         "symbols failed, so %s are taken as constants, a program per value "
+                         "drawn: %s", step_name(step_fn), " and ".join(sorted(exc.names)), exc)
+                step_args.constant_draws |= exc.names
+                continue
             if isinstance(exc, _StoppedAtDecision):
                 _refuse_without_values(step_fn, step_args, exc)
                 log.info("transpiler: %s decides on a tensor value: tracing it again on this "
@@ -341,6 +348,15 @@ def _drop_lifted(step_args: StepArgs, exc: Exception) -> None:
                  " and ".join(dropped) or "numbers", exc)
         step_args.lift_places = frozenset()
     step_args.lifted -= {lifted[name] for name in dropped if name in lifted}
+
+
+class _ConstantDraws(Exception):
+    """A trace that drew integers on the host as symbols failed: traced
+    again with them constant (a size taken from `random.randrange`)."""
+
+    def __init__(self, names: frozenset[str], reason: str):
+        super().__init__(reason)
+        self.names = names
 
 
 class _ReadMemoized(TranspileError):
@@ -599,7 +615,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                             if step_args.dynamic else (list(inputs.values), "fake"))
     symbols: dict = {}   # the symbol of each lifted number -> its name
     late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic", symbols=symbols,
-                       places=step_args.places_lifted)
+                       places=step_args.places_lifted, constant_draws=step_args.constant_draws)
     cache_casts = torch.is_autocast_cache_enabled()
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
@@ -620,6 +636,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         if hosts:
             hosts[0].abandon()
         draws.rewind()
+        integers = late.integer_draws - step_args.constant_draws
+        if integers and not isinstance(exc, TranspileError):
+            raise _ConstantDraws(integers, f"{type(exc).__name__}: {exc}") from exc
         drawn = guarded_numbers(exc, late.draw_symbols)
         if drawn:
             raise TranspileError(
@@ -644,11 +663,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         printed.show()
     host = hosts[0]
     try:
-        number_guards = take_number_guards(
-            late.fake_mode.shape_env, symbols,
-            {spec.name: slot for spec, slot in zip(inputs.specs, inputs.slots)
-             if spec.kind is InputKind.NUMBER}, step_args.leaves,
-            lambda ra: user_line(step_fn, frames=ra.stack.summary()), on_values) if symbols else []
+        number_guards = _number_guards(step_fn, step_args, inputs, late, draws, symbols,
+                                       on_values) + late.draw_value_guards
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
         if not (markers.backwards or raised or decisions):
             # (a branch a decision takes may skip backward(), as eager does: `if
@@ -738,6 +754,34 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
 _FROM_NUMPY = torch.from_numpy
 
 
+def _number_guards(step_fn, step_args: StepArgs, inputs, late: "_LateInputs", draws: Draws,
+                   symbols: dict, on_values: bool) -> list:
+    """What the program assumes of its lifted numbers and of the numbers it
+    draws on the host (numbers.take_number_guards): a call whose values decide
+    otherwise runs another program. A decision on a draw that the host cannot
+    evaluate exactly is refused: a draw has a new value on every call."""
+    guarded = {**symbols, **late.draw_names}
+    if not guarded:
+        return []
+    slots = {spec.name: slot for spec, slot in zip(inputs.specs, inputs.slots)
+             if spec.kind in (InputKind.NUMBER, InputKind.DRAW)}
+    try:
+        return take_number_guards(late.fake_mode.shape_env, guarded, slots, step_args.leaves,
+                                  lambda ra: user_line(step_fn, frames=ra.stack.summary()),
+                                  on_values)
+    except NotLiftable as exc:
+        drawn = [what for symbol, what in late.draw_symbols.items()
+                 if late.draw_names[symbol] in exc.names]
+        if not drawn:
+            raise
+        draws.rewind()
+        raise TranspileError(
+            f"{step_name(step_fn)} decides on a value it draws on the host ({drawn[0]}) by a "
+            f"condition the host cannot evaluate as the step's Python does: {exc}. Compare the "
+            "drawn value itself (`if random.random() < p`), draw outside the step and pass "
+            "the decision as an argument, or draw with torch (torch.rand(()) < p)") from exc
+
+
 class _LateInputs:
     """Program inputs found while the step runs: the tensors (and numpy
     arrays) it reads outside its arguments through a host path (reads.py), and
@@ -746,11 +790,16 @@ class _LateInputs:
     drawn again) on every call; the step gets a fake tensor of the trace's mode
     in its place (for an array, torch.from_numpy gives it: outside.py)."""
 
-    def __init__(self, inputs, arrays: dict, symbolic: bool, symbols: dict, places: dict):
+    def __init__(self, inputs, arrays: dict, symbolic: bool, symbols: dict, places: dict,
+                 constant_draws: frozenset[str] = frozenset()):
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
         self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
+        self.draw_names: dict = {}             # symbol of a drawn number -> its input's name
+        self.integer_draws: frozenset[str] = frozenset()   # names of the integers drawn
+        self.constant_draws = constant_draws   # of those, the ones traced as constants
+        self.draw_value_guards: list[NumberGuard] = []   # their values, guarded
         self.symbols = symbols   # symbol of a lifted number -> its input's name
         self.places = places     # a lifted number's input's name -> its place (reads.place_key)
 
@@ -784,13 +833,26 @@ class _LateInputs:
     def drawn(self, value, name: str, what: str, slot):
         """The traced value of a host draw (host_random.py): a symbolic number,
         or for an array the array itself (torch.from_numpy gives its input)."""
-        fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot,
-                                functools.partial(slot.read, None))
         if is_ndarray(value):
+            fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot,
+                                    functools.partial(slot.read, None))
             self.arrays[id(value)] = fake
             return value
+        if isinstance(value, int):
+            self.integer_draws |= {name}
+            if name in self.constant_draws:   # a program per value drawn
+                symbol = sympy.Symbol(name)
+                self.draw_value_guards.append(
+                    NumberGuard(sympy.Eq(symbol, value), ((symbol, name, slot),),
+                                f", drawn by {what},"))
+                return value
+        fake = self.placeholder(InputSpec(InputKind.DRAW, name), slot,
+                                functools.partial(slot.read, None))
         number = fake.item()
         self.draw_symbols[number.node.expr] = what
+        self.draw_names[number.node.expr] = name
+        # a condition on it takes this call's value: a number guard, a program per outcome
+        number.node.shape_env.set_real_tensor_prop_unbacked_vals(number.node.expr, value)
         return number
 
     def placeholder(self, spec: InputSpec, slot, value: Callable[[], torch.Tensor]) -> torch.Tensor:

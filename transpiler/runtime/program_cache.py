@@ -74,7 +74,10 @@ class Built:
     printed: Output | None = None  # shown again after each run (capture/printed.py)
 
     def fits(self, leaves) -> bool:
-        """Whether a call with this signature may run these programs."""
+        """Whether a call with this signature may run these programs (its
+        number guards read this call's host draws: drawn to look, put back)."""
+        if self.draws and self.number_guards:
+            self.draws.peek()
         return not self.guards.changed() and (
             self.shape_guards is None or self.shape_guards.holds(leaves)) and (
             self.values_read is None or self.values_read.holds(leaves)) and all(
