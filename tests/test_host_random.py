@@ -261,38 +261,17 @@ def test_another_threads_draws_are_its_own():
             if "= input(draw" in line] == ["d_draw0", "d_draw1"]
 
 
-def rank_mixup_vs_ddp(mode: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ours = M.make("mlp")
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
-    step, ddp = transpile(mixup_step, mode=mode), DDP(theirs)
-    for i, batch in enumerate(M.batches("mlp", 4, 16)):
-        x, y = M.shard(batch, rank, world)
-        _seed(100 * rank + i)   # each rank its own draws
-        a = step(ours, opts[0], x, y)
-        _seed(100 * rank + i)
-        if not torch.equal(a, mixup_step(ddp, opts[1], x, y)):
-            return False
-    return _equal(ours, theirs)
-
-
-@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
-def test_host_draws_equal_ddp(mode, ranks2):
-    assert ranks2.run(rank_mixup_vs_ddp, mode) == [True, True]
-
-
-def rank_branches_vs_ddp(mode: str):
-    """Each rank's draws take its own branches and sizes, as its DDP twin's."""
+def rank_steps_vs_ddp(mode: str, step_fns: tuple, calls: int):
+    """The steps in turn, transpiled and with the model in DDP; each rank its
+    own draws (its own branches and sizes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ours = M.make("mlp")
     theirs = copy.deepcopy(ours)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
     ddp = DDP(theirs)
-    steps = {fn: transpile(fn, mode=mode) for fn in (cutmix_like, random_sub_batch)}
-    for i, batch in enumerate(M.batches("mlp", 6, 16)):
+    steps = {fn: transpile(fn, mode=mode) for fn in step_fns}
+    for i, batch in enumerate(M.batches("mlp", calls, 16)):
         x, y = M.shard(batch, rank, world)
         for fn, step in steps.items():
             _seed(100 * rank + i)
@@ -303,6 +282,11 @@ def rank_branches_vs_ddp(mode: str):
     return _equal(ours, theirs)
 
 
+@pytest.mark.parametrize("mode", ["grad_allreduce", "fuse_all_reduce", "zero"])
+def test_host_draws_equal_ddp(mode, ranks2):
+    assert ranks2.run(rank_steps_vs_ddp, mode, (mixup_step,), 4) == [True, True]
+
+
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
 def test_decisions_on_draws_equal_ddp(mode, ranks2):
-    assert ranks2.run(rank_branches_vs_ddp, mode) == [True, True]
+    assert ranks2.run(rank_steps_vs_ddp, mode, (cutmix_like, random_sub_batch), 6) == [True, True]
