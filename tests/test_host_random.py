@@ -141,15 +141,23 @@ def cutmix_like(model, opt, x, y, p=0.5):
 
 
 def random_sub_batch(model, opt, x, y):
-    """A size drawn on the host (yolo's multi-scale resolution): the integer
-    is a constant of its program, a program per value drawn."""
+    """A sub-batch of a size drawn on the host: the integer is a constant of
+    its program, a program per value drawn."""
     n = random.randrange(2, 8, 2)
     return M.classify_step(model, opt, x[:n].reshape(n, -1), y[:n])
 
 
+def random_resolution(model, opt, x, y):
+    """yolo's multi-scale training: the input resampled to a size drawn on
+    the host: a program per value drawn."""
+    size = random.randrange(4, 16, 4)
+    x = F.interpolate(x.unsqueeze(1), size=size, mode="linear", align_corners=False)
+    return M.classify_step(model, opt, F.interpolate(x, size=16).squeeze(1), y)
+
+
 @pytest.mark.parametrize("step_fn,programs", [
-    (decides_on_a_draw, 2), (cutmix_like, 2), (random_sub_batch, 3)],
-    ids=["a branch", "a branch that draws more", "a size"])
+    (decides_on_a_draw, 2), (cutmix_like, 2), (random_sub_batch, 3), (random_resolution, 3)],
+    ids=["a branch", "a branch that draws more", "a sub-batch size", "a resolution"])
 def test_a_decision_on_a_draw_runs_the_program_of_its_outcome(step_fn, programs):
     torch.manual_seed(0)
     ours = M.make("mlp")
@@ -289,4 +297,5 @@ def test_host_draws_equal_ddp(mode, ranks2):
 
 @pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
 def test_decisions_on_draws_equal_ddp(mode, ranks2):
-    assert ranks2.run(rank_steps_vs_ddp, mode, (cutmix_like, random_sub_batch), 6) == [True, True]
+    assert ranks2.run(rank_steps_vs_ddp, mode, (cutmix_like, random_sub_batch, random_resolution),
+                      6) == [True, True]

@@ -109,9 +109,12 @@ def traced_scalers(scalers: list[GradScaler], values: dict[tuple[int, str], torc
     def scale(self, outputs):
         if id(self) not in ours:
             raise TranspileError(
-                f"{step_fn_name} uses a GradScaler that is not among its arguments: pass it as "
-                "one, e.g. step(model, optimizer, scaler, x, y), so that its scale is state "
-                "of the program")
+                f"{step_fn_name} uses a GradScaler that is not among its arguments nor reached "
+                "from them when the call starts (one made inside the step, `if self.scaler is "
+                "None:`, is new to every trace): make it before the first call and pass it as "
+                "one, e.g. step(model, optimizer, scaler, x, y), or keep it where the step "
+                "reaches it (an attribute of the object whose method is the step), so that "
+                "its scale is state of the program")
         return original_scale(self, outputs)
 
     try:
