@@ -178,6 +178,25 @@ def test_a_decision_on_a_draw_runs_the_program_of_its_outcome(step_fn, programs)
     assert step.traces == programs
 
 
+@pytest.mark.compiles
+def test_the_programs_of_a_drawn_decision_under_inductor():
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(decides_on_a_draw, backend="inductor")
+    _seed(0)
+    for x, y in M.batches("mlp", 6, 8):
+        state = random.getstate()
+        step(ours, opts[0], x, y)
+        after = random.getstate()
+        random.setstate(state)
+        decides_on_a_draw(theirs, opts[1], x, y)
+        assert after == random.getstate()
+    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) < 1e-5
+    assert step.traces == 2
+
+
 def decides_on_a_sum_of_a_draw(model, opt, x, y):
     if random.random() * 2 - 0.1 > 0.5:   # torch restates it: a float computed otherwise
         x = x.flip(0)

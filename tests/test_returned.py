@@ -275,6 +275,10 @@ def test_returned_numbers_and_group_reads_under_inductor():
     for ours, theirs in results:
         assert type(ours["correct"]) is int and ours["correct"] == theirs["correct"]
         assert abs(ours["loss"] - theirs["loss"]) < 1e-6
+    _, results = _against_eager(numpy_step, calls=2, backend="inductor")
+    for ours, theirs in results:
+        assert all(type(ours[k]) is np.ndarray and np.allclose(ours[k], theirs[k], atol=1e-6)
+                   for k in theirs)
 
 
 def returned_vs_ddp(mode: str):
