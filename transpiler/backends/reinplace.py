@@ -56,14 +56,18 @@ _ELEMENTWISE = {
     ALL_REDUCE,
 }
 _FOREACH_PREFIX = "_foreach_"
-# Ops whose result shares storage with their first argument.
-_VIEWS = {
-    aten.t.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.transpose.int, aten.permute.default, aten.expand.default, aten.as_strided.default,
-    aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.default, aten.split_with_sizes.default, aten.split.Tensor,
-    aten.alias.default, aten.unbind.int, aten.diagonal.default,
-}
+# Ops whose result shares storage with their first argument: every op whose
+# schema says its result aliases an argument it does not write (view_as_real
+# of a complex optimizer state, unfold, narrow, ...), and those that share it
+# without saying so in their schema.
+_UNDECLARED_VIEWS = {aten.reshape.default, aten._unsafe_view.default}
+
+
+def _is_view(target) -> bool:
+    if target in _UNDECLARED_VIEWS:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
 
 def _underscored(target: torch._ops.OpOverload):
@@ -110,8 +114,8 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        todo += [u for u in n.users
-                 if u.target in _VIEWS or (u.target is operator.getitem and u.args[0].target in _VIEWS)]
+        todo += [u for u in n.users if _is_view(u.target)
+                 or (u.target is operator.getitem and _is_view(u.args[0].target))]
     return seen
 
 
@@ -120,8 +124,8 @@ def _is_base(node: fx.Node) -> bool:
     if node.op == "placeholder":
         return True
     if node.target is operator.getitem:
-        return node.args[0].target not in _VIEWS
-    return node.op == "call_function" and node.target not in _VIEWS
+        return not _is_view(node.args[0].target)
+    return node.op == "call_function" and not _is_view(node.target)
 
 
 def _sink_after_gradients(graph: fx.Graph) -> fx.Node | None:
