@@ -73,6 +73,10 @@ _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.defaul
          aten._to_copy.default, aten.copy.default, aten.clone.default, operator.getitem}
 # Views that keep the flat order of a contiguous tensor: a shard's view is the shard.
 _FLAT_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# Views between a complex tensor and its (real, imaginary) pairs, which torch's
+# optimizers update a complex parameter's state through: element i of a shard
+# is element i of the whole, so the view of a shard is the shard of the view.
+_PAIR_VIEWS = {aten.view_as_real.default, aten.view_as_complex.default}
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
 _NOT_ELEMENTWISE_FOREACH = {"_foreach_norm", "_foreach_max"}
 # torch's fused optimizer kernels (their functional forms): elementwise on
@@ -282,6 +286,8 @@ class _Rewrite:
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
         if node.target in _FLAT_VIEWS:
             ok = node.args[0] in self.shard and node.args[0].meta["val"].is_contiguous()
+        elif node.target in _PAIR_VIEWS:
+            ok = True
         elif name.startswith("_foreach_"):
             ok = name not in _NOT_ELEMENTWISE_FOREACH
         elif node.target in _FUSED_UPDATES:

@@ -6,8 +6,8 @@ changed before every call and nothing traced again. Kernels of those dtypes
 round a 0-d tensor operand to the tensor's dtype where a Python number keeps
 float32, so these groups read their hyperparameters as numbers
 (capture/optimizers.py). complex64 (a Fourier neural operator): exact with
-SGD, refused with the optimizers that update their state through
-view_as_real."""
+every optimizer, those that update their state through view_as_real views
+(Adam, AdamW, RMSprop, Adagrad) included, in one process and against DDP."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from transpiler import TranspileError, transpile
+from transpiler import transpile
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -148,23 +148,58 @@ def spectral_step(model, opt, x):
     return loss.detach()
 
 
-def test_complex_parameters_train_with_sgd_and_are_refused_with_stateful_optimizers():
-    runs = []
-    for transpiled in (True, False):
-        torch.manual_seed(0)
-        model = Spectral()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        step = transpile(spectral_step) if transpiled else spectral_step
-        for i in range(3):
-            step(model, opt, torch.randn(4, 14, generator=torch.Generator().manual_seed(i)))
-        runs.append((model.w.detach().clone(), opt.state[model.w]["momentum_buffer"].clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+COMPLEX_OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "rmsprop_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+def _spectral_run(opt_name, step, calls=4, net=lambda m: m, seed=0):
+    torch.manual_seed(0)
     model = Spectral()
-    before = model.w.detach().clone()
-    opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(TranspileError, match=r"steps AdamW on a complex parameter .*view_as_real"):
-        transpile(spectral_step)(model, opt, torch.randn(4, 14))
-    assert torch.equal(model.w, before) and not opt.state
+    opt = COMPLEX_OPTIMIZERS[opt_name](model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(calls):
+        step(net(model), opt, torch.randn(4, 14, generator=g))
+    return model.w.detach().clone(), {k: v.clone() for k, v in opt.state[model.w].items()}
+
+
+@pytest.mark.parametrize("opt_name", list(COMPLEX_OPTIMIZERS))
+def test_complex_parameters_train_as_eager_with_every_optimizer(opt_name):
+    """torch's stateful optimizers update a complex parameter's state through
+    view_as_real views of it: the state the program creates at the first call
+    and updates at the later ones is eager's, bit for bit."""
+    (w, state), (w_eager, state_eager) = (_spectral_run(opt_name, transpile(spectral_step)),
+                                          _spectral_run(opt_name, spectral_step))
+    assert torch.equal(w, w_eager)
+    assert state.keys() == state_eager.keys()
+    assert all(torch.equal(state[k], state_eager[k]) for k in state), \
+        [k for k in state if not torch.equal(state[k], state_eager[k])]
+
+
+def complex_rank_vs_ddp(opt_name, mode):
+    rank = dist.get_rank()
+    return [_spectral_run(opt_name, transpile(spectral_step, mode=mode), 3, seed=10 + rank),
+            _spectral_run(opt_name, spectral_step, 3, net=DDP, seed=10 + rank)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_complex_parameters_with_adamw_equal_ddp(mode, ranks2):
+    """In mode zero each rank keeps its shard of the state: the rank's chunk
+    of the parameter's elements (8 complex numbers, 4 a rank)."""
+    for rank, ((w, state), (w_ddp, state_ddp)) in enumerate(
+            ranks2.run(complex_rank_vs_ddp, "adamw_amsgrad", mode)):
+        assert torch.equal(w, w_ddp)
+        assert state.keys() == state_ddp.keys()
+        for k, theirs in state_ddp.items():
+            if mode == "zero" and theirs.dim():
+                theirs = theirs.flatten().chunk(2)[rank]
+            assert torch.equal(state[k], theirs), k
 
 
 @pytest.mark.slow

@@ -43,24 +43,6 @@ def make_first_state(optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tens
     return made
 
 
-def refuse_complex_state(step_fn, optimizers) -> None:
-    """A complex parameter is refused with an optimizer other than SGD: torch's
-    stateful optimizers update its state through view_as_real views of it,
-    which the traced program does not write back (SGD's momentum is updated
-    on the complex tensor itself)."""
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.SGD):
-            continue
-        p = next((p for p in opt_params(opt) if p.is_complex()), None)
-        if p is not None:
-            raise TranspileError(
-                f"{step_name(step_fn)} steps {type(opt).__name__} on a complex parameter "
-                f"({tuple(p.shape)}, {str(p.dtype).replace('torch.', '')}): torch updates its "
-                "state through view_as_real views, which a program would not write back. "
-                "Keep the parameter real (torch.view_as_real(w) as the Parameter, "
-                "torch.view_as_complex in forward), or use torch.optim.SGD")
-
-
 def refuse_uninitialized(step_fn, optimizers) -> None:
     """An optimizer whose __init__ skipped torch.optim.Optimizer's (a wrapper of
     another, as timm's Lookahead) has none of the step hooks the trace marks

@@ -58,7 +58,6 @@ from .optimizer_state import (
     formulated_groups,
     group_tensors_as_inputs,
     make_first_state,
-    refuse_complex_state,
     refuse_fused_without_kernel,
     refuse_sharding_optimizers,
     refuse_uninitialized,
@@ -224,7 +223,6 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             "pass the model as an argument, e.g. step(model, optimizer, x, y)")
     refuse_scripted_modules(step_args.modules)
     refuse_uninitialized(step_fn, step_args.optimizers)
-    refuse_complex_state(step_fn, step_args.optimizers)
     refuse_fused_without_kernel(step_fn, step_args.optimizers)
     refuse_sharding_optimizers(step_fn, step_args.optimizers)
     made = make_first_state(step_args.optimizers)
@@ -1283,7 +1281,9 @@ def _functionalize(gm: fx.GraphModule, values, tracing_mode: str) -> fx.GraphMod
             wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a
                        for a in args]
             outputs = _RoleCarrier(gm).run(*wrapped)
-            for w in wrapped:
+            # a tensor written through a view of it (torch's Adam on a complex
+            # parameter: view_as_real(exp_avg).lerp_) holds the write once synced
+            for w in (*wrapped, *pytree.tree_leaves(outputs)):
                 if isinstance(w, FunctionalTensor):
                     torch._sync(w)
             outputs = pytree.tree_map_only(FunctionalTensor, _unwrapped, outputs)
