@@ -183,3 +183,91 @@ def test_each_call_shows_what_eager_shows(how, capsys, caplog):
                                 if r.name == "tests.value_text"])
     assert shown[1] == shown[0]
     assert len(shown[0]) >= 6
+
+
+@pytest.mark.parametrize("how", ["print", "f-string", "format", "str", "round", "caught"])
+def test_a_printed_value_is_filled_in_after_each_run_of_one_program(how, capsys, caplog):
+    """Printed by the step's own code, a tensor's value is an output of the
+    program and each run's text is filled in with it (capture/text_values.py):
+    the same programs for every loss, where each new value traced again. (Two
+    traces: the step's argument i changes at the second call, and is an input
+    from then on.)"""
+    expected, _, _ = _run(step, how, capsys, caplog)
+    transpiled = transpile(step)
+    got, _, _ = _run(transpiled, how, capsys, caplog)
+    assert got == expected and len(set(expected)) == 5
+    assert transpiled.traces == 2
+
+
+@pytest.mark.parametrize("how", ["percent", "logging"])
+def test_a_value_formatted_by_percent_is_a_decision(how, capsys, caplog):
+    """`"%.4f" % x` reads the value as a Python float (float(x)): a decision on
+    it, traced again for each call whose value differs, as before."""
+    expected, _, _ = _run(step, how, capsys, caplog)
+    transpiled = transpile(step)
+    got, _, _ = _run(transpiled, how, capsys, caplog)
+    assert got == expected
+    assert transpiled.traces == 5
+
+
+def tensors_step(model, opt, x, y):
+    opt.zero_grad()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    print("loss", loss, f"{loss:.5f}", f"preds {logits.argmax(1)}")
+    print(logits[:2])   # then written in place: shown as it was when printed
+    logits.mul_(0)
+    return loss.detach()
+
+
+def keyed_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    seen = {f"{loss.item():.1f}": loss.item()}
+    print("buckets", list(seen))
+    return loss.detach()
+
+
+@pytest.mark.parametrize("fn,traces", [(tensors_step, 1), (keyed_step, 5)])
+def test_printed_tensors_fill_in_and_text_used_otherwise_is_a_decision(fn, traces, capsys):
+    """Tensors printed (repr, a 0-d tensor's format) are filled in as numbers
+    are; text used otherwise than printed (a dict's key) falls back to a
+    decision on the value, as eager prints either."""
+    printed = []
+    for transpiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_fn = transpile(fn) if transpiled else fn
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        for _ in range(5):
+            step_fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g))
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[0] and printed[0].count("\n") == (15 if fn is tensors_step else 5)
+    assert fn is keyed_step or "grad_fn=<NllLossBackward0>" in printed[0]
+    assert step_fn.traces == traces
+
+
+@pytest.mark.compiles
+def test_printed_values_under_inductor(capsys):
+    """A compiled program outputs the values printed: one compile, each call's
+    text within inductor's rounding of eager's."""
+    printed = []
+    for backend in (None, "inductor"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_fn = transpile(step, backend=backend) if backend else step
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        for i in range(4):
+            step_fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g),
+                    i, "print")
+        printed.append([float(line.split()[1]) for line in capsys.readouterr().out.splitlines()])
+    assert step_fn.traces == 2 and len(printed[1]) == 4   # (i is an input from the second call)
+    assert printed[1] == pytest.approx(printed[0], rel=1e-5)

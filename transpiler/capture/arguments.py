@@ -44,6 +44,9 @@ class StepArgs:
     # argument name (or position) -> the caller's value: where the program
     # sets what the step set in the arguments' containers (argument_writes.py)
     root: dict = dataclasses.field(default_factory=dict)
+    # Whether the trace marks the tensor values the step's code prints
+    # (text_values.py); off once a trace with marks failed, for this call
+    values_in_text: bool = True
 
     @property
     def modules(self) -> list[torch.nn.Module]:

@@ -5,11 +5,13 @@ The program runs without the step's Python, so a `print` or a `logging` call
 in the step would show once, at the trace, where eager shows it on every call
 (`print(f"lr {lr} batch {tuple(x.shape)}")`, `log.info("step done")`). What
 the trace printed to stdout, and the records the user's own code logged, are
-kept with the program and shown again after each run that did not trace. Every
-value in that text is one the program holds fixed: a plain value the trace read
-is guarded, a tensor's value or a symbolic size turned into text is a decision
-or a guard (value_text.py), so a call that would print otherwise runs another
-program, traced again (which prints its own). What goes to stderr (warnings,
+kept with the program and shown again after each run that did not trace. A
+tensor's value the step's own code prints is filled in from each run's
+outputs (text_values.py; the trace's own text is then shown after its run).
+Every other value in that text is one the program holds fixed: a plain value
+the trace read is guarded, a tensor's value turned into text otherwise or a
+symbolic size is a decision or a guard (value_text.py), so a call that would
+print otherwise runs another program, traced again (which prints its own). What goes to stderr (warnings,
 which eager shows once per line) and the records of library code (torch,
 transformers' warn-once loggers) show at the trace only.
 """
@@ -25,6 +27,7 @@ import sys
 import time
 from unittest import mock
 
+from .text_values import Renders
 from .user_code import is_user_file
 
 
@@ -35,12 +38,19 @@ class Output:
 
     text: str
     records: tuple[tuple[logging.Logger, logging.LogRecord], ...]
+    # how the tensor values it holds are filled in from a run's outputs; None:
+    # it holds none, and the trace showed it
+    renders: Renders | None = None
 
-    def show_again(self) -> None:
-        sys.stdout.write(self.text)
+    def show_again(self, values: list) -> None:
+        """Show it after a run; `values`: what the run output for its renders."""
+        fill = (lambda text: text) if self.renders is None \
+            else (lambda text: self.renders.fill(text, values))
+        sys.stdout.write(fill(self.text))
         for logger, record in self.records:
             if logger.isEnabledFor(record.levelno):
                 again = copy.copy(record)
+                again.msg = fill(record.msg)
                 again.created = time.time()
                 again.msecs = again.created % 1 * 1000
                 again.relativeCreated = (again.created - logging._startTime) * 1000
@@ -85,7 +95,11 @@ class Printed:
         for logger, record in self._records:
             _CALL_HANDLERS(logger, record)
 
-    def output(self) -> Output | None:
+    def texts(self) -> list[str]:
+        """What the user's code printed to stdout and logged."""
+        return [self._out.getvalue(), *(record.msg for _, record in self._records)]
+
+    def output(self, renders: Renders | None) -> Output | None:
         """What to show again after each later run, if anything."""
         text = self._out.getvalue()
-        return Output(text, tuple(self._records)) if text or self._records else None
+        return Output(text, tuple(self._records), renders) if text or self._records else None

@@ -62,11 +62,14 @@ class Returned:
 
     spec: pytree.TreeSpec
     leaves: tuple[ReturnedLeaf, ...]
+    # the values the step printed (text_values.py): outputs after the result's
+    shown: tuple[ReturnedLeaf, ...] = ()
 
     @classmethod
-    def of(cls, result, step_name: str) -> "Returned":
+    def of(cls, result, step_name: str, shown: tuple = ()) -> "Returned":
         """The structure of a traced step's result; a leaf that is neither a
-        tensor, a number nor a plain constant is refused."""
+        tensor, a number nor a plain constant is refused. `shown`: the
+        tensors and symbolic numbers it printed."""
         values, spec = pytree.tree_flatten(result)
         leaves = []
         for value in values:
@@ -85,17 +88,37 @@ class Returned:
                     f"{step_name} returned a {type(value).__name__}; a transpiled step may "
                     "return tensors, Python numbers and strings (any pytree of them): return "
                     "the tensors it is computed from and build it outside the step")
-        return cls(spec, tuple(leaves))
+        return cls(spec, tuple(leaves), tuple(
+            ReturnedLeaf(LeafKind.TENSOR) if isinstance(v, torch.Tensor)
+            else ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(v)]) for v in shown))
+
+    @property
+    def user_outputs(self) -> int:
+        """How many of the program's first outputs are the step's result's."""
+        return sum(leaf.kind in _OUTPUTS for leaf in self.leaves)
 
     @property
     def num_outputs(self) -> int:
-        """How many of the program's first outputs are the step's."""
-        return sum(leaf.kind in _OUTPUTS for leaf in self.leaves)
+        """How many of the program's first outputs are the step's: its result's,
+        then the values it printed."""
+        return self.user_outputs + len(self.shown)
 
-    def outputs(self, result) -> list[torch.Tensor]:
-        """The program's outputs for a result of this structure: its tensors, and
-        its numbers as 0-d tensors (in the trace: ops on symbolic numbers; in an
-        eager run that is compared with the program: its plain numbers)."""
+    def outputs(self, result, shown: tuple = ()) -> list[torch.Tensor]:
+        """The program's outputs for a result of this structure (and, in the
+        trace, the values printed): its tensors, and its numbers as 0-d tensors
+        (in the trace: ops on symbolic numbers; in an eager run that is
+        compared with the program: its plain numbers)."""
+        outs = [v if isinstance(v, torch.Tensor)
+                else torch.scalar_tensor(v, dtype=leaf.dtype, device="cpu")
+                for leaf, v in zip(self.shown, shown)]
+        return self._result_outputs(result) + outs
+
+    def shown_values(self, outputs) -> list:
+        """The values the step printed, from a run's outputs."""
+        return [o if leaf.kind is LeafKind.TENSOR else o.item()
+                for leaf, o in zip(self.shown, outputs[self.user_outputs:self.num_outputs])]
+
+    def _result_outputs(self, result) -> list[torch.Tensor]:
         outs = []
         for leaf, value in zip(self.leaves, pytree.tree_leaves(result)):
             if leaf.kind is LeafKind.TENSOR:
@@ -134,7 +157,8 @@ def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
     program."""
     out = graph.output_node()
     results = list(out.args[0])
-    for k, leaf in enumerate(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS):
+    for k, leaf in enumerate([*(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS),
+                              *returned.shown]):
         node = results[k]
         if leaf.kind is LeafKind.NUMBER and node.target is torch.ops.aten.scalar_tensor.default \
                 and isinstance(node.args[0], fx.Node) \

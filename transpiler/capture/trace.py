@@ -87,6 +87,7 @@ from .finite_tests import finite_tests_as_tensor_ops
 from .buffer_sync import buffer_sync_points
 from .group_reads import group_reads
 from .returned import Returned, arrays_returned, returned_as_read
+from .text_values import Renders, TextValues, WithoutTextValues
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, StateSlot
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
@@ -94,7 +95,7 @@ from ..program.collectives import WAIT
 from ..world import world
 from .traced_collectives import ISSUED, forget_real_values, traced_collectives, without_real_values
 from .torch_rng import RngRecorder
-from .value_text import as_numbers, eager_repr, shows_values, values_as_text
+from .value_text import shows_values, tensor_text, values_as_text
 from .user_code import is_user_file, step_name, trace_error, user_line
 
 log = logging.getLogger("transpiler")
@@ -262,6 +263,12 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
         except Exception as exc:  # noqa: BLE001 - retraced static, or with fewer numbers lifted
             if isinstance(exc, NotRollable):
                 raise
+            if isinstance(exc, WithoutTextValues):
+                log.info("transpiler: %s turns tensor values into text that is not only printed "
+                         "(%s): tracing it again with those values decisions, a program per "
+                         "value", step_name(step_fn), exc)
+                step_args.values_in_text = False
+                continue
             if isinstance(exc, _ReadMemoized):
                 log.info("transpiler: %s reads a memoized value computed before the trace: "
                          "tracing it again with that cache emptied (%s)", step_name(step_fn), exc)
@@ -505,7 +512,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
-            stack.enter_context(values_as_text())
+            stack.enter_context(values_as_text(marked))
             stack.enter_context(arrays_returned(step_fn))
             stack.enter_context(finite_tests_as_tensor_ops())
             gru_orders = stack.enter_context(recurrent_layers_traced())
@@ -565,8 +572,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # across calls, as under no_sync)
             if markers.steps or not optimizers:
                 markers.reduced = dict(markers.grads)
-            returned.append(Returned.of(result, step_name(step_fn)))
-            out_leaves = returned[-1].outputs(result)
+            shown = tuple(marked.values) if marked is not None else ()
+            returned.append(Returned.of(result, step_name(step_fn), shown))
+            out_leaves = returned[-1].outputs(result, shown)
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:
@@ -619,6 +627,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     rng = RngRecorder(step_fn, inputs, symbols)
     printed = Printed()
+    # values the step's own code prints, outputs filled into the text (text_values.py)
+    marked = TextValues() if step_args.values_in_text else None
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -651,16 +661,28 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             raise NotLiftable(guarded, str(error)) from exc
         if not on_values and tracing_mode == "fake" and stopped_at_decision(exc):
             raise _StoppedAtDecision(str(error)) from exc   # what it printed: printed again
+        if marked is not None and marked.values:   # (its text holds markers)
+            raise WithoutTextValues(f"{type(exc).__name__}: {exc}") from exc
         if shown:
             printed.show()
         if error is exc:
             raise
         raise error from exc
 
-    if shown:
-        printed.show()
     host = hosts[0]
+    renders = None
     try:
+        if marked is not None and marked.values:
+            try:
+                if watches:
+                    raise WithoutTextValues("printed inside a micro-batch loop rolled up")
+                marked.check_shown(printed.texts())
+            except WithoutTextValues:
+                draws.rewind()
+                raise
+            renders = Renders(tuple(marked.renders))   # shown after the run, filled in
+        elif shown:
+            printed.show()
         number_guards = _number_guards(step_fn, step_args, inputs, late, draws, symbols,
                                        on_values) + late.draw_value_guards
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
@@ -740,7 +762,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                         argument_edits=arg_writes.edits,
                         values_read=ValuesRead.of(values_read, step_args.leaves),
                         steps=bool(markers.steps), raised=raised[0] if raised else None,
-                        printed=printed.output())
+                        printed=printed.output(renders))
     except BaseException:
         host.abandon()
         raise
@@ -1095,11 +1117,11 @@ def _has_torch_function_as_in_eager(args) -> bool:
 
 
 def _format_as_in_eager(self, format_spec):
+    caller = sys._getframe(1).f_code.co_filename
     if isinstance(self, FakeTensor) and self.dim() == 0:
-        return as_numbers(self.detach().item()).__format__(format_spec)
-    if not format_spec and shows_values(self) \
-            and is_user_file(sys._getframe(1).f_code.co_filename):   # f"{logits}"
-        return eager_repr(self)
+        return tensor_text(self, caller, format_spec)
+    if not format_spec and shows_values(self) and is_user_file(caller):   # f"{logits}"
+        return tensor_text(self, caller)
     return _FORMAT(self, format_spec)
 
 

@@ -17,7 +17,10 @@ the trace. A symbolic size turned into text by the user's own code
 size (a guard: the program is for that size, as for `range(n)`). Sizes in
 libraries' texts and torch's own texts of symbols (its graphs, messages,
 logs) are left as they are. What the trace printed is shown again after each
-later run of its program (printed.py).
+later run of its program (printed.py). Where the step's own code turns such
+a value into text, the text holds a marker instead and the value is an output
+of the program, filled in after each run (text_values.py); the decisions
+above are what is left where that does not hold.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
                                                    free_unbacked_symbols)
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .text_values import TextValues
 from .user_code import is_user_file
 
 # a symbolic number's Python type
@@ -50,9 +54,15 @@ def _as_value(cls, name: str, original, stops: list):
 
     def text(self, *args):
         caller = sys._getframe(1).f_code.co_filename
-        if caller.startswith(_OWN) or not (free_unbacked_symbols(self) or (
-                self.node.expr.free_symbols and is_user_file(caller))):
+        if caller.startswith(_OWN):
             return original(self, *args)
+        if not self.node.expr.free_symbols:   # a decision took it to its value
+            return getattr(kind(self), name)(*args)
+        if not (free_unbacked_symbols(self) or is_user_file(caller)):
+            return original(self, *args)
+        marking = _marking(caller)
+        if marking is not None and free_unbacked_symbols(self):
+            return marking.mark(self, lambda value: getattr(kind(value), name)(*args))
         try:
             value = kind(self)
         except GuardOnDataDependentSymNode as exc:   # fake values: the trace stops here
@@ -70,14 +80,35 @@ def eager_repr(t: torch.Tensor) -> str:
     opts = torch._tensor_str.PRINT_OPTS
     real = _shown_values(t, opts.threshold, opts.edgeitems)
     with _disable_current_modes():
-        text = repr(real)
+        return _autograd_suffix(t)(repr(real))
+
+
+def _autograd_suffix(t: torch.Tensor):
+    """What eager's repr of t adds to that of a tensor of its values: its
+    grad_fn, or requires_grad."""
     grad_fn = t.grad_fn
     if grad_fn is None and not t.requires_grad:
-        return text
+        return lambda text: text
     name = "requires_grad=True" if grad_fn is None else (
         f"grad_fn=<{grad_fn.name().rsplit('::', 1)[-1]}>" if type(grad_fn).__name__ == "CppFunction"
         else f"grad_fn=<{type(grad_fn).__name__}>")
-    return torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
+    return lambda text: torch._tensor_str._add_suffixes(text[:-1], [name], len("tensor("), False)
+
+
+def tensor_text(t: torch.Tensor, caller: str, spec: str | None = None) -> str:
+    """A traced tensor turned into text by code in `caller`: repr(t) (spec
+    None), or a 0-d tensor's value formatted by spec, as eager's. A marker
+    where the user's code prints it (text_values.py); else each value it
+    shows a decision."""
+    marking = _marking(caller)
+    if spec is not None:
+        if marking is not None:
+            return marking.mark_tensor(t, lambda real: real.item().__format__(spec))
+        return as_numbers(t.detach().item()).__format__(spec)
+    if marking is not None:
+        suffix = _autograd_suffix(t)
+        return marking.mark_tensor(t, lambda real: suffix(repr(real)))
+    return eager_repr(t)
 
 
 def eager_array_text(t: torch.Tensor, show) -> str:
@@ -174,15 +205,29 @@ _FAKE_REPR = FakeTensor.__repr__
 
 
 def _repr_as_in_eager(self, *args, **kwargs):
-    if shows_values(self) and is_user_file(sys._getframe(1).f_code.co_filename):
-        return eager_repr(self)
+    caller = sys._getframe(1).f_code.co_filename
+    if shows_values(self) and is_user_file(caller):
+        return tensor_text(self, caller)
     return _FAKE_REPR(self, *args, **kwargs)
 
 
+# the trace's TextValues while values_as_text is given one
+_TEXT_VALUES: list[TextValues] = []
+
+
+def _marking(caller: str) -> TextValues | None:
+    """Where values turned into text by code in `caller` are marked: the
+    user's own code, in a trace that marks them."""
+    return _TEXT_VALUES[-1] if _TEXT_VALUES and is_user_file(caller) else None
+
+
 @contextlib.contextmanager
-def values_as_text():
-    """While tracing: a tensor's value as text is its value (module docstring)."""
+def values_as_text(marked: TextValues | None):
+    """While tracing: a tensor's value as text is its value, or where `marked`
+    is given and the user's code prints it, a marker (module docstring)."""
     stops: list = []
+    if marked is not None:
+        _TEXT_VALUES.append(marked)
     saved = [(cls, name, cls.__dict__.get(name)) for cls in KINDS for name in _METHODS]
     for cls, name, own in saved:
         setattr(cls, name, _as_value(cls, name, getattr(cls, name), stops))
@@ -191,6 +236,8 @@ def values_as_text():
     try:
         yield
     finally:
+        if marked is not None:
+            _TEXT_VALUES.pop()
         FakeTensor.__repr__ = _FAKE_REPR
         logging.Logger.makeRecord = _MAKE_RECORD
         for cls, name, own in saved:

@@ -402,8 +402,9 @@ class TranspiledStep:
             param.grad = None
         for write in built.host_writes:   # what the step's Python wrote on the host
             write.redo()
-        if built.printed is not None and not traced_now:   # the trace showed its own
-            built.printed.show_again()
+        # (a trace showed its own text, unless the values it prints fill it in)
+        if built.printed is not None and (not traced_now or built.printed.renders is not None):
+            built.printed.show_again(built.returned.shown_values(outputs))
         for edit in built.argument_edits:   # keys it popped, tensors made to require grad
             edit.apply()
         if world()[0] > 1:   # a step of its optimizers outside it is refused until one inside
@@ -791,12 +792,12 @@ class TranspiledStep:
                                     self.schedule.step)
             self._executor.commit(runnable, outputs)
             return outputs
-        n_user = built.returned.num_outputs
+        n_user, n_out = built.returned.user_outputs, built.returned.num_outputs
         names = [f"returned value {i}" for i in range(n_user)]
         ours = outputs[:n_user]
         theirs = [o.detach() for o in built.returned.outputs(expected)]
-        for spec, target, value in zip(runnable.program.outputs[n_user:],
-                                       runnable.targets[n_user:], outputs[n_user:]):
+        for spec, target, value in zip(runnable.program.outputs[n_out:],
+                                       runnable.targets[n_out:], outputs[n_out:]):
             mirrored = target.mirror(memo) if target is not None else None
             if mirrored is not None or spec.kind is OutputKind.GRAD:
                 names.append(f"{spec.kind.value} {spec.target}")
