@@ -185,9 +185,11 @@ def test_each_call_shows_what_eager_shows(how, capsys, caplog):
     assert len(shown[0]) >= 6
 
 
-@pytest.mark.parametrize("how", ["print", "f-string", "format", "str", "round", "caught"])
+@pytest.mark.parametrize("how", ["print", "f-string", "format", "str", "round", "caught",
+                                 "logging"])
 def test_a_printed_value_is_filled_in_after_each_run_of_one_program(how, capsys, caplog):
-    """Printed by the step's own code, a tensor's value is an output of the
+    """Printed or logged by the step's own code (logging's %-conversions each
+    rendered from the value), a tensor's value is an output of the
     program and each run's text is filled in with it (capture/text_values.py):
     the same programs for every loss, where each new value traced again. (Two
     traces: the step's argument i changes at the second call, and is an input
@@ -199,10 +201,11 @@ def test_a_printed_value_is_filled_in_after_each_run_of_one_program(how, capsys,
     assert transpiled.traces == 2
 
 
-@pytest.mark.parametrize("how", ["percent", "logging"])
+@pytest.mark.parametrize("how", ["percent"])
 def test_a_value_formatted_by_percent_is_a_decision(how, capsys, caplog):
-    """`"%.4f" % x` reads the value as a Python float (float(x)): a decision on
-    it, traced again for each call whose value differs, as before."""
+    """`"%.4f" % x` in the step's code reads the value as a Python float
+    (float(x)): a decision on it, traced again for each call whose value
+    differs, as before."""
     expected, _, _ = _run(step, how, capsys, caplog)
     transpiled = transpile(step)
     got, _, _ = _run(transpiled, how, capsys, caplog)
@@ -271,3 +274,35 @@ def test_printed_values_under_inductor(capsys):
         printed.append([float(line.split()[1]) for line in capsys.readouterr().out.splitlines()])
     assert step_fn.traces == 2 and len(printed[1]) == 4   # (i is an input from the second call)
     assert printed[1] == pytest.approx(printed[0], rel=1e-5)
+
+
+def logged_step(model, opt, x, y):
+    opt.zero_grad()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    log.info("loss %(loss).3f of %(n)d (100%%)", {"loss": loss.item(), "n": 6})
+    log.info("loss %r accuracy %s %6.2f", loss, (logits.argmax(1) == y).float().mean(),
+             loss.detach())
+    return loss.detach()
+
+
+def test_logged_values_by_name_and_logged_tensors_fill_in(caplog):
+    """logging's conversions by name, and a tensor logged by %r, %s or a number
+    conversion: each rendered from the run's value, one program."""
+    logged = []
+    for transpiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_fn = transpile(logged_step) if transpiled else logged_step
+        g = torch.Generator().manual_seed(1)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tests.value_text"):
+            for _ in range(4):
+                step_fn(model, opt, torch.randn(6, 8, generator=g),
+                        torch.randint(0, 3, (6,), generator=g))
+        logged.append([r.getMessage() for r in caplog.records if r.name == "tests.value_text"])
+    assert logged[1] == logged[0] and len(set(logged[0])) == 8
+    assert step_fn.traces == 1

@@ -5,8 +5,8 @@ of the program into text. The program runs without the step's Python, so the
 text the trace printed is shown again after each later run (printed.py); were
 the value a decision, each call with another loss would trace again. Instead,
 while the step is traced, the user's code turning such a value into text
-(str, repr, a format spec; a symbolic number holding a tensor's value, or a
-traced tensor) gets a marker, and the value becomes an output of the program
+(str, repr, a format spec, a conversion of its logging call's message; a
+symbolic number holding a tensor's value, or a traced tensor) gets a marker, and the value becomes an output of the program
 (as a returned one, returned.py): each run's text is the trace's, with every
 marker replaced by that run's value turned into text as eager turns it.
 

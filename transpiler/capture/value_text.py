@@ -25,10 +25,12 @@ above are what is left where that does not hold.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import logging
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -192,8 +194,53 @@ def _value(x, user: bool):
     return x
 
 
+# a conversion of printf-style formatting, as logging applies msg % args
+_CONVERSION = re.compile(r"%(?:\((?P<key>[^)]*)\))?"
+                         r"(?P<spec>[#0 +-]*\d*(?:\.\d+)?[hlL]?(?P<conv>[diouxXeEfFgGcrsa%]))")
+_END = object()
+
+
+def _marked_message(marking: TextValues, msg, args: tuple) -> str | None:
+    """msg % args as a record's getMessage() formats it, each tensor value
+    among args a marker rendering its own conversion (`%.4f` of loss.item());
+    None where args hold none, or the format is one this does not read (a `*`
+    width, arguments that do not match it)."""
+    mapping = args[0] if len(args) == 1 and isinstance(args[0], collections.abc.Mapping) \
+        and args[0] else None
+    values = list(mapping.values()) if mapping is not None else list(args)
+    if not isinstance(msg, str) or "*" in msg or not any(
+            (type(v) in KINDS and free_unbacked_symbols(v)) or shows_values(v) for v in values):
+        return None
+    positional = iter(args)
+
+    def convert(match) -> str:
+        conv, spec = match.group("conv"), "%" + match.group("spec")
+        if conv == "%":
+            return "%"
+        v = mapping[match.group("key")] if match.group("key") is not None else next(positional)
+        if type(v) in KINDS and free_unbacked_symbols(v):
+            kind = KINDS[type(v)]
+            return marking.mark(v, lambda value: spec % (kind(value),))
+        if shows_values(v) and conv in "sra":   # str, repr and ascii of a tensor: its repr
+            suffix, as_text = _autograd_suffix(v), spec[:-1] + "s"
+            return marking.mark_tensor(v, lambda real: as_text % (suffix(repr(real)),))
+        if shows_values(v):
+            return marking.mark_tensor(v, lambda real: spec % (real.item(),))
+        return spec % (v,)
+    try:
+        text = _CONVERSION.sub(convert, msg)
+    except (KeyError, StopIteration, TypeError, ValueError):
+        return None
+    return text if mapping is not None or next(positional, _END) is _END else None
+
+
 def _make_record(self, name, level, fn, lno, msg, args, *rest, **kwargs):
     user = is_user_file(fn)
+    marking = _TEXT_VALUES[-1] if _TEXT_VALUES and user else None
+    text = _marked_message(marking, msg, args) \
+        if marking is not None and isinstance(args, tuple) and args else None
+    if text is not None:   # the user's logging of tensor values: filled in after each run
+        return _MAKE_RECORD(self, name, level, fn, lno, text, (), *rest, **kwargs)
     if isinstance(args, dict):
         args = {k: _value(v, user) for k, v in args.items()}
     elif isinstance(args, tuple):
