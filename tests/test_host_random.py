@@ -236,6 +236,52 @@ def test_the_clock_is_read_on_every_call():
     assert all(float(elapsed) >= 0 for _, elapsed in read)
 
 
+def printing_step(model, opt, x, y):
+    scale = random.uniform(0.5, 1.5)
+    loss = M.classify_step(model, opt, x * scale, y)
+    print(f"scale {scale:.4f} noise {np.random.rand():.3f}", scale)
+    return loss
+
+
+def test_a_drawn_value_printed_is_filled_in_with_each_calls_draw(capsys):
+    """A drawn number printed is an output of the program (capture/text_values.py):
+    each call prints its own draws, as eager, from one program."""
+    printed = []
+    for transpiled in (False, True):
+        model = M.make("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = transpile(printing_step) if transpiled else printing_step
+        random.seed(0)
+        np.random.seed(0)
+        capsys.readouterr()
+        for batch in M.batches("mlp", 4, 8):
+            step(model, opt, *batch)
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[0] and len(set(printed[0].splitlines())) == 4
+    assert step.traces == 1
+
+
+def printing_time_step(model, opt, x, y):
+    start = time.perf_counter()
+    loss = M.classify_step(model, opt, x, y)
+    print(f"step took {time.perf_counter() - start:.6f} s")
+    return loss
+
+
+def test_a_time_measured_in_the_step_and_printed_is_refused_with_nothing_changed():
+    """The clocks are read before the program runs: a time measured inside the
+    step, printed, would not be the step's."""
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TranspileError, match=r"turns a time it measures inside the step "
+                                             r"\(time.perf_counter\(\) at .*test_host_random.py.*"
+                                             r"time the call from outside the step"):
+        transpile(printing_time_step)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
 class Prefetcher(threading.Thread):
     """A loader thread drawing its augmentation from a random.Random of its own,
     making tensors of numpy arrays and reading the clock, as the step is traced

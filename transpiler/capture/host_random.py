@@ -64,6 +64,7 @@ class Draw:
     args: tuple
     kwargs: dict
     what: str          # "random.uniform(0.5, 1.5) at train.py:12 (...)"
+    clock: bool = False   # a clock of `time`: its value depends on when it is read
 
 
 class Draws:
@@ -158,7 +159,8 @@ class _Recording:
         # the patches are the process's: another thread's draws (a loader's) are its own
         self.thread = threading.get_ident()
 
-    def wrap(self, original: Callable, name: str, bound: Callable, state) -> Callable:
+    def wrap(self, original: Callable, name: str, bound: Callable, state,
+             clock: bool = False) -> Callable:
         """A recording version of a drawing function; `bound(*args)` draws the
         same value again later; `state` is (generator, get, set) or None."""
         recording = self
@@ -175,10 +177,11 @@ class _Recording:
                 value = original(*args, **kwargs)
             finally:
                 recording.depth -= 1
-            return recording.record(name, bound, args, kwargs, value)
+            return recording.record(name, bound, args, kwargs, value, clock)
         return draw
 
-    def record(self, name: str, bound: Callable, args: tuple, kwargs: dict, value):
+    def record(self, name: str, bound: Callable, args: tuple, kwargs: dict, value,
+               clock: bool = False):
         where = user_line(self.step_fn)
         shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
         what = f"{name}({shown}){where}"
@@ -194,7 +197,7 @@ class _Recording:
                 f"{step_name(self.step_fn)} draws {what}, which gives a "
                 f"{type(value).__name__}: only numbers and arrays drawn on the host are "
                 "replayed on every call; draw it outside the step and pass it as an argument")
-        self.draws.draws.append(Draw(bound, args, kwargs, what))
+        self.draws.draws.append(Draw(bound, args, kwargs, what, clock))
         self.draws.values.append(value)
         if not isinstance(value, (float, int)):   # an array: usable only through torch
             value = observed(value, functools.partial(_refuse_host_computation,
@@ -267,7 +270,7 @@ def host_draws_recorded(step_fn, draws: Draws, new_input: Callable):
                 patch(numpy.random, name, rec.wrap(original, f"np.random.{name}", original, state))
     for name in _CLOCKS:
         original = getattr(time, name)
-        patch(time, name, rec.wrap(original, f"time.{name}", original, None))
+        patch(time, name, rec.wrap(original, f"time.{name}", original, None, clock=True))
     try:
         yield rec
     finally:

@@ -40,6 +40,13 @@ class TextValues:
 
     values: list[Any] = dataclasses.field(default_factory=list)   # SymNumbers, tensors
     renders: list[Callable[[Any], str]] = dataclasses.field(default_factory=list)
+    # symbols whose values are not filled in: the clocks' (read before the run,
+    # a time measured in the step would not be the step's; host_random.py)
+    unmarked: set = dataclasses.field(default_factory=set)
+
+    def markable(self, number) -> bool:
+        """Whether a symbolic number's text can be filled in after the run."""
+        return not number.node.expr.free_symbols & self.unmarked
 
     def mark(self, value, render: Callable[[Any], str]) -> str:
         """The marker standing for render(value's value at a run)."""

@@ -628,7 +628,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     rng = RngRecorder(step_fn, inputs, symbols)
     printed = Printed()
     # values the step's own code prints, outputs filled into the text (text_values.py)
-    marked = TextValues() if step_args.values_in_text else None
+    marked = TextValues(unmarked=late.clock_symbols) if step_args.values_in_text else None
     try:
         # The traced module's Python code is never run (it becomes a Program):
         # a lazy module does not generate it.
@@ -790,11 +790,20 @@ def _number_guards(step_fn, step_args: StepArgs, inputs, late: "_LateInputs", dr
                                   lambda ra: user_line(step_fn, frames=ra.stack.summary()),
                                   on_values)
     except NotLiftable as exc:
-        drawn = [what for symbol, what in late.draw_symbols.items()
+        drawn = [(what, symbol in late.clock_symbols) for symbol, what in late.draw_symbols.items()
                  if late.draw_names[symbol] in exc.names]
         if not drawn:
             raise
         draws.rewind()
+        clock = next((what for what, is_clock in drawn if is_clock), None)
+        if clock is not None:
+            raise TranspileError(
+                f"{step_name(step_fn)} turns a time it measures inside the step ({clock}) into "
+                f"text or a decision: {exc}. The program runs without the step's Python, and "
+                "every clock the step reads is read before the program runs, so such a time "
+                "would not be the step's: time the call from outside the step "
+                "(start = time.perf_counter(); step(...); time.perf_counter() - start)") from exc
+        drawn = [what for what, _ in drawn]
         raise TranspileError(
             f"{step_name(step_fn)} decides on a value it draws on the host ({drawn[0]}) by a "
             f"condition the host cannot evaluate as the step's Python does: {exc}. Compare the "
@@ -817,6 +826,7 @@ class _LateInputs:
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
         self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
         self.draw_names: dict = {}             # symbol of a drawn number -> its input's name
+        self.clock_symbols: set = set()        # of those, the clocks' (time.perf_counter())
         self.integer_draws: frozenset[str] = frozenset()   # names of the integers drawn
         self.constant_draws = constant_draws   # of those, the ones traced as constants
         self.draw_value_guards: list[NumberGuard] = []   # their values, guarded
@@ -871,6 +881,8 @@ class _LateInputs:
         number = fake.item()
         self.draw_symbols[number.node.expr] = what
         self.draw_names[number.node.expr] = name
+        if slot.draws.draws[slot.index].clock:
+            self.clock_symbols.add(number.node.expr)
         # a condition on it takes this call's value: a number guard, a program per outcome
         number.node.shape_env.set_real_tensor_prop_unbacked_vals(number.node.expr, value)
         return number

@@ -63,7 +63,7 @@ def _as_value(cls, name: str, original, stops: list):
         if not (free_unbacked_symbols(self) or is_user_file(caller)):
             return original(self, *args)
         marking = _marking(caller)
-        if marking is not None and free_unbacked_symbols(self):
+        if marking is not None and free_unbacked_symbols(self) and marking.markable(self):
             return marking.mark(self, lambda value: getattr(kind(value), name)(*args))
         try:
             value = kind(self)
@@ -200,6 +200,10 @@ _CONVERSION = re.compile(r"%(?:\((?P<key>[^)]*)\))?"
 _END = object()
 
 
+def _markable(marking: TextValues, v) -> bool:
+    return type(v) in KINDS and bool(free_unbacked_symbols(v)) and marking.markable(v)
+
+
 def _marked_message(marking: TextValues, msg, args: tuple) -> str | None:
     """msg % args as a record's getMessage() formats it, each tensor value
     among args a marker rendering its own conversion (`%.4f` of loss.item());
@@ -208,8 +212,8 @@ def _marked_message(marking: TextValues, msg, args: tuple) -> str | None:
     mapping = args[0] if len(args) == 1 and isinstance(args[0], collections.abc.Mapping) \
         and args[0] else None
     values = list(mapping.values()) if mapping is not None else list(args)
-    if not isinstance(msg, str) or "*" in msg or not any(
-            (type(v) in KINDS and free_unbacked_symbols(v)) or shows_values(v) for v in values):
+    if not isinstance(msg, str) or "*" in msg or not any(_markable(marking, v) or shows_values(v)
+                                                         for v in values):
         return None
     positional = iter(args)
 
@@ -218,7 +222,7 @@ def _marked_message(marking: TextValues, msg, args: tuple) -> str | None:
         if conv == "%":
             return "%"
         v = mapping[match.group("key")] if match.group("key") is not None else next(positional)
-        if type(v) in KINDS and free_unbacked_symbols(v):
+        if _markable(marking, v):
             kind = KINDS[type(v)]
             return marking.mark(v, lambda value: spec % (kind(value),))
         if shows_values(v) and conv in "sra":   # str, repr and ascii of a tensor: its repr
