@@ -464,3 +464,18 @@ def test_a_torchscript_submodule_is_refused_naming_it():
     with pytest.raises(TranspileError, match=r"the step runs module 0 layers.1, compiled by "
                                              r"torch.jit.script"):
         transpile(M.classify_step)(model, opt, x, y)
+
+
+def test_a_checkpoint_saved_inside_the_step_is_refused_before_anything_is_written(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+
+    def saving_step(model, opt, x, y):
+        loss = M.classify_step(model, opt, x, y)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+        return loss
+    _raises_and_touches_nothing(transpile(saving_step),
+                                r"calls torch.save at .*test_errors.py.*Save between calls",
+                                None, None, None, None)
+    assert not path.exists()
+    torch.save({"saved": torch.ones(2)}, path)   # outside a trace: torch's own
+    assert torch.equal(torch.load(path)["saved"], torch.ones(2))

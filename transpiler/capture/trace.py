@@ -87,6 +87,7 @@ from .finite_tests import finite_tests_as_tensor_ops
 from .buffer_sync import buffer_sync_points
 from .group_reads import group_reads
 from .returned import Returned, arrays_returned, returned_as_read
+from .saved_files import saving_refused
 from .text_values import Renders, TextValues, WithoutTextValues
 from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, StateSlot
 from .state_writes import state_writes_kept
@@ -522,6 +523,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(kernels_where_meta_refuses())
             stack.enter_context(results_laid_out_as_kernels())
             stack.enter_context(_without_anomaly_mode(step_fn))
+            stack.enter_context(saving_refused(step_fn))
             # torch.compile inside the step (a compiled model, module or function) is
             # traced as the code it compiles: the program computes what that code does
             # in eager, and backend='inductor' compiles the whole step
