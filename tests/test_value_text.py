@@ -220,6 +220,8 @@ def tensors_step(model, opt, x, y):
     loss.backward()
     opt.step()
     print("loss", loss, f"{loss:.5f}", f"preds {logits.argmax(1)}")
+    print(model[0].bias[:3])
+    print(model[2].bias)   # "Parameter containing:", as nn.Parameter shows itself
     print(logits[:2])   # then written in place: shown as it was when printed
     logits.mul_(0)
     return loss.detach()
@@ -251,8 +253,9 @@ def test_printed_tensors_fill_in_and_text_used_otherwise_is_a_decision(fn, trace
         for _ in range(5):
             step_fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g))
         printed.append(capsys.readouterr().out)
-    assert printed[1] == printed[0] and printed[0].count("\n") == (15 if fn is tensors_step else 5)
-    assert fn is keyed_step or "grad_fn=<NllLossBackward0>" in printed[0]
+    assert printed[1] == printed[0] and printed[0].count("\n") == (30 if fn is tensors_step else 5)
+    assert fn is keyed_step or ("grad_fn=<NllLossBackward0>" in printed[0]
+                                and "Parameter containing:" in printed[0])
     assert step_fn.traces == traces
 
 

@@ -513,7 +513,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             # add up in the low precision), so the trace does too
             stack.enter_context(_autocast_cache(cache_casts))
             stack.enter_context(_seen_as_in_eager())
-            stack.enter_context(values_as_text(marked))
+            stack.enter_context(values_as_text(marked, {
+                id(traced[id(p)]) for p in inputs.params
+                if isinstance(p, torch.nn.Parameter) and id(p) in traced}))
             stack.enter_context(arrays_returned(step_fn))
             stack.enter_context(finite_tests_as_tensor_ops())
             gru_orders = stack.enter_context(recurrent_layers_traced())

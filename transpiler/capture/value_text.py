@@ -258,12 +258,16 @@ _FAKE_REPR = FakeTensor.__repr__
 def _repr_as_in_eager(self, *args, **kwargs):
     caller = sys._getframe(1).f_code.co_filename
     if shows_values(self) and is_user_file(caller):
-        return tensor_text(self, caller)
+        # a parameter's stand-in: as nn.Parameter's repr
+        prefix = "Parameter containing:\n" if id(self) in _PARAMETERS else ""
+        return prefix + tensor_text(self, caller)
     return _FAKE_REPR(self, *args, **kwargs)
 
 
 # the trace's TextValues while values_as_text is given one
 _TEXT_VALUES: list[TextValues] = []
+# ids of the traced stand-ins of nn.Parameters, while values_as_text runs
+_PARAMETERS: set[int] = set()
 
 
 def _marking(caller: str) -> TextValues | None:
@@ -273,10 +277,13 @@ def _marking(caller: str) -> TextValues | None:
 
 
 @contextlib.contextmanager
-def values_as_text(marked: TextValues | None):
+def values_as_text(marked: TextValues | None, parameters: set[int]):
     """While tracing: a tensor's value as text is its value, or where `marked`
-    is given and the user's code prints it, a marker (module docstring)."""
+    is given and the user's code prints it, a marker (module docstring).
+    `parameters`: ids of the stand-ins of nn.Parameters, shown as eager
+    shows a Parameter."""
     stops: list = []
+    _PARAMETERS.update(parameters)
     if marked is not None:
         _TEXT_VALUES.append(marked)
     saved = [(cls, name, cls.__dict__.get(name)) for cls in KINDS for name in _METHODS]
@@ -287,6 +294,7 @@ def values_as_text(marked: TextValues | None):
     try:
         yield
     finally:
+        _PARAMETERS.difference_update(parameters)
         if marked is not None:
             _TEXT_VALUES.pop()
         FakeTensor.__repr__ = _FAKE_REPR
