@@ -251,7 +251,8 @@ def test_printed_tensors_fill_in_and_text_used_otherwise_is_a_decision(fn, trace
         g = torch.Generator().manual_seed(1)
         capsys.readouterr()
         for _ in range(5):
-            step_fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g))
+            step_fn(model, opt, torch.randn(6, 8, generator=g),
+                    torch.randint(0, 3, (6,), generator=g))
         printed.append(capsys.readouterr().out)
     assert printed[1] == printed[0] and printed[0].count("\n") == (30 if fn is tensors_step else 5)
     assert fn is keyed_step or ("grad_fn=<NllLossBackward0>" in printed[0]
@@ -272,8 +273,8 @@ def test_printed_values_under_inductor(capsys):
         g = torch.Generator().manual_seed(1)
         capsys.readouterr()
         for i in range(4):
-            step_fn(model, opt, torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g),
-                    i, "print")
+            step_fn(model, opt, torch.randn(6, 8, generator=g),
+                    torch.randint(0, 3, (6,), generator=g), i, "print")
         printed.append([float(line.split()[1]) for line in capsys.readouterr().out.splitlines()])
     assert step_fn.traces == 2 and len(printed[1]) == 4   # (i is an input from the second call)
     assert printed[1] == pytest.approx(printed[0], rel=1e-5)

@@ -11,9 +11,10 @@ outputs (text_values.py; the trace's own text is then shown after its run).
 Every other value in that text is one the program holds fixed: a plain value
 the trace read is guarded, a tensor's value turned into text otherwise or a
 symbolic size is a decision or a guard (value_text.py), so a call that would
-print otherwise runs another program, traced again (which prints its own). What goes to stderr (warnings,
-which eager shows once per line) and the records of library code (torch,
-transformers' warn-once loggers) show at the trace only.
+print otherwise runs another program, traced again (which prints its own).
+What goes to stderr (warnings, which eager shows once per line) and the
+records of library code (torch, transformers' warn-once loggers) show at the
+trace only.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ text the trace printed is shown again after each later run (printed.py); were
 the value a decision, each call with another loss would trace again. Instead,
 while the step is traced, the user's code turning such a value into text
 (str, repr, a format spec, a conversion of its logging call's message; a
-symbolic number holding a tensor's value, or a traced tensor) gets a marker, and the value becomes an output of the program
-(as a returned one, returned.py): each run's text is the trace's, with every
-marker replaced by that run's value turned into text as eager turns it.
+symbolic number holding a tensor's value, or a traced tensor) gets a marker,
+and the value becomes an output of the program (as a returned one,
+returned.py): each run's text is the trace's, with every marker replaced by
+that run's value turned into text as eager turns it.
 
 A marker is only good in what goes to stdout or to the user's logging: text
 used in any other way (a dict key, a comparison, a file name, stderr) would
