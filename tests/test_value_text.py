@@ -310,3 +310,49 @@ def test_logged_values_by_name_and_logged_tensors_fill_in(caplog):
         logged.append([r.getMessage() for r in caplog.records if r.name == "tests.value_text"])
     assert logged[1] == logged[0] and len(set(logged[0])) == 8
     assert step_fn.traces == 1
+
+
+def mnist_log_step(model, optimizer, data, target, epoch, batch_idx, n_data, n_batches):
+    """pytorch/examples mnist/main.py train(): the log line every log_interval batches."""
+    optimizer.zero_grad()
+    loss = F.nll_loss(F.log_softmax(model(data), dim=1), target)
+    loss.backward()
+    optimizer.step()
+    if batch_idx % 2 == 0:
+        print('Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}'.format(
+            epoch, batch_idx * len(data), n_data, 100. * batch_idx / n_batches, loss.item()))
+    return loss
+
+
+def nanogpt_log_step(model, optimizer, x, y, iter_num, dt, running_mfu):
+    """karpathy/nanoGPT train.py: the iteration's log line (dt measured by the loop)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lossf = loss.item()
+    print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
+    return loss
+
+
+@pytest.mark.parametrize("fn,extra,traces", [
+    (mnist_log_step, lambda i: (1, i, 60, 10), 3),   # first, then i lifted: odd and even calls
+    (nanogpt_log_step, lambda i: (i, 0.01 + i / 1000, 0.1 * i), 2)])
+def test_real_scripts_log_lines_print_as_eager_from_few_programs(fn, extra, traces, capsys):
+    """Log lines of real scripts, with the loop's counters and timings as
+    arguments: each call's text as eager's, and the programs do not grow with
+    the number of calls."""
+    printed = []
+    for transpiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_fn = transpile(fn) if transpiled else fn
+        g = torch.Generator().manual_seed(0)
+        capsys.readouterr()
+        for i in range(8):
+            step_fn(model, opt, torch.randn(6, 8, generator=g),
+                    torch.randint(0, 3, (6,), generator=g), *extra(i))
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[0] and len(set(printed[0].splitlines())) >= 4
+    assert step_fn.traces == traces
