@@ -237,23 +237,30 @@ def keyed_step(model, opt, x, y):
     return loss.detach()
 
 
+def _printed_both(fn, capsys, calls: int, extra=lambda i: (), model=None, **options):
+    """What `fn` prints over `calls` calls in eager, then transpiled (with
+    `options`), each from the same model and batches; and the transpiled step."""
+    printed = []
+    for transpiled in (False, True):
+        torch.manual_seed(0)
+        net = model() if model else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        step_fn = transpile(fn, **options) if transpiled else fn
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        for i in range(calls):
+            step_fn(net, opt, torch.randn(6, 8, generator=g),
+                    torch.randint(0, 3, (6,), generator=g), *extra(i))
+        printed.append(capsys.readouterr().out)
+    return printed, step_fn
+
+
 @pytest.mark.parametrize("fn,traces", [(tensors_step, 1), (keyed_step, 5)])
 def test_printed_tensors_fill_in_and_text_used_otherwise_is_a_decision(fn, traces, capsys):
     """Tensors printed (repr, a 0-d tensor's format) are filled in as numbers
     are; text used otherwise than printed (a dict's key) falls back to a
     decision on the value, as eager prints either."""
-    printed = []
-    for transpiled in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step_fn = transpile(fn) if transpiled else fn
-        g = torch.Generator().manual_seed(1)
-        capsys.readouterr()
-        for _ in range(5):
-            step_fn(model, opt, torch.randn(6, 8, generator=g),
-                    torch.randint(0, 3, (6,), generator=g))
-        printed.append(capsys.readouterr().out)
+    printed, step_fn = _printed_both(fn, capsys, 5)
     assert printed[1] == printed[0] and printed[0].count("\n") == (30 if fn is tensors_step else 5)
     assert fn is keyed_step or ("grad_fn=<NllLossBackward0>" in printed[0]
                                 and "Parameter containing:" in printed[0])
@@ -264,18 +271,8 @@ def test_printed_tensors_fill_in_and_text_used_otherwise_is_a_decision(fn, trace
 def test_printed_values_under_inductor(capsys):
     """A compiled program outputs the values printed: one compile, each call's
     text within inductor's rounding of eager's."""
-    printed = []
-    for backend in (None, "inductor"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step_fn = transpile(step, backend=backend) if backend else step
-        g = torch.Generator().manual_seed(1)
-        capsys.readouterr()
-        for i in range(4):
-            step_fn(model, opt, torch.randn(6, 8, generator=g),
-                    torch.randint(0, 3, (6,), generator=g), i, "print")
-        printed.append([float(line.split()[1]) for line in capsys.readouterr().out.splitlines()])
+    texts, step_fn = _printed_both(step, capsys, 4, lambda i: (i, "print"), backend="inductor")
+    printed = [[float(line.split()[1]) for line in text.splitlines()] for text in texts]
     assert step_fn.traces == 2 and len(printed[1]) == 4   # (i is an input from the second call)
     assert printed[1] == pytest.approx(printed[0], rel=1e-5)
 
@@ -342,17 +339,6 @@ def test_real_scripts_log_lines_print_as_eager_from_few_programs(fn, extra, trac
     """Log lines of real scripts, with the loop's counters and timings as
     arguments: each call's text as eager's, and the programs do not grow with
     the number of calls."""
-    printed = []
-    for transpiled in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(8, 3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step_fn = transpile(fn) if transpiled else fn
-        g = torch.Generator().manual_seed(0)
-        capsys.readouterr()
-        for i in range(8):
-            step_fn(model, opt, torch.randn(6, 8, generator=g),
-                    torch.randint(0, 3, (6,), generator=g), *extra(i))
-        printed.append(capsys.readouterr().out)
+    printed, step_fn = _printed_both(fn, capsys, 8, extra, model=lambda: nn.Linear(8, 3))
     assert printed[1] == printed[0] and len(set(printed[0].splitlines())) >= 4
     assert step_fn.traces == traces
