@@ -55,6 +55,22 @@ class ReturnedLeaf:
     dtype: torch.dtype | None = None   # NUMBER: the output's dtype
     value: Any = None                  # CONSTANT: the value; AFTER: what reads it
 
+    def output(self, value) -> torch.Tensor:
+        """The program's output for a value of this leaf (a TENSOR, ARRAY or NUMBER)."""
+        if self.kind is LeafKind.ARRAY:
+            return value.tensor if isinstance(value, ReturnedArray) else torch.from_numpy(value)
+        if self.kind is LeafKind.NUMBER:
+            return torch.scalar_tensor(value, dtype=self.dtype, device="cpu")
+        return value
+
+    def value_of(self, output: torch.Tensor):
+        """The value this leaf stands for, from a run's output."""
+        if self.kind is LeafKind.ARRAY:
+            return output.numpy()
+        if self.kind is LeafKind.NUMBER:
+            return output.item()
+        return output
+
 
 @dataclasses.dataclass(frozen=True)
 class Returned:
@@ -108,27 +124,14 @@ class Returned:
         trace, the values printed): its tensors, and its numbers as 0-d tensors
         (in the trace: ops on symbolic numbers; in an eager run that is
         compared with the program: its plain numbers)."""
-        outs = [v if isinstance(v, torch.Tensor)
-                else torch.scalar_tensor(v, dtype=leaf.dtype, device="cpu")
-                for leaf, v in zip(self.shown, shown)]
-        return self._result_outputs(result) + outs
+        return [leaf.output(value) for leaf, value in
+                [*zip(self.leaves, pytree.tree_leaves(result)), *zip(self.shown, shown)]
+                if leaf.kind in _OUTPUTS]
 
     def shown_values(self, outputs) -> list:
         """The values the step printed, from a run's outputs."""
-        return [o if leaf.kind is LeafKind.TENSOR else o.item()
-                for leaf, o in zip(self.shown, outputs[self.user_outputs:self.num_outputs])]
-
-    def _result_outputs(self, result) -> list[torch.Tensor]:
-        outs = []
-        for leaf, value in zip(self.leaves, pytree.tree_leaves(result)):
-            if leaf.kind is LeafKind.TENSOR:
-                outs.append(value)
-            elif leaf.kind is LeafKind.ARRAY:
-                outs.append(value.tensor if isinstance(value, ReturnedArray)
-                            else torch.from_numpy(value))
-            elif leaf.kind is LeafKind.NUMBER:
-                outs.append(torch.scalar_tensor(value, dtype=leaf.dtype, device="cpu"))
-        return outs
+        return [leaf.value_of(o) for leaf, o in
+                zip(self.shown, outputs[self.user_outputs:self.num_outputs])]
 
     def rebuild(self, outputs) -> Any:
         """The step's result from the program's outputs (after the call's LR
@@ -136,12 +139,8 @@ class Returned:
         outs = iter(outputs)
         values = []
         for leaf in self.leaves:
-            if leaf.kind is LeafKind.TENSOR:
-                values.append(next(outs))
-            elif leaf.kind is LeafKind.ARRAY:
-                values.append(next(outs).numpy())
-            elif leaf.kind is LeafKind.NUMBER:
-                values.append(next(outs).item())
+            if leaf.kind in _OUTPUTS:
+                values.append(leaf.value_of(next(outs)))
             elif leaf.kind is LeafKind.AFTER:
                 values.append(leaf.value())
             else:
