@@ -160,19 +160,23 @@ def test_hyperparameter_assigned_inside_the_step():
                                 r"0.01 -> 0.5.*lr_scheduler", None, None, None, None)
 
 
-def test_python_counter_on_the_module():
+def test_python_counter_on_the_module_that_indexes_is_refused():
+    """A counter the step advances and uses as an index: a program per value,
+    so every call would trace again; refused at the first call, undone."""
+    schedule = [1.0, 0.5, 0.25, 0.125]
+
     def count(model, optimizer, x, y):
         optimizer.zero_grad()
         model.calls = getattr(model, "calls", 0) + 1
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y) * schedule[model.calls]
         loss.backward()
         optimizer.step()
         return loss
 
     model, opt, (x, y) = _setup()
     model.calls = 0
-    with pytest.raises(TranspileError, match=r"changes host-side state on every call: "
-                                             r"model.calls 0 -> 1, then 1 -> 2.*register_buffer"):
+    with pytest.raises(TranspileError, match=r"changes model.calls on every call and takes one "
+                                             r"value of it .*schedule\[model.calls\]"):
         transpile(count)(model, opt, x, y)
     assert model.calls == 0   # undone
 

@@ -101,6 +101,7 @@ class HostState:
         self.structure = _structure(modules)
         self.guards = None
         self.assigned: list[Write] = []
+        self.numbers: list[Write] = []
         self.kept: list[Write] = []
 
     def finish(self) -> None:
@@ -110,16 +111,18 @@ class HostState:
         for w in [w for w in writes if _rederived(w)]:
             w.undo()
             writes.remove(w)
+        self.numbers = [w for w in writes if _symbolic_number(w)]
+        writes = [w for w in writes if w not in self.numbers]
         for w in writes:
             if not w.assigns_traced_tensor and _holds_traced(w.values()[1]):
                 _realize(w, self.reals)
         refused = self._refused(writes)
         if refused is not None:
-            for w in reversed(writes):
+            for w in reversed(writes + self.numbers):
                 w.undo()
             raise refused
         self.assigned = [w for w in writes if w.assigns_traced_tensor]
-        for w in self.assigned:   # the host keeps its value until the program assigns one
+        for w in self.assigned + self.numbers:   # the host keeps its value until a run gives one
             w.undo()
         self.kept = [w for w in writes if not w.assigns_traced_tensor and w.changes()]
 
@@ -237,6 +240,13 @@ def _structure(modules) -> tuple:
     """The names of every parameter, buffer and submodule of the step's modules."""
     return tuple((id(m), tuple(m._parameters), tuple(m._buffers), tuple(m._modules))
                  for module in modules for m in module.modules())
+
+
+def _symbolic_number(w: Write) -> bool:
+    """A number the program computes (a `.item()`, arithmetic on a lifted
+    number) bound to a host place: an output of the program, put there after
+    each run (returned.py)."""
+    return not w.in_place and isinstance(w.after, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _holds_traced(value, depth: int = 0) -> bool:

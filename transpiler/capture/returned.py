@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import operator
 import sys
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import TranspileError
 from .group_reads import AfterTheCall
+from .reads import put
 from .user_code import is_user_file, step_name, user_line
 from .value_text import eager_array_text
 
@@ -80,12 +82,17 @@ class Returned:
     leaves: tuple[ReturnedLeaf, ...]
     # the values the step printed (text_values.py): outputs after the result's
     shown: tuple[ReturnedLeaf, ...] = ()
+    # the symbolic numbers the step left on the host (host_state.py), outputs
+    # after the printed ones: each put where the step wrote it after every run
+    written: tuple[ReturnedLeaf, ...] = ()
+    writes: tuple = ()   # their reads.Write, in the same order
 
     @classmethod
-    def of(cls, result, step_name: str, shown: tuple = ()) -> "Returned":
+    def of(cls, result, step_name: str, shown: tuple = (), writes: tuple = ()) -> "Returned":
         """The structure of a traced step's result; a leaf that is neither a
         tensor, a number nor a plain constant is refused. `shown`: the
-        tensors and symbolic numbers it printed."""
+        tensors and symbolic numbers it printed; `writes`: the host writes of
+        symbolic numbers it made."""
         values, spec = pytree.tree_flatten(result)
         leaves = []
         for value in values:
@@ -106,7 +113,9 @@ class Returned:
                     "the tensors it is computed from and build it outside the step")
         return cls(spec, tuple(leaves), tuple(
             ReturnedLeaf(LeafKind.TENSOR) if isinstance(v, torch.Tensor)
-            else ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(v)]) for v in shown))
+            else ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(v)]) for v in shown),
+            tuple(ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(w.after)]) for w in writes),
+            tuple(writes))
 
     @property
     def user_outputs(self) -> int:
@@ -116,22 +125,30 @@ class Returned:
     @property
     def num_outputs(self) -> int:
         """How many of the program's first outputs are the step's: its result's,
-        then the values it printed."""
-        return self.user_outputs + len(self.shown)
+        then the values it printed, then the numbers it left on the host."""
+        return self.user_outputs + len(self.shown) + len(self.written)
 
     def outputs(self, result, shown: tuple = ()) -> list[torch.Tensor]:
         """The program's outputs for a result of this structure (and, in the
-        trace, the values printed): its tensors, and its numbers as 0-d tensors
-        (in the trace: ops on symbolic numbers; in an eager run that is
-        compared with the program: its plain numbers)."""
+        trace, the values printed and the numbers written): its tensors, and
+        its numbers as 0-d tensors (in the trace: ops on symbolic numbers; in
+        an eager run that is compared with the program: its plain numbers)."""
         return [leaf.output(value) for leaf, value in
-                [*zip(self.leaves, pytree.tree_leaves(result)), *zip(self.shown, shown)]
+                [*zip(self.leaves, pytree.tree_leaves(result)), *zip(self.shown, shown),
+                 *zip(self.written, [w.after for w in self.writes])]
                 if leaf.kind in _OUTPUTS]
 
     def shown_values(self, outputs) -> list:
         """The values the step printed, from a run's outputs."""
         return [leaf.value_of(o) for leaf, o in
-                zip(self.shown, outputs[self.user_outputs:self.num_outputs])]
+                zip(self.shown, outputs[self.user_outputs:self.user_outputs + len(self.shown)])]
+
+    def write_back(self, outputs) -> None:
+        """Put each number the step left on the host where it left it, from a
+        run's outputs, as the step's Python would have."""
+        start = self.user_outputs + len(self.shown)
+        for leaf, w, o in zip(self.written, self.writes, outputs[start:self.num_outputs]):
+            put(w.holder, w.key, leaf.value_of(o))
 
     def rebuild(self, outputs) -> Any:
         """The step's result from the program's outputs (after the call's LR
@@ -157,13 +174,70 @@ def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
     out = graph.output_node()
     results = list(out.args[0])
     for k, leaf in enumerate([*(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS),
-                              *returned.shown]):
+                              *returned.shown, *returned.written]):
         node = results[k]
-        if leaf.kind is LeafKind.NUMBER and node.target is torch.ops.aten.scalar_tensor.default \
-                and isinstance(node.args[0], fx.Node) \
-                and node.args[0].target is torch.ops.aten._local_scalar_dense.default:
+        if leaf.kind is not LeafKind.NUMBER or node.target is not torch.ops.aten.scalar_tensor.default \
+                or not isinstance(node.args[0], fx.Node):
+            continue
+        if node.args[0].target is torch.ops.aten._local_scalar_dense.default:
             results[k] = node.args[0].args[0]
+        elif leaf.dtype is torch.float64:
+            with graph.inserting_before(out):
+                results[k] = _in_double(node.args[0], {}) or node
     out.args = (type(out.args[0])(results),) + tuple(out.args[1:])
+
+
+# Python's arithmetic on floats, as ops on float64 tensors: each rounds as Python's
+# does (inductor compiles without contracting a multiply and an add)
+_DOUBLE_OPS = {operator.add: torch.ops.aten.add.Tensor, operator.sub: torch.ops.aten.sub.Tensor,
+               operator.mul: torch.ops.aten.mul.Tensor, operator.truediv: torch.ops.aten.div.Tensor,
+               operator.neg: torch.ops.aten.neg.default, torch.sym_float: None}
+
+
+def _in_double(value, memo: dict) -> fx.Node | None:
+    """A symbolic number the program computes with Python's arithmetic
+    (`self.sum += loss.item() * n`), as a float64 0-d tensor computed from the
+    tensors it is read from: a compiled kernel takes a symbolic float as a
+    float32, where Python computes in double. None: an op outside + - * / (the
+    symbolic number is output as it is)."""
+    if not isinstance(value, fx.Node):   # a constant of the step's code
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if value in memo:
+        return memo[value]
+    graph, fake = value.graph, value.meta.get("val")
+    if value.target is torch.ops.aten._local_scalar_dense.default:
+        source = value.args[0]
+        node = graph.call_function(torch.ops.aten._to_copy.default, (source,),
+                                   {"dtype": torch.float64})
+        node.meta["val"] = torch.ops.aten._to_copy.default(source.meta["val"], dtype=torch.float64)
+    elif value.target in _DOUBLE_OPS and not value.kwargs \
+            and isinstance(fake, (torch.SymInt, torch.SymFloat)):
+        args = [_in_double(a, memo) for a in value.args]
+        if any(a is None for a in args):
+            return None
+        if _DOUBLE_OPS[value.target] is None:   # sym_float: the int as a double
+            return args[0]
+        tensors = [a for a in args if isinstance(a, fx.Node)]
+        if not tensors:
+            return None
+        args = [a if isinstance(a, fx.Node) else _double_constant(graph, a, tensors[0])
+                for a in args]
+        node = graph.call_function(_DOUBLE_OPS[value.target], tuple(args))
+        node.meta["val"] = _DOUBLE_OPS[value.target](*[a.meta["val"] for a in args])
+    else:
+        return None
+    memo[value] = node
+    return node
+
+
+def _double_constant(graph: fx.Graph, value, like: fx.Node) -> fx.Node:
+    node = graph.call_function(torch.ops.aten.scalar_tensor.default, (float(value),),
+                               {"dtype": torch.float64})
+    fake = like.meta["val"]
+    with torch._guards.detect_fake_mode([fake]) or contextlib.nullcontext():
+        node.meta["val"] = torch.ops.aten.scalar_tensor.default(float(value), dtype=torch.float64,
+                                                                device=fake.device)
+    return node
 
 
 class ReturnedArray:

@@ -40,7 +40,7 @@ from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .grad_flags import FlagWrite, flags_changed
-from .guards import Guards
+from .guards import Check, Guards
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
 from .inputs import collect_inputs
@@ -66,7 +66,7 @@ from .optimizer_state import (
     state_set_by_step,
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
-from .numbers import (NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
+from .numbers import (NotLiftable, is_number, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
                       check_lifted, conditions_unlogged, guarded_numbers, read_number,
                       take_number_guards)
 from .memoized import memoized_while_traced
@@ -80,7 +80,7 @@ from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
-from .reads import Recorder, Write, refuse_scripted_modules
+from .reads import Recorder, Write, place_key, refuse_scripted_modules
 from .printed import Output, Printed
 from .raised import Raised, raised_by_the_step
 from .finite_tests import finite_tests_as_tensor_ops
@@ -233,8 +233,24 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
     try:
         captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
                                           zero_unused)
-        if captured.host_writes:
-            _check_converges(step_fn, step_args, state_stand_in, captured, on_values)
+        tried: set = set()   # places lifted once: not again where they could not stay lifted
+        while True:
+            # a number it reads and leaves changed (`self.sum += loss.item()`, a
+            # counter): read from an input, so that one program serves every value
+            lift = frozenset(place_key(w.holder, w.key) for w in captured.returned.writes
+                             if _read_there(w, captured.guards)) - step_args.lift_places - tried
+            counters = _check_converges(step_fn, step_args, state_stand_in, captured, on_values,
+                                        tried) if captured.host_writes else frozenset()
+            if not lift | counters:
+                break
+            if not counters:   # converged: the trace again makes its writes again
+                for w in reversed(captured.host_writes):
+                    w.undo()
+            tried |= lift | counters
+            step_args.lift_places |= lift | counters
+            captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
+                                              zero_unused)
+            _refuse_pinned(step_fn, step_args, captured, tried)
     except BaseException:
         forget_state(made)
         for scaler in unscaled:
@@ -305,11 +321,14 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
 
 
 def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Captured,
-                     on_values: bool) -> None:
+                     on_values: bool, tried: set) -> frozenset:
     """The step wrote host values while traced (a flag set once, a config value
     filled in): trace it again from the written state. If it writes nothing
     more, the writes were a lazy initialization: kept (and replayed after each
-    run). If it writes again (a counter), refuse, with every write undone."""
+    run). If it writes numbers again where it read them (a counter, a meter's
+    sum), places not `tried` yet: those, to lift (numbers.py), every write undone; the trace
+    with them lifted computes what it writes there. If it writes anything else
+    again, refuse, with every write undone."""
     writes = captured.host_writes
     log.info("transpiler: %s writes host state while it is traced (%s%s); tracing it again "
              "from the written state to check that it writes nothing more", step_name(step_fn),
@@ -324,10 +343,51 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
     for w in reversed(again.host_writes):
         w.undo()
     again.draws.rewind()
+    counters = frozenset(place_key(w.holder, w.key) for w in again.host_writes
+                         if _counted(w, again.guards)) - step_args.lift_places - tried
     if again.host_writes:
         for w in reversed(writes):
             w.undo()
-        raise refuse_repeated(step_fn, writes, again.host_writes)
+        if not counters:
+            raise refuse_repeated(step_fn, writes, again.host_writes)
+        log.info("transpiler: %s changes numbers on the host on every call (%s): tracing it "
+                 "again with them read from program inputs, the values it leaves there the "
+                 "program's outputs", step_name(step_fn), again.host_writes[0].describe())
+    return counters
+
+
+def _refuse_pinned(step_fn, step_args: StepArgs, captured: Captured, changing: set) -> None:
+    """A number the step changes on every call whose program holds for one
+    value of it alone (`batches[self.i]`, `if self.step == 0`): every call
+    would trace again. Refused, with every write undone."""
+    for guard in captured.number_guards:
+        expr = guard.expr
+        if not isinstance(expr, sympy.Eq) or not any(
+                isinstance(side, sympy.Symbol) for side in expr.args):
+            continue
+        pinned = [name for symbol, name, _ in guard.slots if symbol in expr.args
+                  and step_args.places_lifted.get(name) in changing]
+        if pinned:
+            for w in reversed(captured.host_writes):
+                w.undo()
+            raise TranspileError(
+                f"{step_name(step_fn)} changes {pinned[0]} on every call and takes one value of "
+                f"it ({guard.condition()}){guard.where}: a program holds for that value alone, "
+                "so every call would trace the step again. Keep such a counter outside the step "
+                "(pass it as an argument, or pull the batch before the call), or decide on a "
+                "range of it (`if step < warmup`, `step % k == 0`)")
+
+
+def _counted(w: Write, guards) -> bool:
+    """A write of a number to a place the step read a number from (`self.n += 1`)."""
+    before, after = w.values()
+    return not w.in_place and is_number(after) and _read_there(w, guards)
+
+
+def _read_there(w: Write, guards) -> bool:
+    """Whether the step read a number from the place it wrote (by value: not lifted)."""
+    return is_number(w.values()[0]) and any(g.holder is w.holder and g.key == w.key
+                                            and g.check is Check.VALUE for g in guards.guards)
 
 
 def _lifted_names(step_args: StepArgs) -> set[str]:
@@ -577,7 +637,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             if markers.steps or not optimizers:
                 markers.reduced = dict(markers.grads)
             shown = tuple(marked.values) if marked is not None else ()
-            returned.append(Returned.of(result, step_name(step_fn), shown))
+            returned.append(Returned.of(result, step_name(step_fn), shown, tuple(host.numbers)))
             out_leaves = returned[-1].outputs(result, shown)
             new_state = []
             for opt in optimizers:

@@ -200,6 +200,7 @@ class ProgramCache:
         for key in requested_places - step_args.lift_places:
             self.lifted_places.discard(key)
             self.per_value_places[key] = names.get(key, "a number")
+        self.lifted_places |= step_args.lift_places - requested_places   # counters (trace.py)
         if symbolic and not step_args.dynamic:   # its symbolic trace failed (trace.py)
             self.declared, self.every_dim, self.automatic = {}, False, False
         # Building made the optimizers' state the first step would make

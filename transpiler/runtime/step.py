@@ -402,6 +402,7 @@ class TranspiledStep:
             param.grad = None
         for write in built.host_writes:   # what the step's Python wrote on the host
             write.redo()
+        built.returned.write_back(outputs)   # and the numbers it computed there
         # (a trace showed its own text, unless the values it prints fill it in)
         if built.printed is not None and (not traced_now or built.printed.renders is not None):
             built.printed.show_again(built.returned.shown_values(outputs))

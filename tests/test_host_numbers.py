@@ -1,0 +1,181 @@
+"""Numbers the step changes on the host every call: meters updated with
+`loss.item()`, counters advanced (`self.global_step += 1`), a flag computed
+from a counter that decides accumulation. The program reads each such number
+from an input and computes what the step leaves there, an output put back
+after every run; a counter that pins the program to one of its values is
+refused at the first call, nothing changed. Against the eager step in one
+process (also under inductor, whose kernels would take a float as a float32)
+and against torch DDP with its defaults on 2 ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests import models as M
+from transpiler import TranspileError, transpile
+
+
+class AverageMeter:
+    """pytorch/examples imagenet/main.py's meter."""
+
+    def __init__(self):
+        self.val, self.avg, self.sum, self.count = 0, 0, 0, 0
+
+    def update(self, val, n=1):
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+class TrainState:
+    """A trainer's state (transformers' TrainerState): counters and the last loss."""
+
+    def __init__(self):
+        self.global_step = 0
+        self.epoch = 0.0
+        self.best = float("inf")
+
+
+def metered_step(model, optimizer, x, y, losses, top1, state):
+    optimizer.zero_grad()
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    optimizer.step()
+    losses.update(loss.item(), x.size(0))
+    top1.update((out.argmax(1) == y).float().mean().item() * 100.0, x.size(0))
+    state.global_step += 1
+    state.epoch = state.global_step / 10
+    state.best = min(state.best, loss.item())
+    return loss
+
+
+def _plain(obj) -> dict:
+    return {k: v for k, v in vars(obj).items() if type(v) in (int, float, bool)}
+
+
+def _host_objects():
+    return AverageMeter(), AverageMeter(), TrainState()
+
+
+def test_meters_and_counters_equal_eager_from_one_program():
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    held = [_host_objects(), _host_objects()]
+    step = transpile(metered_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 5, 8)):
+        a = step(ours, opts[0], x, y, *held[0])
+        b = metered_step(theirs, opts[1], x, y, *held[1])
+        assert torch.equal(a, b), i
+        for mine, eager in zip(*held):
+            assert _plain(mine) == _plain(eager), (i, _plain(mine), _plain(eager))
+            assert [type(v) for v in _plain(mine).values()] == \
+                [type(v) for v in _plain(eager).values()]
+    M.assert_states_equal(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))
+    assert held[0][2].global_step == 5
+    # one program per outcome of the best-loss comparison, not one per value
+    assert step._cache.builds <= 3
+
+
+@pytest.mark.compiles
+def test_under_inductor_the_sums_are_python_floats_of_the_returned_losses():
+    """A compiled kernel takes a symbolic float as a float32: the numbers the
+    step leaves are computed in double, as Python's floats are."""
+    torch.manual_seed(0)
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, top1, state = _host_objects()
+    step = transpile(metered_step, backend="inductor")
+    total, count = 0, 0
+    for x, y in M.batches("mlp", 5, 8):
+        loss = step(model, opt, x, y, losses, top1, state).item()
+        total += loss * 8
+        count += 8
+        assert losses.val == loss and losses.sum == total and losses.avg == total / count
+    assert state.global_step == 5 and step.compiles <= 2   # the two outcomes of min()
+
+
+def accumulating_step(model, optimizer, x, y, state):
+    """accelerate's accumulate(): a counter, a flag computed from it, the
+    update only when the flag is set."""
+    loss = F.cross_entropy(model(x), y) / 2
+    loss.backward()
+    state.global_step += 1
+    state.sync = state.global_step % 2 == 0
+    if state.sync:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def test_a_counter_that_decides_accumulation_equals_eager():
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    states = [TrainState(), TrainState()]
+    step = transpile(accumulating_step)
+    for i, (x, y) in enumerate(M.batches("mlp", 6, 8)):
+        assert torch.equal(step(ours, opts[0], x, y, states[0]),
+                           accumulating_step(theirs, opts[1], x, y, states[1])), i
+        assert _plain(states[0]) == _plain(states[1]), i
+        M.assert_states_equal(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1]))
+    # the two outcomes of the flag, and the program without .grad at the start
+    assert step._cache.builds <= 3
+
+
+class Window:
+    def __init__(self):
+        self.n = 2
+
+
+def sliced_step(model, optimizer, x, y, window):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x[:window.n]), y[:window.n])
+    loss.backward()
+    optimizer.step()
+    window.n = window.n % 7 + 1
+    return loss
+
+
+def test_a_counter_that_decides_a_shape_is_refused_with_nothing_changed():
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    window = Window()
+    with pytest.raises(TranspileError, match=r"changes host-side state on every call: "
+                                             r"window.n 2 -> 3, then 3 -> 4"):
+        transpile(sliced_step)(model, opt, *M.batches("mlp", 1, 8)[0], window)
+    assert window.n == 2 and not opt.state
+    M.assert_states_equal(model.state_dict(), before)
+
+
+def meters_vs_ddp(mode: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, theirs, opts, step = M.against_ddp(lambda: M.make("mlp"), metered_step, mode)
+    held = [_host_objects(), _host_objects()]
+    for x, y in M.batches("mlp", 4, 16):
+        x, y = M.shard((x, y), rank, world)
+        a = step(ours, opts[0], x, y, *held[0])
+        b = metered_step(theirs, opts[1], x, y, *held[1])
+        assert torch.equal(a, b)
+        for mine, eager in zip(*held):
+            assert _plain(mine) == _plain(eager), (_plain(mine), _plain(eager))
+    mine, eager = M.states_compared(zip((ours, theirs.module), opts), sharded=mode == "zero")
+    M.assert_states_equal(mine, eager)
+    return held[0][0].sum, step._cache.builds
+
+
+@pytest.mark.parametrize("mode", ["fuse_all_reduce", "zero"])
+def test_meters_and_counters_equal_ddp_on_each_rank(mode, ranks2):
+    (sum0, builds0), (sum1, builds1) = ranks2.run(meters_vs_ddp, mode)
+    assert sum0 != sum1   # each rank's own losses
+    assert builds0 <= 3 and builds1 <= 3
