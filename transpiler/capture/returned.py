@@ -128,14 +128,14 @@ class Returned:
         then the values it printed, then the numbers it left on the host."""
         return self.user_outputs + len(self.shown) + len(self.written)
 
-    def outputs(self, result, shown: tuple = ()) -> list[torch.Tensor]:
+    def outputs(self, result, shown: tuple = (), written: tuple = ()) -> list[torch.Tensor]:
         """The program's outputs for a result of this structure (and, in the
         trace, the values printed and the numbers written): its tensors, and
         its numbers as 0-d tensors (in the trace: ops on symbolic numbers; in
         an eager run that is compared with the program: its plain numbers)."""
         return [leaf.output(value) for leaf, value in
                 [*zip(self.leaves, pytree.tree_leaves(result)), *zip(self.shown, shown),
-                 *zip(self.written, [w.after for w in self.writes])]
+                 *zip(self.written, written)]
                 if leaf.kind in _OUTPUTS]
 
     def shown_values(self, outputs) -> list:

@@ -638,7 +638,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 markers.reduced = dict(markers.grads)
             shown = tuple(marked.values) if marked is not None else ()
             returned.append(Returned.of(result, step_name(step_fn), shown, tuple(host.numbers)))
-            out_leaves = returned[-1].outputs(result, shown)
+            out_leaves = returned[-1].outputs(result, shown, tuple(w.after for w in host.numbers))
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:
