@@ -6249,7 +6249,7 @@ def _state_setup():
        source="a train state object passed to the step and advanced by it (the pattern of "
               "flax's TrainState ported to torch scripts: state.step += 1 inside train_step)",
        what="the step increments an int field of a dataclass argument",
-       expect=REFUSED, rule=HOST_WRITE, setup=_state_setup,
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_state_setup,
        call=lambda step, s, i, d: step(s.model, s.opt, d.vec(), d.cls(), s.state))
 def state_step(model, optimizer, x, y, state):
     optimizer.zero_grad()

@@ -15,9 +15,15 @@ compared after the traced step with what it held before:
 - a tensor argument the step makes require a gradient (StyleGAN2's R1 penalty:
   `real_img.requires_grad = True`) requires one after every run, with the
   .grad the step's backward() left on it, a program output (GradEnabled);
-- any other change (an item appended to a list, a number or a host value
-  stored, a counter advanced) is refused, naming the argument and the change:
-  the program cannot compute host values.
+- a number the step computed and set there (`state['step'] += 1` with the
+  counter lifted, `state.loss = loss.item()`) is an output of the program, set
+  in the call's own container after every run (ArgumentNumber); a number it
+  advances from the one it read (a counter in a dict or a dataclass among the
+  arguments) is lifted first (CountersInArguments: numbers.py), so that the
+  program computes it from its input;
+- any other change (an item appended to a list, a host value stored) is
+  refused, naming the argument and the change: the program cannot compute
+  host values.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import TranspileError
+from .numbers import is_number
 from .reads import MISSING, shown
 from .scaler import GradScaler
 from .slots import not_a_tensor
@@ -59,6 +66,27 @@ class Written:
         for kind, key in self.path:
             container = getattr(container, key) if kind == "field" else container[key]
         return container
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentNumber:
+    """A symbolic number the step set in a container of its arguments: an
+    output of the program (returned.py), set in the running call's own."""
+
+    written: Written
+    after: Any   # the trace's symbolic number
+
+    def put_back(self, value) -> None:
+        _put(self.written, value)
+
+
+class CountersInArguments(TranspileError):
+    """The step advances numbers it read in its arguments' containers (a
+    counter in a dict or a dataclass): trace again with them lifted."""
+
+    def __init__(self, written: list[Written], refusal: TranspileError):
+        super().__init__(str(refusal))
+        self.written, self.refusal = written, refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +157,7 @@ class ArgumentChanges:
     """What the traced step changed in its arguments' containers."""
 
     set: list[tuple[Written, torch.Tensor]] = dataclasses.field(default_factory=list)
+    numbers: list[ArgumentNumber] = dataclasses.field(default_factory=list)
     # done to the call's arguments after each run: KeyRemoved, GradEnabled
     edits: list = dataclasses.field(default_factory=list)
     grads: list[tuple[GradEnabled, torch.Tensor]] = dataclasses.field(default_factory=list)
@@ -148,10 +177,13 @@ class ArgumentChanges:
 
 def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
             into: ArgumentChanges) -> None:
-    """Add to `into` the tensors the traced step set in the containers of its
-    arguments (`before`: their snapshot), each with its value, and the dict
-    keys it removed; raise on any other change. `traced(t)`: whether t is a
-    tensor the trace computes."""
+    """Add to `into` the tensors and symbolic numbers the traced step set in
+    the containers of its arguments (`before`: their snapshot), each with its
+    value, and the dict keys it removed; raise CountersInArguments for the
+    numbers it advanced from those it read, and a TranspileError on any other
+    change. `traced(t)`: whether t is a tensor the trace computes."""
+    counters: list[Written] = []
+    refusal = None   # what a counter that cannot be lifted is refused with
     for path, container, old in before:
         new = _items(container)
         is_dict = isinstance(container, (dict, Mapping))
@@ -159,17 +191,42 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
         changed = [k for k in new if old.get(k, MISSING) is not new[k]]
         if not removed and not changed:
             continue
-        bad = isinstance(container, list) or (removed and not is_dict) or [
-            k for k in changed if not (isinstance(new[k], torch.Tensor) and traced(new[k]))]
-        if bad:
-            raise TranspileError(
-                f"{step_name(step_fn)} changes its argument {_name(path)} "
-                f"({_change(container, old, new, removed, changed)}): the program runs "
-                "without the step's Python, so the change would be made once, when the step "
-                "is traced, and never again. Return the value from the step instead (any "
-                "pytree of tensors), or change the argument outside the step")
-        into.set += [(Written(path, k, not is_dict), new[k]) for k in changed]
+        kinds = {k: _kind(old.get(k, MISSING), new[k], traced) for k in changed}
+        if isinstance(container, list) or (removed and not is_dict) \
+                or None in kinds.values():
+            raise _refused(step_fn, path, container, old, new, removed, changed)
+        into.set += [(Written(path, k, not is_dict), new[k]) for k in changed
+                     if kinds[k] == "tensor"]
+        into.numbers += [ArgumentNumber(Written(path, k, not is_dict), new[k]) for k in changed
+                         if kinds[k] == "symbolic"]
+        advanced = [k for k in changed if kinds[k] == "counter"]
+        if advanced and refusal is None:
+            refusal = _refused(step_fn, path, container, old, new, [], advanced)
+        counters += [Written(path, k, not is_dict) for k in advanced]
         into.edits += [KeyRemoved(Written(path, k, False)) for k in removed]
+    if counters:
+        raise CountersInArguments(counters, refusal)
+
+
+def _kind(old, new, traced) -> str | None:
+    """What the step set: a tensor it computed, a symbolic number, a number
+    advanced from the one it read (a counter), or None: anything else."""
+    if isinstance(new, torch.Tensor) and traced(new):
+        return "tensor"
+    if isinstance(new, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "symbolic"
+    if is_number(old) and is_number(new):
+        return "counter"
+    return None
+
+
+def _refused(step_fn, path, container, old, new, removed, changed) -> TranspileError:
+    return TranspileError(
+        f"{step_name(step_fn)} changes its argument {_name(path)} "
+        f"({_change(container, old, new, removed, changed)}): the program runs "
+        "without the step's Python, so the change would be made once, when the step "
+        "is traced, and never again. Return the value from the step instead (any "
+        "pytree of tensors), or change the argument outside the step")
 
 
 def _change(container, old: dict, new: dict, removed: list, changed: list) -> str:
@@ -193,6 +250,15 @@ def _name(path: Path) -> str:
     for kind, key in rest:
         text += f".{key}" if kind == "field" else f"[{key!r}]"
     return repr(text)
+
+
+def _put(written: Written, value) -> None:
+    """value set at a place of the running call's own arguments."""
+    container = written.container()
+    if written.field:
+        setattr(container, written.key, value)
+    else:
+        container[written.key] = value
 
 
 # The arguments of the call whose program is running: where ArgumentSlot and GradSlot write.
@@ -220,11 +286,7 @@ class ArgumentSlot:
         return not_a_tensor(value)
 
     def write(self, value):
-        container = self.written.container()
-        if self.written.field:
-            setattr(container, self.written.key, value)
-        else:
-            container[self.written.key] = value
+        _put(self.written, value)
 
     def mirror(self, memo: dict):
         return None   # the eager step's copy sets its own

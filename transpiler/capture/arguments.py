@@ -88,6 +88,21 @@ def _root(args: tuple, kwargs: dict) -> dict:
     return {**dict(enumerate(args)), **kwargs}
 
 
+def leaf_index(step_args: StepArgs, written) -> int | None:
+    """The index among the leaves of the value at a place of the arguments'
+    containers (argument_writes.Written), or None where it is no leaf: the
+    arguments rebuilt with each leaf's index in its place, walked to it."""
+    values = pytree.tree_unflatten(list(range(len(step_args.leaves))), step_args.spec)
+    container = dict(zip(step_args.bound.arguments, values)) if step_args.bound is not None \
+        else _root(*values)
+    try:
+        for kind, key in [*written.path, ("field" if written.field else "item", written.key)]:
+            container = getattr(container, key) if kind == "field" else container[key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return container if type(container) is int else None
+
+
 def is_leaf(x) -> bool:
     """Modules, optimizers and GradScalers are leaves; a container pytree does
     not know yet (a dataclass, a Mapping such as transformers' BatchEncoding)

@@ -270,6 +270,10 @@ class Write:
     def redo(self) -> None:
         restore(self.after) if self.in_place else put(self.holder, self.key, self.after)
 
+    def put_back(self, value) -> None:
+        """A run's value of what the step wrote (returned.py: a number it computed)."""
+        put(self.holder, self.key, value)
+
     def values(self) -> tuple[Any, Any]:
         if self.in_place:
             return self.before[0][1], self.after[0][1]

@@ -31,7 +31,6 @@ import torch.utils._pytree as pytree
 
 from ..errors import TranspileError
 from .group_reads import AfterTheCall
-from .reads import put
 from .user_code import is_user_file, step_name, user_line
 from .value_text import eager_array_text
 
@@ -82,10 +81,11 @@ class Returned:
     leaves: tuple[ReturnedLeaf, ...]
     # the values the step printed (text_values.py): outputs after the result's
     shown: tuple[ReturnedLeaf, ...] = ()
-    # the symbolic numbers the step left on the host (host_state.py), outputs
-    # after the printed ones: each put where the step wrote it after every run
+    # the symbolic numbers the step left on the host (host_state.py) and in its
+    # arguments' containers (argument_writes.py), outputs after the printed
+    # ones: each put where the step wrote it after every run
     written: tuple[ReturnedLeaf, ...] = ()
-    writes: tuple = ()   # their reads.Write, in the same order
+    writes: tuple = ()   # where each goes (its put_back), in the same order
 
     @classmethod
     def of(cls, result, step_name: str, shown: tuple = (), writes: tuple = ()) -> "Returned":
@@ -148,7 +148,7 @@ class Returned:
         run's outputs, as the step's Python would have."""
         start = self.user_outputs + len(self.shown)
         for leaf, w, o in zip(self.written, self.writes, outputs[start:self.num_outputs]):
-            put(w.holder, w.key, leaf.value_of(o))
+            w.put_back(leaf.value_of(o))
 
     def rebuild(self, outputs) -> Any:
         """The step's result from the program's outputs (after the call's LR

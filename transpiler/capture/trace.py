@@ -34,8 +34,9 @@ from ..program.program import InputKind, InputSpec, OutputKind, Program
 from ..program.roles import (BUFFER_SYNC, CARRY, COMM, DECISION, GRAD_AT, MICRO, PARAM, READY, ROLE,
                              UNUSED, Role)
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
-from .arguments import StepArgs
-from .argument_writes import ArgumentChanges, ArgumentGradSlot, ArgumentSlot
+from .arguments import StepArgs, leaf_index
+from .argument_writes import (ArgumentChanges, ArgumentGradSlot, ArgumentNumber,
+                              ArgumentSlot, CountersInArguments)
 from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
@@ -234,20 +235,29 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
         captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
                                           zero_unused)
         tried: set = set()   # places lifted once: not again where they could not stay lifted
+        tried_leaves: set = set()   # the same for numbers among the arguments
         while True:
             # a number it reads and leaves changed (`self.sum += loss.item()`, a
-            # counter): read from an input, so that one program serves every value
+            # counter, `state["loss"] = loss.item()` in an argument): read from an
+            # input, so that one program serves every value
             lift = frozenset(place_key(w.holder, w.key) for w in captured.returned.writes
-                             if _read_there(w, captured.guards)) - step_args.lift_places - tried
+                             if isinstance(w, Write) and _read_there(w, captured.guards)) \
+                - step_args.lift_places - tried
+            leaves = {i for w in captured.returned.writes if isinstance(w, ArgumentNumber)
+                      for i in [leaf_index(step_args, w.written)]
+                      if i is not None and is_number(step_args.leaves[i])} \
+                - step_args.lifted - tried_leaves
             counters = _check_converges(step_fn, step_args, state_stand_in, captured, on_values,
                                         tried) if captured.host_writes else frozenset()
-            if not lift | counters:
+            if not lift | counters | leaves:
                 break
             if not counters:   # converged: the trace again makes its writes again
                 for w in reversed(captured.host_writes):
                     w.undo()
             tried |= lift | counters
+            tried_leaves |= leaves
             step_args.lift_places |= lift | counters
+            step_args.lifted |= leaves
             captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
                                               zero_unused)
             _refuse_pinned(step_fn, step_args, captured, tried)
@@ -274,6 +284,7 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
     with fewer numbers lifted, where that is what failed; one that stopped at
     a decision on a tensor value, again on real values (decisions.py).
     shown: whether what the step prints while traced is shown."""
+    counted: set[int] = set()   # counters among the arguments lifted by this loop
     while True:
         try:
             return _trace(step_fn, step_args, state_stand_in, on_values, zero_unused, shown)
@@ -285,6 +296,15 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                          "(%s): tracing it again with those values decisions, a program per "
                          "value", step_name(step_fn), exc)
                 step_args.values_in_text = False
+                continue
+            if isinstance(exc, CountersInArguments):
+                counters = {leaf_index(step_args, w) for w in exc.written}
+                if None in counters or counters & counted:   # one that could not stay lifted
+                    raise exc.refusal from None
+                counted |= counters
+                log.info("transpiler: %s advances numbers in its arguments (%s): tracing it "
+                         "again with them read from program inputs", step_name(step_fn), exc)
+                step_args.lifted |= counters
                 continue
             if isinstance(exc, _ReadMemoized):
                 log.info("transpiler: %s reads a memoized value computed before the trace: "
@@ -637,8 +657,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             if markers.steps or not optimizers:
                 markers.reduced = dict(markers.grads)
             shown = tuple(marked.values) if marked is not None else ()
-            returned.append(Returned.of(result, step_name(step_fn), shown, tuple(host.numbers)))
-            out_leaves = returned[-1].outputs(result, shown, tuple(w.after for w in host.numbers))
+            numbers = (*host.numbers, *arg_writes.numbers)   # written back after each run
+            returned.append(Returned.of(result, step_name(step_fn), shown, numbers))
+            out_leaves = returned[-1].outputs(result, shown, tuple(w.after for w in numbers))
             new_state = []
             for opt in optimizers:
                 for p in real_params[id(opt)]:

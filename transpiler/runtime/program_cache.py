@@ -195,6 +195,7 @@ class ProgramCache:
             built = build(step_args, why)
         dropped = {step_args.names[i] for i in requested - step_args.lifted}
         self.lifted -= dropped
+        self.lifted |= {step_args.names[i] for i in step_args.lifted - requested}   # counters
         self.per_value |= dropped
         names = {key: name for name, key in step_args.places_lifted.items()}
         for key in requested_places - step_args.lift_places:
