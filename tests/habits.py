@@ -1292,8 +1292,10 @@ def _meters_setup():
        source="pytorch/examples imagenet/main.py train(): losses.update(loss.item(), "
               "images.size(0)); top1.update(acc1[0], images.size(0)) (timm's train.py does the "
               "same with losses_m.update(loss.item(), ...))",
-       what="host meters updated inside the step with loss.item() and an accuracy tensor",
-       expect=REFUSED, rule=HOST_WRITE, setup=_meters_setup,
+       what="host meters updated inside the step with loss.item() and an accuracy tensor: "
+            "the first call computes both (the counts and sums are outputs); the second adds "
+            "into the accuracy's sum, now a tensor, in place",
+       expect=REFUSED, rule=HOST_WRITE, setup=_meters_setup, refused_at=1, match="top1.sum",
        call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, d.vec(), d.cls(), s.losses,
                                        s.top1))
 def meters_step(model, criterion, optimizer, images, target, losses, top1):
@@ -1302,6 +1304,27 @@ def meters_step(model, criterion, optimizer, images, target, losses, top1):
     acc1, acc2 = accuracy(output, target, topk=(1, 2))
     losses.update(loss.item(), images.size(0))
     top1.update(acc1[0], images.size(0))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@habit(id="timm_losses_meter_item_in_step",
+       source="huggingface/pytorch-image-models train.py train_one_epoch: losses_m.update("
+              "loss.item() * accum_steps, input.size(0)); update_sample_count += input.size(0); "
+              "num_updates += 1; timm/utils/metrics.py AverageMeter",
+       what="host meters and counters updated inside the step with loss.item() and an "
+            "accuracy's .item(): each call's values, from one program",
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_meters_setup, ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, d.vec(), d.cls(), s.losses,
+                                       s.top1))
+def meters_item_step(model, criterion, optimizer, images, target, losses, top1):
+    output = model(images)
+    loss = criterion(output, target)
+    acc1, = accuracy(output, target, topk=(1,))
+    losses.update(loss.item() * 1, images.size(0))
+    top1.update(acc1.item(), images.size(0))
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
