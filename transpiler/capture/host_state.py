@@ -7,13 +7,17 @@ trace, and never again. The writes the recorder saw are sorted here:
 - a tensor the step computed and assigned to a host attribute (`self.aux =
   loss`, pruning's `module.weight = weight_orig * mask`) is an output of the
   program, assigned to that attribute after every call (trace.py);
+- a symbolic number bound to a host attribute (`meter.val = loss.item()`, a
+  counter whose place is lifted: `self.step += 1`, changed_numbers.py) is an
+  output too, put there after every run as a Python number (returned.py);
 - any other write (a flag set, a config value filled in, `model.train()`, a
   hook installed) is kept, and replayed on the host after every run of the
   program: a program traced after reading a value the step then wrote is only
   chosen while that value is as it was read, so the replay writes exactly what
   the step would. trace.py traces once more from the written state: a step
-  that writes again there (a counter) changes the host on every call, which no
-  program can replay, and is refused, naming the value, with every write undone;
+  that writes again there changes the host on every call: a number it read there
+  is lifted (a counter, above), anything else is refused, naming the value,
+  with every write undone;
 - a tensor the step computed left in a container or another object's state,
   a parameter group changed, a parameter, buffer or submodule registered: refused
   and undone. (A buffer or a parameter the step reassigns is state the program
@@ -79,8 +83,9 @@ def _plain(value) -> bool:
 
 class HostState:
     """What one trace read and wrote on the host: `guards` (reads.Guards),
-    `assigned` (tensor writes: program outputs) and `kept` (other writes,
-    left in place and replayed after each run). Filled by finish()."""
+    `assigned` (tensor writes: program outputs), `numbers` (symbolic numbers
+    written: program outputs) and `kept` (other writes, left in place and
+    replayed after each run). Filled by finish()."""
 
     def __init__(self, recorder: Recorder, step_fn, modules, optimizers,
                  traced: dict[int, torch.Tensor]):

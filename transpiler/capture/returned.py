@@ -166,18 +166,19 @@ class Returned:
 
 
 def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
-    """A number the step returns that is a tensor's value as read (`loss.item()`,
-    an optimizer's value read from its input): the program returns that tensor
-    and the call reads it with .item(). Exact under every backend (a compiled
-    kernel takes a symbolic float as a float32), and no host read inside the
-    program."""
+    """A number the step returns, prints or leaves on the host that is a
+    tensor's value as read (`loss.item()`, an optimizer's value read from its
+    input): the program returns that tensor and the call reads it with .item();
+    one computed from such values with + - * / (`sum + val * n`): computed on
+    float64 tensors (_in_double). Exact under every backend (a compiled kernel
+    takes a symbolic float as a float32), and no host read inside the program."""
     out = graph.output_node()
     results = list(out.args[0])
     for k, leaf in enumerate([*(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS),
                               *returned.shown, *returned.written]):
         node = results[k]
-        if leaf.kind is not LeafKind.NUMBER or node.target is not torch.ops.aten.scalar_tensor.default \
-                or not isinstance(node.args[0], fx.Node):
+        number = leaf.kind is LeafKind.NUMBER and node.target is torch.ops.aten.scalar_tensor.default
+        if not number or not isinstance(node.args[0], fx.Node):
             continue
         if node.args[0].target is torch.ops.aten._local_scalar_dense.default:
             results[k] = node.args[0].args[0]

@@ -35,13 +35,15 @@ from ..program.roles import (BUFFER_SYNC, CARRY, COMM, DECISION, GRAD_AT, MICRO,
                              UNUSED, Role)
 from .scaler import SKIPS, guard_skipped_steps, traced_scalers
 from .arguments import StepArgs, leaf_index
-from .argument_writes import (ArgumentChanges, ArgumentGradSlot, ArgumentNumber,
-                              ArgumentSlot, CountersInArguments)
+from .argument_writes import (ArgumentChanges, ArgumentGradSlot, ArgumentSlot,
+                              CountersInArguments)
+from .changed_numbers import (counted_places, leaves_written, places_read_and_written,
+                              refuse_pinned)
 from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .grad_flags import FlagWrite, flags_changed
-from .guards import Check, Guards
+from .guards import Guards
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
 from .inputs import collect_inputs
@@ -67,7 +69,7 @@ from .optimizer_state import (
     state_set_by_step,
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
-from .numbers import (NotLiftable, is_number, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
+from .numbers import (NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
                       check_lifted, conditions_unlogged, guarded_numbers, read_number,
                       take_number_guards)
 from .memoized import memoized_while_traced
@@ -81,7 +83,7 @@ from .random_layout import drawn_in_place, twin
 from .rng_plan import RngPlan
 from .shapes import ShapeGuards, symbolic_inputs
 from .signature import named_state
-from .reads import Recorder, Write, place_key, refuse_scripted_modules
+from .reads import Recorder, Write, refuse_scripted_modules
 from .printed import Output, Printed
 from .raised import Raised, raised_by_the_step
 from .finite_tests import finite_tests_as_tensor_ops
@@ -240,12 +242,9 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             # a number it reads and leaves changed (`self.sum += loss.item()`, a
             # counter, `state["loss"] = loss.item()` in an argument): read from an
             # input, so that one program serves every value
-            lift = frozenset(place_key(w.holder, w.key) for w in captured.returned.writes
-                             if isinstance(w, Write) and _read_there(w, captured.guards)) \
+            lift = places_read_and_written(captured.returned.writes, captured.guards) \
                 - step_args.lift_places - tried
-            leaves = {i for w in captured.returned.writes if isinstance(w, ArgumentNumber)
-                      for i in [leaf_index(step_args, w.written)]
-                      if i is not None and is_number(step_args.leaves[i])} \
+            leaves = leaves_written(step_args, captured.returned.writes) \
                 - step_args.lifted - tried_leaves
             counters = _check_converges(step_fn, step_args, state_stand_in, captured, on_values,
                                         tried) if captured.host_writes else frozenset()
@@ -260,7 +259,7 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             step_args.lifted |= leaves
             captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
                                               zero_unused)
-            _refuse_pinned(step_fn, step_args, captured, tried)
+            refuse_pinned(step_fn, step_args, captured.number_guards, captured.host_writes, tried)
     except BaseException:
         forget_state(made)
         for scaler in unscaled:
@@ -346,9 +345,9 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
     filled in): trace it again from the written state. If it writes nothing
     more, the writes were a lazy initialization: kept (and replayed after each
     run). If it writes numbers again where it read them (a counter, a meter's
-    sum), places not `tried` yet: those, to lift (numbers.py), every write undone; the trace
-    with them lifted computes what it writes there. If it writes anything else
-    again, refuse, with every write undone."""
+    sum), at places not `tried` yet: those places, to lift (changed_numbers.py),
+    every write undone. If it writes anything else again, refuse, with every
+    write undone."""
     writes = captured.host_writes
     log.info("transpiler: %s writes host state while it is traced (%s%s); tracing it again "
              "from the written state to check that it writes nothing more", step_name(step_fn),
@@ -363,8 +362,7 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
     for w in reversed(again.host_writes):
         w.undo()
     again.draws.rewind()
-    counters = frozenset(place_key(w.holder, w.key) for w in again.host_writes
-                         if _counted(w, again.guards)) - step_args.lift_places - tried
+    counters = counted_places(again.host_writes, again.guards) - step_args.lift_places - tried
     if again.host_writes:
         for w in reversed(writes):
             w.undo()
@@ -374,40 +372,6 @@ def _check_converges(step_fn, step_args: StepArgs, state_stand_in, captured: Cap
                  "again with them read from program inputs, the values it leaves there the "
                  "program's outputs", step_name(step_fn), again.host_writes[0].describe())
     return counters
-
-
-def _refuse_pinned(step_fn, step_args: StepArgs, captured: Captured, changing: set) -> None:
-    """A number the step changes on every call whose program holds for one
-    value of it alone (`batches[self.i]`, `if self.step == 0`): every call
-    would trace again. Refused, with every write undone."""
-    for guard in captured.number_guards:
-        expr = guard.expr
-        if not isinstance(expr, sympy.Eq) or not any(
-                isinstance(side, sympy.Symbol) for side in expr.args):
-            continue
-        pinned = [name for symbol, name, _ in guard.slots if symbol in expr.args
-                  and step_args.places_lifted.get(name) in changing]
-        if pinned:
-            for w in reversed(captured.host_writes):
-                w.undo()
-            raise TranspileError(
-                f"{step_name(step_fn)} changes {pinned[0]} on every call and takes one value of "
-                f"it ({guard.condition()}){guard.where}: a program holds for that value alone, "
-                "so every call would trace the step again. Keep such a counter outside the step "
-                "(pass it as an argument, or pull the batch before the call), or decide on a "
-                "range of it (`if step < warmup`, `step % k == 0`)")
-
-
-def _counted(w: Write, guards) -> bool:
-    """A write of a number to a place the step read a number from (`self.n += 1`)."""
-    before, after = w.values()
-    return not w.in_place and is_number(after) and _read_there(w, guards)
-
-
-def _read_there(w: Write, guards) -> bool:
-    """Whether the step read a number from the place it wrote (by value: not lifted)."""
-    return is_number(w.values()[0]) and any(g.holder is w.holder and g.key == w.key
-                                            and g.check is Check.VALUE for g in guards.guards)
 
 
 def _lifted_names(step_args: StepArgs) -> set[str]:
