@@ -179,3 +179,39 @@ def test_meters_and_counters_equal_ddp_on_each_rank(mode, ranks2):
     (sum0, builds0), (sum1, builds1) = ranks2.run(meters_vs_ddp, mode)
     assert sum0 != sum1   # each rank's own losses
     assert builds0 <= 3 and builds1 <= 3
+
+
+class LoopState:
+    def __init__(self):
+        self.iter_num = 0
+        self.running = 0.0
+
+
+def logging_step(model, optimizer, x, y, s):
+    """nanoGPT's log line every other iteration, from counters kept on the host."""
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    s.iter_num += 1
+    s.running = 0.9 * s.running + 0.1 * loss.item()
+    if s.iter_num % 2 == 0:
+        print(f"iter {s.iter_num}: loss {loss.item():.4f} running {s.running:.5f}")
+    return loss
+
+
+def test_a_counter_and_a_running_loss_printed_every_other_call_as_eager(capsys):
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    states, printed = [LoopState(), LoopState()], []
+    step = transpile(logging_step)
+    for fn, model, opt, state in [(step, ours, opts[0], states[0]),
+                                  (logging_step, theirs, opts[1], states[1])]:
+        for x, y in M.batches("mlp", 6, 8):
+            fn(model, opt, x, y, state)
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and printed[0].count("\n") == 3
+    assert vars(states[0]) == vars(states[1])
+    assert step._cache.builds == 2   # the two outcomes of iter_num % 2
