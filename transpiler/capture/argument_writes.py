@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -196,10 +197,10 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
                 or None in kinds.values():
             raise _refused(step_fn, path, container, old, new, removed, changed)
         into.set += [(Written(path, k, not is_dict), new[k]) for k in changed
-                     if kinds[k] == "tensor"]
+                     if kinds[k] is _Set.TENSOR]
         into.numbers += [ArgumentNumber(Written(path, k, not is_dict), new[k]) for k in changed
-                         if kinds[k] == "symbolic"]
-        advanced = [k for k in changed if kinds[k] == "counter"]
+                         if kinds[k] is _Set.NUMBER]
+        advanced = [k for k in changed if kinds[k] is _Set.COUNTER]
         if advanced and refusal is None:
             refusal = _refused(step_fn, path, container, old, new, [], advanced)
         counters += [Written(path, k, not is_dict) for k in advanced]
@@ -208,15 +209,21 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
         raise CountersInArguments(counters, refusal)
 
 
-def _kind(old, new, traced) -> str | None:
-    """What the step set: a tensor it computed, a symbolic number, a number
-    advanced from the one it read (a counter), or None: anything else."""
+class _Set(enum.Enum):
+    """What the step set at a place of its arguments' containers."""
+    TENSOR = "a tensor it computed"
+    NUMBER = "a symbolic number"
+    COUNTER = "a number advanced from the number it read"
+
+
+def _kind(old, new, traced) -> _Set | None:
+    """What the step set; None: anything else (refused)."""
     if isinstance(new, torch.Tensor) and traced(new):
-        return "tensor"
+        return _Set.TENSOR
     if isinstance(new, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return "symbolic"
+        return _Set.NUMBER
     if is_number(old) and is_number(new):
-        return "counter"
+        return _Set.COUNTER
     return None
 
 
