@@ -215,3 +215,31 @@ def test_a_counter_and_a_running_loss_printed_every_other_call_as_eager(capsys):
     assert printed[0] == printed[1] and printed[0].count("\n") == 3
     assert vars(states[0]) == vars(states[1])
     assert step._cache.builds == 2   # the two outcomes of iter_num % 2
+
+
+class History:
+    def __init__(self):
+        self.losses = []
+
+
+HISTORY = History()
+
+
+def appending_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    HISTORY.losses.append(loss.item())
+    return loss
+
+
+def test_a_tensor_value_appended_to_a_host_list_is_refused_naming_it():
+    """A list the step grows: the program cannot know whether the step reads
+    its items, so it is not one of the numbers written back."""
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TranspileError, match=r"in HISTORY.losses \(HISTORY.losses \[\] -> "
+                                             r"\[<a tensor's value>\]\).*return the tensor"):
+        transpile(appending_step)(model, opt, *M.batches("mlp", 1, 8)[0])
+    assert HISTORY.losses == [] and not opt.state

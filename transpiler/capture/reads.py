@@ -302,11 +302,18 @@ class Write:
 
 
 def shown(value) -> str:
-    """How a written value is shown: a tensor by its layout."""
+    """How a written value is shown: a tensor by its layout, a number the
+    program computes (a `.item()`) as such, in a container too."""
     if value is MISSING:
         return "absent"
     if isinstance(value, torch.Tensor):
         return f"a tensor {str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "<a tensor's value>"
+    if type(value) in (list, tuple) and any(
+            isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in value):
+        items = ", ".join(shown(v) for v in value[-3:])
+        return f"[{'..., ' if len(value) > 3 else ''}{items}]"
     return show(value)
 
 
