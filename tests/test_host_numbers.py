@@ -181,6 +181,31 @@ def test_meters_and_counters_equal_ddp_on_each_rank(mode, ranks2):
     assert builds0 <= 3 and builds1 <= 3
 
 
+def inductor_meters(mode: str):
+    """Under inductor (whose losses round otherwise than DDP's): each rank's
+    meter holds the Python sums of the losses its step returned."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = M.make("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, top1, state = _host_objects()
+    step = transpile(metered_step, mode=mode, backend="inductor")
+    total = 0
+    for x, y in M.batches("mlp", 4, 16):
+        x, y = M.shard((x, y), rank, world)
+        loss = step(model, opt, x, y, losses, top1, state).item()
+        total += loss * x.size(0)
+        assert losses.val == loss and losses.sum == total and losses.avg == total / losses.count
+    assert state.global_step == 4 and losses.count == 4 * 16 // world
+    return losses.sum
+
+
+@pytest.mark.compiles
+def test_under_inductor_each_ranks_meters_are_the_sums_of_its_losses(ranks2):
+    sums = ranks2.run(inductor_meters, "fuse_all_reduce")
+    assert sums[0] != sums[1]
+
+
 class LoopState:
     def __init__(self):
         self.iter_num = 0
