@@ -181,28 +181,48 @@ def test_meters_and_counters_equal_ddp_on_each_rank(mode, ranks2):
     assert builds0 <= 3 and builds1 <= 3
 
 
-def inductor_meters(mode: str):
-    """Under inductor (whose losses round otherwise than DDP's): each rank's
-    meter holds the Python sums of the losses its step returned."""
+def counted_step(model, optimizer, x, y, losses, state):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    losses.update(loss.item(), x.size(0))
+    state.global_step += 1
+    state.epoch = state.global_step / 10
+    return loss
+
+
+def rank_meters(mode: str, backend: str, options: dict):
+    """Each rank's meter holds the Python sums of the losses its step returned
+    (in modes without a DDP reference, and under inductor, whose losses round
+    otherwise than DDP's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = M.make("mlp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, top1, state = _host_objects()
-    step = transpile(metered_step, mode=mode, backend="inductor")
+    losses, state = AverageMeter(), TrainState()
+    step = transpile(counted_step, mode=mode, backend=backend, **options)
     total = 0
     for x, y in M.batches("mlp", 4, 16):
         x, y = M.shard((x, y), rank, world)
-        loss = step(model, opt, x, y, losses, top1, state).item()
+        loss = step(model, opt, x, y, losses, state).item()
         total += loss * x.size(0)
         assert losses.val == loss and losses.sum == total and losses.avg == total / losses.count
-    assert state.global_step == 4 and losses.count == 4 * 16 // world
+    assert state.global_step == 4 and state.epoch == 0.4 and losses.count == 4 * 16 // world
     return losses.sum
+
+
+@pytest.mark.parametrize("mode, options", [("local_sgd", {"k_steps": 2}), ("fsdp", {}),
+                                           ("all_gather", {}),
+                                           ("decentralized", {"topology": "ring"})])
+def test_in_every_mode_each_ranks_meters_are_the_sums_of_its_losses(mode, options, ranks2):
+    sums = ranks2.run(rank_meters, mode, "eager", options)
+    assert sums[0] != sums[1]
 
 
 @pytest.mark.compiles
 def test_under_inductor_each_ranks_meters_are_the_sums_of_its_losses(ranks2):
-    sums = ranks2.run(inductor_meters, "fuse_all_reduce")
+    sums = ranks2.run(rank_meters, "fuse_all_reduce", "inductor", {})
     assert sums[0] != sums[1]
 
 
