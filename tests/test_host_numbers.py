@@ -288,3 +288,22 @@ def test_a_tensor_value_appended_to_a_host_list_is_refused_naming_it():
                                              r"\[<a tensor's value>\]\).*return the tensor"):
         transpile(appending_step)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert HISTORY.losses == [] and not opt.state
+
+
+@pytest.mark.compiles
+def test_under_inductor_a_meter_over_batches_of_changing_size_is_exact():
+    """Once the batch size changes it is a symbol of the program: the meter's
+    `sum += loss.item() * n` is still computed in double."""
+    torch.manual_seed(0)
+    model = M.make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, state = AverageMeter(), TrainState()
+    step = transpile(counted_step, backend="inductor")
+    total, count = 0, 0
+    for i, n in enumerate([8, 6, 4, 8, 6, 5]):
+        x, y = M.batches("mlp", 1, n, seed=i)[0]
+        loss = step(model, opt, x, y, losses, state).item()
+        total += loss * n
+        count += n
+        assert losses.sum == total and losses.count == count and losses.avg == total / count, i
+    assert step._cache.builds == 2 and step.compiles == 1   # static, then symbolic sizes

@@ -225,19 +225,29 @@ def _in_double(value, memo: dict) -> fx.Node | None:
                 for a in args]
         node = graph.call_function(_DOUBLE_OPS[value.target], tuple(args))
         node.meta["val"] = _DOUBLE_OPS[value.target](*[a.meta["val"] for a in args])
+    elif isinstance(fake, torch.SymInt):   # a symbolic size (a batch's): its int as a double
+        node = graph.call_function(torch.ops.aten.scalar_tensor.default, (value,),
+                                   {"dtype": torch.float64})
+        with _fake_mode(graph):
+            node.meta["val"] = torch.ops.aten.scalar_tensor.default(fake, dtype=torch.float64)
     else:
         return None
     memo[value] = node
     return node
 
 
+def _fake_mode(graph: fx.Graph):
+    """The fake mode of the graph's traced tensors."""
+    return next(n.meta["val"].fake_mode for n in graph.nodes
+                if isinstance(n.meta.get("val"), FakeTensor))
+
+
 def _double_constant(graph: fx.Graph, value, like: fx.Node) -> fx.Node:
     node = graph.call_function(torch.ops.aten.scalar_tensor.default, (float(value),),
                                {"dtype": torch.float64})
-    fake = like.meta["val"]
-    with torch._guards.detect_fake_mode([fake]) or contextlib.nullcontext():
-        node.meta["val"] = torch.ops.aten.scalar_tensor.default(float(value), dtype=torch.float64,
-                                                                device=fake.device)
+    with _fake_mode(graph):
+        node.meta["val"] = torch.ops.aten.scalar_tensor.default(
+            float(value), dtype=torch.float64, device=like.meta["val"].device)
     return node
 
 
