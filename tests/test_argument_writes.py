@@ -163,3 +163,28 @@ def test_host_values_stored_in_an_argument_are_refused_with_nothing_changed(fn, 
     assert arg == kept and not opt.state
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+WEIGHTS = [1.0, 0.5, 0.25, 0.125]
+
+
+def indexing_step(model, opt, x, y, state):
+    loss = F.cross_entropy(model(x), y) * WEIGHTS[state.step]
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    state.step += 1
+    return loss
+
+
+def test_a_counter_in_an_argument_used_as_an_index_is_refused_with_nothing_changed():
+    """A program per value of the counter: every call would trace again."""
+    model, opt = _setup()
+    before = copy.deepcopy(model.state_dict())
+    state = TrainState()
+    with pytest.raises(TranspileError, match=r"changes state on every call and takes one value "
+                                             r"of it \(Eq\(state, 0\)\) at .*WEIGHTS\[state.step\]"):
+        transpile(indexing_step)(model, opt, torch.randn(5, 4), torch.randint(0, 3, (5,)), state)
+    assert state.step == 0 and not opt.state
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])

@@ -13,7 +13,8 @@ number: an output of the one program, put back after every run (returned.py).
   from the written state (host_state.py's convergence check), after reading one;
 - leaves_written: number leaves among the arguments it set a symbolic number at;
 - refuse_pinned: such a number whose program holds for one of its values only
-  (`batches[self.i]`, `if self.step == 0`): every call would trace again.
+  (`batches[self.i]`, `W[state.i]`, `if self.step == 0`): every call would
+  trace again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import TranspileError
 from .argument_writes import ArgumentNumber
 from .arguments import StepArgs, leaf_index
 from .guards import Check, Guards
-from .numbers import NumberGuard, is_number
+from .numbers import NumberGuard, NumberSlot, is_number
 from .reads import Write, place_key
 from .user_code import step_name
 
@@ -58,17 +59,21 @@ def _read_there(w: Write, guards: Guards) -> bool:
 
 
 def refuse_pinned(step_fn, step_args: StepArgs, number_guards: list[NumberGuard],
-                  host_writes: list[Write], changing: set) -> None:
+                  host_writes: list[Write], writes) -> None:
     """Refuse, with `host_writes` undone, where a number guard takes one value
-    of a place in `changing` (lifted because the step changes it on every call):
-    its program holds for that value alone, so every call would trace again."""
+    of a lifted number the step changes (`writes`: the trace's symbolic
+    numbers, returned.Returned.writes): its program holds for that value
+    alone, so every call would trace again."""
+    places = {place_key(w.holder, w.key) for w in writes if isinstance(w, Write)}
+    leaves = {leaf_index(step_args, w.written) for w in writes if isinstance(w, ArgumentNumber)}
     for guard in number_guards:
         expr = guard.expr
         if not isinstance(expr, sympy.Eq) or not any(isinstance(side, sympy.Symbol)
                                                      for side in expr.args):
             continue
-        pinned = [name for symbol, name, _ in guard.slots if symbol in expr.args
-                  and step_args.places_lifted.get(name) in changing]
+        pinned = [name for symbol, name, slot in guard.slots if symbol in expr.args
+                  and (step_args.places_lifted.get(name) in places
+                       or isinstance(slot, NumberSlot) and slot.leaf in leaves)]
         if pinned:
             for w in reversed(host_writes):
                 w.undo()

@@ -259,7 +259,8 @@ def trace_step(step_fn: Callable, step_args: StepArgs,
             step_args.lifted |= leaves
             captured = _trace_until_it_traces(step_fn, step_args, state_stand_in, on_values,
                                               zero_unused)
-            refuse_pinned(step_fn, step_args, captured.number_guards, captured.host_writes, tried)
+        refuse_pinned(step_fn, step_args, captured.number_guards, captured.host_writes,
+                      captured.returned.writes)
     except BaseException:
         forget_state(made)
         for scaler in unscaled:
