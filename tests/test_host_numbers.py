@@ -64,11 +64,17 @@ def _host_objects():
     return AverageMeter(), AverageMeter(), TrainState()
 
 
-def test_meters_and_counters_equal_eager_from_one_program():
+def _twins():
+    """The model twice from the same start, each with its SGD with momentum."""
     torch.manual_seed(0)
     ours = M.make("mlp")
     theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    return ours, theirs, [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+                          for m in (ours, theirs)]
+
+
+def test_meters_and_counters_equal_eager_from_one_program():
+    ours, theirs, opts = _twins()
     held = [_host_objects(), _host_objects()]
     step = transpile(metered_step)
     for i, (x, y) in enumerate(M.batches("mlp", 5, 8)):
@@ -117,10 +123,7 @@ def accumulating_step(model, optimizer, x, y, state):
 
 
 def test_a_counter_that_decides_accumulation_equals_eager():
-    torch.manual_seed(0)
-    ours = M.make("mlp")
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    ours, theirs, opts = _twins()
     states = [TrainState(), TrainState()]
     step = transpile(accumulating_step)
     for i, (x, y) in enumerate(M.batches("mlp", 6, 8)):
@@ -246,10 +249,7 @@ def logging_step(model, optimizer, x, y, s):
 
 
 def test_a_counter_and_a_running_loss_printed_every_other_call_as_eager(capsys):
-    torch.manual_seed(0)
-    ours = M.make("mlp")
-    theirs = copy.deepcopy(ours)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    ours, theirs, opts = _twins()
     states, printed = [LoopState(), LoopState()], []
     step = transpile(logging_step)
     for fn, model, opt, state in [(step, ours, opts[0], states[0]),
