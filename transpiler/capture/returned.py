@@ -174,6 +174,7 @@ def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
     takes a symbolic float as a float32), and no host read inside the program."""
     out = graph.output_node()
     results = list(out.args[0])
+    doubles: dict = {}   # shared: `avg = sum / count` reuses what `sum` computed
     for k, leaf in enumerate([*(leaf for leaf in returned.leaves if leaf.kind in _OUTPUTS),
                               *returned.shown, *returned.written]):
         node = results[k]
@@ -184,7 +185,7 @@ def returned_as_read(graph: fx.Graph, returned: Returned) -> None:
             results[k] = node.args[0].args[0]
         elif leaf.dtype is torch.float64:
             with graph.inserting_before(out):
-                results[k] = _in_double(node.args[0], {}) or node
+                results[k] = _in_double(node.args[0], doubles) or node
     out.args = (type(out.args[0])(results),) + tuple(out.args[1:])
 
 
