@@ -2724,8 +2724,10 @@ def _yolo_ema_setup():
        source="ultralytics/ultralytics engine/trainer.py optimizer_step: ... if self.ema: "
               "self.ema.update(self.model); utils/torch_utils.py ModelEMA.update "
               "(self.updates += 1; d = self.decay(self.updates))",
-       what="the EMA's host counter is incremented inside the step and decides its decay",
-       expect=REFUSED, rule=HOST_WRITE, match="updates", setup=_yolo_ema_setup,
+       what="the EMA's host counter is incremented inside the step and decides its decay "
+            "through math.exp: the counter is lifted, the decay computed on the host before "
+            "each run",
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_yolo_ema_setup, ranks=True,
        call=lambda step, s, i, d: step(s.model, s.opt, s.scaler, _yolo_batch(d), s.ema))
 def yolo_ema_step(model, optimizer, scaler, batch, ema):
     batch = yolo_preprocess_batch(batch)

@@ -465,9 +465,8 @@ generators are left.
 - **EQUAL**: trains bit for bit as eager (or DDP).
 - **REFUSED**: `TranspileError` at the first call, naming the reason, with
   everything as it was before the call (a static program cannot be exact: a
-  decision on a random value the host cannot evaluate as Python does, a host
-  counter the step computes through `math` or uses as an index, a batch pulled
-  inside the step).
+  decision on a random value and a tensor's, a host counter the step uses as an
+  index, a batch pulled inside the step).
 - A **gap** is a habit that should train and does not yet: it must fail at its
   first call with nothing changed, and the gap names the missing piece.
 

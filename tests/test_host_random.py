@@ -155,9 +155,19 @@ def random_resolution(model, opt, x, y):
     return M.classify_step(model, opt, F.interpolate(x, size=16).squeeze(1), y)
 
 
+def decides_on_a_sum_of_a_draw(model, opt, x, y):
+    # torch restates it (`0.6 < 2.0*u`), another computation: the step's own
+    # operations are replayed on each call's draw (host_arithmetic.py)
+    if random.random() * 2 - 0.1 > 0.5:
+        x = x.flip(0)
+    return M.classify_step(model, opt, x, y)
+
+
 @pytest.mark.parametrize("step_fn,programs", [
-    (decides_on_a_draw, 2), (cutmix_like, 2), (random_sub_batch, 3), (random_resolution, 3)],
-    ids=["a branch", "a branch that draws more", "a sub-batch size", "a resolution"])
+    (decides_on_a_draw, 2), (cutmix_like, 2), (random_sub_batch, 3), (random_resolution, 3),
+    (decides_on_a_sum_of_a_draw, 2)],
+    ids=["a branch", "a branch that draws more", "a sub-batch size", "a resolution",
+         "a branch on a sum in floating point"])
 def test_a_decision_on_a_draw_runs_the_program_of_its_outcome(step_fn, programs):
     torch.manual_seed(0)
     ours = M.make("mlp")
@@ -195,26 +205,6 @@ def test_the_programs_of_a_drawn_decision_under_inductor():
         assert after == random.getstate()
     assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) < 1e-5
     assert step.traces == 2
-
-
-def decides_on_a_sum_of_a_draw(model, opt, x, y):
-    if random.random() * 2 - 0.1 > 0.5:   # torch restates it: a float computed otherwise
-        x = x.flip(0)
-    return M.classify_step(model, opt, x, y)
-
-
-def test_a_decision_on_a_draw_the_host_cannot_repeat_is_refused_with_nothing_changed():
-    model = M.make("mlp")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    before = copy.deepcopy(model.state_dict())
-    random.seed(0)
-    state = random.getstate()
-    with pytest.raises(TranspileError, match=r"decides on a value it draws on the host "
-                                             r"\(random.random\(\) at .*test_host_random.py"):
-        transpile(decides_on_a_sum_of_a_draw)(model, opt, *M.batches("mlp", 1, 8)[0])
-    assert random.getstate() == state
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not opt.state
 
 
 def timed_step(model, opt, x, y):

@@ -142,7 +142,7 @@ def test_a_warmup_factor_from_a_lifted_counter_traces_per_outcome():
     assert step._cache.builds == 3 and not step._cache.per_value
 
 
-def test_a_condition_computed_in_floating_point_traces_per_value(caplog):
+def test_a_condition_computed_in_floating_point_is_replayed_as_python_computes_it():
     def decaying_step(model, opt, x, y, weight, k):
         """timm's ModelEmaV3.get_decay: 1 - (1 + step / gamma) ** -power, clamped."""
         opt.zero_grad()
@@ -151,11 +151,12 @@ def test_a_condition_computed_in_floating_point_traces_per_value(caplog):
         loss.backward()
         opt.step()
         return loss
-    with caplog.at_level(logging.INFO, logger="transpiler"):
-        step, worst = _run_against_eager(decaying_step, 4)
+    step, worst = _run_against_eager(decaying_step, 4)
     assert worst == 0.0
-    assert "a condition computed in floating point" in caplog.text
-    assert step._cache.builds == 4 and step._cache.per_value == {"k"}
+    # traced with the first value, then once with k lifted: sympy restates the
+    # clamps' conditions in floating point, so they are checked by replaying
+    # the step's own operations on each call's k (host_arithmetic.py)
+    assert step._cache.builds == 2 and not step._cache.per_value
 
 
 def test_a_numpy_float64_is_lifted_as_a_float():

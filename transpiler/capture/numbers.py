@@ -50,6 +50,8 @@ from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from .host_arithmetic import Decisions, Replay
+
 
 class NotLiftable(Exception):
     """The lifted trace depends on the value of the numbers `names` beyond arithmetic."""
@@ -104,6 +106,28 @@ class OptimizerValueSlot(ReachedNumberSlot):
     where the program reads it."""
 
 
+@dataclasses.dataclass(frozen=True)
+class MathSlot:
+    """A function of math on numbers the program's inputs hold: computed on
+    the host for each call, each argument replayed from its inputs' values
+    (`sources`: symbol -> the slot that reads it)."""
+
+    fn: Callable
+    arguments: tuple   # a Replay, or a plain number
+    sources: tuple     # ((symbol, slot), ...)
+
+    def number(self, leaves):
+        return self.of({symbol: slot.number(leaves) for symbol, slot in self.sources})
+
+    def of(self, env: dict):
+        """The number, from each source's value (symbol -> a Python number)."""
+        return self.fn(*[a.evaluate(env) if isinstance(a, Replay) else a
+                         for a in self.arguments])
+
+    def read(self, leaves):
+        return as_input(self.number(leaves))
+
+
 def as_input(value) -> torch.Tensor:
     """A lifted number's input: float64 for a float, int64 for an int."""
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
@@ -150,15 +174,32 @@ class NumberGuard:
         return f"{self.condition()}{self.where} no longer holds ({values})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplayedGuard(NumberGuard):
+    """A condition in floating point the step's Python took (`expr`, as
+    sympy states it, is shown): checked by replaying the step's own operations
+    on the call's numbers (host_arithmetic.Replay), which must give `taken`."""
+
+    replay: Replay = None
+    taken: bool = True
+
+    def holds(self, leaves) -> bool:
+        env = {symbol: slot.number(leaves) for symbol, _, slot in self.slots}
+        return bool(self.replay.evaluate(env)) is self.taken
+
+
 def take_number_guards(shape_env: ShapeEnv, symbols: dict, slots: dict, leaves,
-                       where: Callable, decided_on_values: bool) -> list[NumberGuard]:
+                       where: Callable, decided_on_values: bool,
+                       decisions: Decisions | None = None) -> list[NumberGuard]:
     """The conditions a trace assumed of its lifted numbers (`symbols`: each
     one's symbol -> its input's name; `slots`: name -> its slot), taken out of
     the shape environment's deferred runtime asserts (where read_number's
     values make torch put them) as number guards, each checked to hold for
     `leaves`, the call traced. A condition that also reads a tensor's value
-    stays, a decision (decisions.py) where the trace `decided_on_values`; one
-    that cannot be evaluated exactly on the host raises NotLiftable."""
+    stays, a decision (decisions.py) where the trace `decided_on_values`. One
+    that sympy cannot evaluate exactly on the host is replayed as the step's
+    Python computed it, where `decisions` recorded it (a ReplayedGuard); else
+    it raises NotLiftable."""
     guards = []
     for ras in shape_env.deferred_runtime_asserts.values():
         kept = []
@@ -177,12 +218,29 @@ def take_number_guards(shape_env: ShapeEnv, symbols: dict, slots: dict, leaves,
                                          "other values than the lifted numbers")
             guard = NumberGuard(ra.expr, tuple((s, symbols[s], slots[symbols[s]]) for s in mine),
                                 line)
-            if not _exact(ra.expr) or not guard.holds(leaves):
+            if not _exact(ra.expr):
+                guard = _replayed(decisions and decisions.of(ra), symbols, slots, line)
+            if guard is None or not guard.holds(leaves):
                 raise NotLiftable(names, f"the step decides on {ra.expr}{line}, a condition "
                                          "computed in floating point")
             guards.append(guard)
         ras[:] = kept
+    for decision in decisions.unasserted if decisions else ():   # decided by sympy alone
+        guard = _replayed(decision, symbols, slots, where(decision))
+        if guard is not None:
+            guards.append(guard)
     return guards
+
+
+def _replayed(decision: Decision | None, symbols: dict, slots: dict,
+              line: str) -> ReplayedGuard | None:
+    """The guard of a condition the step took, replayed (None where it was not
+    recorded, or reads more than numbers the program's inputs hold)."""
+    if decision is None or decision.replay is None or not decision.replay.symbols <= symbols.keys():
+        return None
+    read = sorted(decision.replay.symbols, key=str)
+    return ReplayedGuard(decision.expr, tuple((s, symbols[s], slots[symbols[s]]) for s in read),
+                         line, decision.replay, decision.value)
 
 
 # Integer functions whose results Python computes exactly (sympy_interp's

@@ -44,6 +44,9 @@ from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .grad_flags import FlagWrite, flags_changed
 from .guards import Guards
+from .host_arithmetic import (Decisions, NotReplayable, Replay, decisions_recorded,
+                              math_on_numbers, number_input_symbol, replay_of,
+                              traced_value)
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
 from .inputs import collect_inputs
@@ -69,7 +72,7 @@ from .optimizer_state import (
     state_set_by_step,
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
-from .numbers import (NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
+from .numbers import (MathSlot, NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
                       check_lifted, conditions_unlogged, guarded_numbers, read_number,
                       take_number_guards)
 from .memoized import memoized_while_traced
@@ -586,6 +589,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             if isinstance(step_args, CutArgs):
                 watches.append(stack.enter_context(loop_marker(modules, grads_now)))
             drawing = stack.enter_context(host_draws_recorded(step_fn, draws, late.drawn))
+            stack.enter_context(decisions_recorded(taken))
+            stack.enter_context(math_on_numbers(late.computed))
             host.recorder.source = functools.partial(source_stand_in, drawing)
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
@@ -671,7 +676,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                             if step_args.dynamic else (list(inputs.values), "fake"))
     symbols: dict = {}   # the symbol of each lifted number -> its name
     late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic", symbols=symbols,
-                       places=step_args.places_lifted, constant_draws=step_args.constant_draws)
+                       places=step_args.places_lifted, constant_draws=step_args.constant_draws,
+                       leaves=step_args.leaves)
+    taken = Decisions()   # the conditions the trace takes on symbolic numbers
     cache_casts = torch.is_autocast_cache_enabled()
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
@@ -706,7 +713,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 "outside the step and pass the value (or the decision) as an argument, or draw "
                 "with torch (torch.rand(()) < p, torch.distributions)") from exc
         error = exc if isinstance(exc, TranspileError) else trace_error(step_fn, exc, markers.stepping)
-        guarded = guarded_numbers(exc, symbols)
+        guarded = late.sources_of(guarded_numbers(exc, symbols))
         if guarded:
             raise NotLiftable(guarded, str(error)) from exc
         if not on_values and tracing_mode == "fake" and stopped_at_decision(exc):
@@ -734,7 +741,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         elif shown:
             printed.show()
         number_guards = _number_guards(step_fn, step_args, inputs, late, draws, symbols,
-                                       on_values) + late.draw_value_guards
+                                       on_values, taken) + late.draw_value_guards
         decisions = insert_checks(gm, late.fake_mode.shape_env, step_fn) if on_values else []
         if not (markers.backwards or raised or decisions):
             # (a branch a decision takes may skip backward(), as eager does: `if
@@ -751,8 +758,11 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             raise _ReadMemoized(str(exc)) from exc
         if step_args.lifted or step_args.places_lifted:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
-                              if spec.kind is InputKind.NUMBER}, _lifted_names(step_args))
+            try:
+                check_lifted(gm, {node: spec.name for node, spec in zip(placeholders, inputs.specs)
+                                  if spec.kind is InputKind.NUMBER}, _lifted_names(step_args))
+            except NotLiftable as exc:
+                raise NotLiftable(late.sources_of(exc.names), str(exc)) from exc
         _check_matmul_dtypes(step_fn, gm, step_args)
         if watches and arg_writes:
             raise NotRollable("the step changes the containers among its arguments: traced "
@@ -825,7 +835,7 @@ _FROM_NUMPY = torch.from_numpy
 
 
 def _number_guards(step_fn, step_args: StepArgs, inputs, late: "_LateInputs", draws: Draws,
-                   symbols: dict, on_values: bool) -> list:
+                   symbols: dict, on_values: bool, taken: Decisions) -> list:
     """What the program assumes of its lifted numbers and of the numbers it
     draws on the host (numbers.take_number_guards): a call whose values decide
     otherwise runs another program. A decision on a draw that the host cannot
@@ -838,8 +848,9 @@ def _number_guards(step_fn, step_args: StepArgs, inputs, late: "_LateInputs", dr
     try:
         return take_number_guards(late.fake_mode.shape_env, guarded, slots, step_args.leaves,
                                   lambda ra: user_line(step_fn, frames=ra.stack.summary()),
-                                  on_values)
+                                  on_values, taken)
     except NotLiftable as exc:
+        exc.names = late.sources_of(exc.names)
         drawn = [(what, symbol in late.clock_symbols) for symbol, what in late.draw_symbols.items()
                  if late.draw_names[symbol] in exc.names]
         if not drawn:
@@ -870,8 +881,10 @@ class _LateInputs:
     in its place (for an array, torch.from_numpy gives it: outside.py)."""
 
     def __init__(self, inputs, arrays: dict, symbolic: bool, symbols: dict, places: dict,
-                 constant_draws: frozenset[str] = frozenset()):
+                 constant_draws: frozenset[str] = frozenset(), leaves: tuple = ()):
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
+        self.leaves = leaves   # the call's, which the slots read
+        self.computed_from: dict[str, set[str]] = {}   # a math input's name -> the numbers it reads
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
         self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
@@ -937,6 +950,35 @@ class _LateInputs:
         number.node.shape_env.set_real_tensor_prop_unbacked_vals(number.node.expr, value)
         return number
 
+    def computed(self, fn: Callable, arguments: tuple):
+        """The traced value of a function of math on symbolic numbers
+        (host_arithmetic.math_on_numbers): a number computed on the host
+        for each call from the inputs its arguments are computed from; None
+        where an argument reads anything else."""
+        names = {**self.symbols, **self.draw_names}
+        try:
+            replays = tuple(replay_of(a, lambda n: _known(number_input_symbol(n), names))
+                            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else a
+                            for a in arguments)
+        except NotReplayable:
+            return None
+        by_name = {spec.name: slot for spec, slot in zip(self.inputs.specs, self.inputs.slots)}
+        read = sorted(set().union(*(r.symbols for r in replays if isinstance(r, Replay))), key=str)
+        slot = MathSlot(fn, replays, tuple((s, by_name[names[s]]) for s in read))
+        try:   # each input's value for the call traced (its place may hold the step's write)
+            value = slot.of({s: traced_value(self.fake_mode.shape_env, s) for s in read})
+        except (ArithmeticError, ValueError):
+            return None   # math raises on this value: it raises as the step runs it
+        spec = InputSpec(InputKind.NUMBER, self._unique(f"math_{fn.__name__}"))
+        self.computed_from[spec.name] = self.sources_of({names[s] for s in read})
+        fake = self.placeholder(spec, slot, functools.partial(as_input, value))
+        return read_number(fake, spec.name, self.symbols, value)
+
+    def sources_of(self, names: set[str]) -> set[str]:
+        """`names`, each math input among them replaced by the numbers it is
+        computed from (what a failed lifting names)."""
+        return set().union(*(self.computed_from.get(n, {n}) for n in names)) if names else set()
+
     def placeholder(self, spec: InputSpec, slot, value: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A new program input, placed after the others; its fake tensor.
         value() makes its tensor for this call, outside the trace's modes: a
@@ -975,6 +1017,10 @@ class _LateInputs:
                     "outside its arguments and its optimizers' parameters: pass the module that "
                     "holds it as an argument of the step (its parameters are then trained and "
                     "reduced), or read it under torch.no_grad() (or detach it)")
+
+
+def _known(symbol, names: dict):
+    return symbol if symbol in names else None
 
 
 def _copy_tensor_hooks(inputs, traced: dict[int, torch.Tensor], recorder: Recorder) -> None:

@@ -1,0 +1,105 @@
+"""Python arithmetic on lifted numbers, counters and draws, evaluated as the
+step's Python evaluates it (transpiler/capture/host_arithmetic.py): a decision
+in floating point replayed from the step's own operations, and a function of
+math computed on the host before every run."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from transpiler import transpile
+from transpiler.program.program import InputKind
+
+
+def _against_eager(step_fn, arguments: list, returned=lambda r: r):
+    """The step transpiled and eager on twin models, call by call, with
+    arguments(i)'s extra arguments; both return the same, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    step = transpile(step_fn)
+    for i, extra in enumerate(arguments):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+        ours, theirs = step(model, opts[0], x, y, *extra[0]), step_fn(reference, opts[1], x, y,
+                                                                       *extra[1])
+        for a, b in zip(returned(ours), returned(theirs)):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor)
+                    else a == b and type(a) is type(b)), (i, a, b)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    return step
+
+
+def folded_step(model, opt, x, y, s):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    if s * 0.1 * 10 > s:   # sympy folds it to 1.0*s > s; Python's rounding decides
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return (loss,)
+
+
+def test_a_condition_sympy_folds_is_decided_as_python_decides():
+    values = [1.0, 2.0, 3.0, 5.0, 3.0, 7.0]
+    assert [s * 0.1 * 10 > s for s in values] == [False, False, True, False, True, True]
+    step = _against_eager(folded_step, [((s,), (s,)) for s in values])
+    # the first value traced, then s lifted: a program per outcome
+    assert step._cache.builds == 3 and not step._cache.per_value
+
+
+class Counter:
+    def __init__(self):
+        self.it = 0
+
+
+def cosine_step(model, opt, x, y, schedule):
+    """A warm-up then cosine factor from a host counter the step advances
+    (nanoGPT's get_lr), floored with max()."""
+    schedule.it += 1
+    if schedule.it < 3:
+        factor = schedule.it / 3
+    else:
+        factor = 0.5 * (1 + math.cos(math.pi * (schedule.it - 3) / 10))
+    factor = max(factor, 0.1)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y) * factor
+    loss.backward()
+    opt.step()
+    return loss, factor
+
+
+def test_a_cosine_factor_from_a_host_counter_trains_as_eager():
+    ours, theirs = Counter(), Counter()
+    step = _against_eager(cosine_step, [((ours,), (theirs,))] * 14)
+    assert ours.it == theirs.it == 14
+    # the counter lifted; a program for the warm-up, one for the cosine above
+    # the floor and one for the floor (calls 12 to 14)
+    assert step._cache.builds <= 4 and not step._cache.per_value
+    computed = [spec.name for spec in step.program.inputs
+                if spec.kind is InputKind.NUMBER and spec.name.startswith("math_")]
+    assert computed == ["math_cos"]
+
+
+def math_step(model, opt, x, y, step):
+    decay = max(min(1 - (1 + step / 10) ** -0.75, 0.9), 0.05)
+    shift = math.exp(-step * 0.3) + math.log1p(step) + math.sqrt(step)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x) * decay + shift, y)
+    loss.backward()
+    opt.step()
+    return loss, decay, shift
+
+
+def test_math_on_an_argument_number_is_computed_on_the_host():
+    for values in ([i + 1 for i in range(6)], [0.7 * i + 0.1 for i in range(6)]):
+        step = _against_eager(math_step, [((v,), (v,)) for v in values])
+        assert step._cache.builds == 2 and not step._cache.per_value
+        names = {spec.name for spec in step.program.inputs if spec.kind is InputKind.NUMBER}
+        assert {"math_exp", "math_log1p", "math_sqrt"} <= names
