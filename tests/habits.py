@@ -1294,8 +1294,8 @@ def _meters_setup():
               "same with losses_m.update(loss.item(), ...))",
        what="host meters updated inside the step with loss.item() and an accuracy tensor: "
             "the first call computes both (the counts and sums are outputs); the second adds "
-            "into the accuracy's sum, now a tensor, in place",
-       expect=REFUSED, rule=HOST_WRITE, setup=_meters_setup, refused_at=1, match="top1.sum",
+            "into the accuracy's sum, now a tensor, in place: written back into it",
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_meters_setup, ranks=True,
        call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, d.vec(), d.cls(), s.losses,
                                        s.top1))
 def meters_step(model, criterion, optimizer, images, target, losses, top1):
@@ -3849,13 +3849,18 @@ def _t2i_ema_setup():
     return s
 
 
+def _t2i_ddp(s):
+    s.unet = nn.parallel.DistributedDataParallel(s.unet)
+
+
 @habit(id="diffusers_ema_model_step_in_step",
        source="huggingface/diffusers examples/text_to_image/train_text_to_image.py: if "
               "accelerator.sync_gradients: if args.use_ema: ema_unet.step(unet.parameters()); "
               "src/diffusers/training_utils.py EMAModel.step (self.optimization_step += 1)",
        what="an EMA object (not a module) whose host counter the step increments and whose "
-            "decay is computed from it",
-       expect=REFUSED, rule=HOST_WRITE, match="in place, a tensor it reads outside its arguments", setup=_t2i_ema_setup,
+            "decay is computed from it; its shadow parameters, a list of tensors, are updated "
+            "in place and written back after each run",
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_t2i_ema_setup, ranks=True, ddp=_t2i_ddp,
        call=lambda step, s, i, d: step(s.unet, s.text_encoder, s.noise_scheduler, s.opt,
                                        s.lr_scheduler, _t2i_batch(d), s.args, s.ema_unet))
 def t2i_ema_step(unet, text_encoder, noise_scheduler, optimizer, lr_scheduler, batch, args, ema_unet):

@@ -171,11 +171,39 @@ def test_a_plain_tensor_attribute_of_a_module():
 
 
 LOOKUP = torch.zeros(4)
+GRID = torch.zeros(4)
+ROWS = GRID[:2]   # a view of GRID
 
 
-def writes_a_global_tensor(model, opt, x, y):
-    LOOKUP.add_(1.0)
-    return M.classify_step(model, opt, x, y)
+def scaled_by_a_global_tensor(model, opt, x, y):
+    LOOKUP.add_(1.0)   # in place: the program's update, written back into LOOKUP
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * LOOKUP[0]
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_reached_tensor_changed_in_place_is_written_back_as_eager_changes_it():
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(scaled_by_a_global_tensor)
+    held = LOOKUP   # the same tensor object stays at the path
+    for i, (x, y) in enumerate(M.batches("mlp", 4, 8)):
+        LOOKUP.fill_(0.5 * i)
+        loss = step(ours, opts[0], x, y)
+        after = LOOKUP.clone()
+        LOOKUP.fill_(0.5 * i)
+        assert torch.equal(loss, scaled_by_a_global_tensor(theirs, opts[1], x, y)), i
+        assert torch.equal(after, LOOKUP) and LOOKUP is held, i
+        assert _equal(ours, theirs), i
+    assert step.traces == 1
+
+
+def writes_a_view_of_a_tensor_it_reads(model, opt, x, y):
+    ROWS.add_(1.0)
+    return M.classify_step(model, opt, x * GRID.sum(), y)
 
 
 class Heads:
@@ -197,20 +225,20 @@ def trains_a_module_it_was_not_given(model, opt, x, y, heads=HEADS):
 
 
 @pytest.mark.parametrize("fn,match", [
-    (writes_a_global_tensor, r"modifies 'LOOKUP' in place, a tensor it reads outside its "
-                             r"arguments"),
+    (writes_a_view_of_a_tensor_it_reads, r"modifies 'ROWS' in place, a tensor it reads outside "
+                                         r"its arguments that shares memory with GRID"),
     (trains_a_module_it_was_not_given, r"computes a gradient for heads.head.weight, a tensor "
                                        r"it reads outside its arguments"),
 ])
-def test_a_reached_tensor_written_or_given_a_gradient_is_refused(fn, match):
+def test_a_reached_tensor_aliased_and_written_or_given_a_gradient_is_refused(fn, match):
     model = M.make("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = copy.deepcopy(model.state_dict())
-    lookup, free = LOOKUP.clone(), copy.deepcopy(HEADS.head.state_dict())
+    grid, free = GRID.clone(), copy.deepcopy(HEADS.head.state_dict())
     with pytest.raises(TranspileError, match=match):
         transpile(fn)(model, opt, *M.batches("mlp", 1, 8)[0])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not opt.state and torch.equal(LOOKUP, lookup) and HEADS.head.weight.grad is None
+    assert not opt.state and torch.equal(GRID, grid) and HEADS.head.weight.grad is None
     assert all(torch.equal(free[k], v) for k, v in HEADS.head.state_dict().items())
 
 

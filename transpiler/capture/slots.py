@@ -201,6 +201,17 @@ class ReachedSlot:
         value = self.place.read()
         return torch.from_numpy(value) if is_ndarray(value) else value
 
+    # a tensor the step changes in place (an EMA's shadow parameters in a
+    # list, a meter's tensor sum): written back into the tensor at that path
+    def misfit(self, value) -> str | None:
+        return misfit_in(self.read(None), value)
+
+    def write(self, value):
+        self.read(None).copy_(value)
+
+    def mirror(self, memo: dict):
+        return None   # outside the arguments: the eager step's copy reaches the same
+
 
 @dataclasses.dataclass(frozen=True)
 class AssignSlot:

@@ -808,7 +808,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned]
             + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set]
             + [(f"{e.name}.grad", ArgumentGradSlot(e)) for e, _ in arg_writes.grads])
-        _check_arguments_unwritten(step_fn, program, targets)
+        _check_arguments_unwritten(step_fn, program, targets,
+                                   dict(zip((spec.name for spec in inputs.specs), inputs.values)))
         _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
         reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
@@ -1266,22 +1267,39 @@ def _check_matmul_dtypes(step_fn, gm: fx.GraphModule, step_args: StepArgs) -> No
                     "under torch.autocast")
 
 
-def _check_arguments_unwritten(step_fn, program: Program, targets: list) -> None:
+def _check_arguments_unwritten(step_fn, program: Program, targets: list, values: dict) -> None:
     """An in-place op on a batch tensor would change the caller's tensor in
-    eager; the program writes only state: refused before anything runs."""
+    eager; the program writes only state: refused before anything runs. A
+    tensor it reads through a host path and changes in place is written back
+    into that tensor after each run (ReachedSlot), unless it shares memory
+    with another input (`values`: each input's tensor, by name): the program
+    computes each input's update alone."""
     for spec, target in zip(program.outputs, targets):
         if isinstance(target, ReachedSlot):
-            raise TranspileError(
-                f"{step_name(step_fn)} modifies {spec.target!r} in place, a tensor it reads "
-                "outside its arguments: a transpiled step writes back only the state of its "
-                "modules and optimizers; register it as a buffer of a module passed to the step "
-                "(register_buffer), or compute out of place")
+            array = is_ndarray(target.place.read())
+            shared = None if array else _sharing_memory(target.read(None), spec.target, values)
+            if array or shared is not None:
+                raise TranspileError(
+                    f"{step_name(step_fn)} modifies {spec.target!r} in place, a "
+                    f"{'numpy array' if shared is None else 'tensor'} it reads outside its "
+                    "arguments" + ("" if shared is None else f" that shares memory with {shared}")
+                    + ": register it as a buffer of a module passed to the step "
+                    "(register_buffer), or compute out of place")
         if isinstance(target, (DataSlot, ArraySlot)):
             raise TranspileError(
                 f"{step_name(step_fn)} modifies its argument {spec.target!r} in place (an "
                 "in-place op such as x.mul_(2) or x[mask] = 0 on the batch): a transpiled step "
                 "does not write its batch arguments back; compute out of place (x = x * 2), or "
                 "clone the argument first (x = x.clone())")
+
+
+def _sharing_memory(tensor: torch.Tensor, name: str, values: dict) -> str | None:
+    """The name of another input (`values`: name -> its tensor) whose memory
+    `tensor` shares."""
+    mine = tensor.untyped_storage().data_ptr()
+    return next((other for other, v in values.items() if other != name
+                 and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == mine),
+                None)
 
 
 def _check_layouts_kept(step_fn, program: Program) -> None:
