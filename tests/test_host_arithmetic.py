@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -131,3 +133,21 @@ def test_under_inductor_the_math_inputs_and_replayed_guards_compile():
                           backend="inductor")
     assert ours.it == theirs.it == 14
     assert step._cache.builds <= 4 and not step._cache.per_value
+
+
+def numpy_step(model, opt, x, y, it):
+    """yolo's warm-up (np.interp), an exponential decay and a cosine in numpy."""
+    warm = np.interp(it, [0, 4], [0.1, 1.0])
+    factor = warm * np.exp(-it * 0.1) + 0.5 * (1 + np.cos(np.pi * it / 10))
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y) * factor
+    loss.backward()
+    opt.step()
+    return loss, factor
+
+
+def test_numpy_on_an_argument_number_is_computed_on_the_host():
+    step = _against_eager(numpy_step, [((i,), (i,)) for i in range(1, 7)])
+    assert step._cache.builds == 2 and not step._cache.per_value
+    names = {spec.name for spec in step.program.inputs if spec.kind is InputKind.NUMBER}
+    assert {"np_interp", "np_exp", "np_cos"} <= names

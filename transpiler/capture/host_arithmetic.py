@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -234,6 +235,10 @@ MATH_FUNCTIONS = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "pow"
                   "tan", "acos", "asin", "atan", "atan2", "cosh", "sinh", "tanh", "acosh",
                   "asinh", "atanh", "erf", "erfc", "gamma", "lgamma", "hypot", "fabs",
                   "degrees", "radians", "copysign", "fmod")
+# numpy's, on a number (each gives a numpy float64, as on a Python number)
+NUMPY_FUNCTIONS = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "cbrt", "sin", "cos",
+                   "tan", "arcsin", "arccos", "arctan", "arctan2", "sinh", "cosh", "tanh",
+                   "hypot", "power", "interp")
 
 
 def _from_user_code() -> bool:
@@ -245,14 +250,19 @@ def _from_user_code() -> bool:
 
 @contextlib.contextmanager
 def math_on_numbers(computed: Callable):
-    """While the step is traced: a function of math the user's code calls on
-    a symbolic number gives computed(fn, arguments), a number the program
-    reads from an input (numbers.MathSlot); None there (an argument that is not
-    replayed) leaves math to take one value of it, as before."""
+    """While the step is traced: a function of math (or numpy's, on a number:
+    `np.exp(-step)`, `np.interp(it, xp, fp)`) the user's code calls on a
+    symbolic number gives computed(fn, arguments), a number the program reads
+    from an input (numbers.MathSlot); None there (an argument that is not
+    replayed) leaves the function to take one value of it, as before."""
     thread = threading.get_ident()
-    originals = {name: getattr(math, name) for name in MATH_FUNCTIONS if hasattr(math, name)}
+    numpy = sys.modules.get("numpy")
+    patched = [(math, name, getattr(math, name)) for name in MATH_FUNCTIONS if hasattr(math, name)]
+    if numpy is not None:
+        patched += [(numpy, name, getattr(numpy, name)) for name in NUMPY_FUNCTIONS]
 
     def wrap(fn):
+        @functools.wraps(fn)
         def on_numbers(*args):
             if any(isinstance(a, _SYMBOLIC) for a in args) and _from_user_code() \
                     and threading.get_ident() == thread:
@@ -260,13 +270,12 @@ def math_on_numbers(computed: Callable):
                 if number is not None:
                     return number
             return fn(*args)
-        on_numbers.__name__ = on_numbers.__qualname__ = fn.__name__
         return on_numbers
 
-    for name, fn in originals.items():
-        setattr(math, name, wrap(fn))
+    for module, name, fn in patched:
+        setattr(module, name, wrap(fn))
     try:
         yield
     finally:
-        for name, fn in originals.items():
-            setattr(math, name, fn)
+        for module, name, fn in patched:
+            setattr(module, name, fn)

@@ -22,7 +22,7 @@ import dataclasses
 import enum
 import operator
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -55,6 +55,9 @@ class ReturnedLeaf:
     kind: LeafKind
     dtype: torch.dtype | None = None   # NUMBER: the output's dtype
     value: Any = None                  # CONSTANT: the value; AFTER: what reads it
+    # NUMBER: numpy's scalar type where the step's Python computes it with numpy
+    # (`warm * np.exp(-it)` is a numpy float64), else None (a Python number)
+    numpy_type: Any = None
 
     def output(self, value) -> torch.Tensor:
         """The program's output for a value of this leaf (a TENSOR, ARRAY or NUMBER)."""
@@ -69,7 +72,7 @@ class ReturnedLeaf:
         if self.kind is LeafKind.ARRAY:
             return output.numpy()
         if self.kind is LeafKind.NUMBER:
-            return output.item()
+            return output.item() if self.numpy_type is None else self.numpy_type(output.item())
         return output
 
 
@@ -88,11 +91,16 @@ class Returned:
     writes: tuple = ()   # where each goes (its put_back), in the same order
 
     @classmethod
-    def of(cls, result, step_name: str, shown: tuple = (), writes: tuple = ()) -> "Returned":
+    def of(cls, result, step_name: str, shown: tuple = (), writes: tuple = (),
+           numpy_type: Callable = lambda number: None) -> "Returned":
         """The structure of a traced step's result; a leaf that is neither a
         tensor, a number nor a plain constant is refused. `shown`: the
         tensors and symbolic numbers it printed; `writes`: the host writes of
-        symbolic numbers it made."""
+        symbolic numbers it made; numpy_type(number): the numpy scalar type
+        the step's Python gives a symbolic number, or None."""
+        def number(value) -> ReturnedLeaf:
+            return ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(value)],
+                                numpy_type=numpy_type(value))
         values, spec = pytree.tree_flatten(result)
         leaves = []
         for value in values:
@@ -101,7 +109,7 @@ class Returned:
             elif isinstance(value, ReturnedArray):
                 leaves.append(ReturnedLeaf(LeafKind.ARRAY))
             elif type(value) in _NUMBER_DTYPES:
-                leaves.append(ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(value)]))
+                leaves.append(number(value))
             elif isinstance(value, AfterTheCall):
                 leaves.append(ReturnedLeaf(LeafKind.AFTER, value=value.read))
             elif isinstance(value, _CONSTANTS):
@@ -112,10 +120,8 @@ class Returned:
                     "return tensors, Python numbers and strings (any pytree of them): return "
                     "the tensors it is computed from and build it outside the step")
         return cls(spec, tuple(leaves), tuple(
-            ReturnedLeaf(LeafKind.TENSOR) if isinstance(v, torch.Tensor)
-            else ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(v)]) for v in shown),
-            tuple(ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(w.after)]) for w in writes),
-            tuple(writes))
+            ReturnedLeaf(LeafKind.TENSOR) if isinstance(v, torch.Tensor) else number(v)
+            for v in shown), tuple(number(w.after) for w in writes), tuple(writes))
 
     @property
     def user_outputs(self) -> int:

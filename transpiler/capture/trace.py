@@ -73,8 +73,8 @@ from .optimizer_state import (
 )
 from .micro import CutArgs, NotRollable, check_rolled, drop_unwritten_clones, loop_marker
 from .numbers import (MathSlot, NotLiftable, NumberGuard, NumberSlot, ReachedNumberSlot, as_input,
-                      check_lifted, conditions_unlogged, guarded_numbers, read_number,
-                      take_number_guards)
+                      check_lifted, conditions_unlogged, guarded_numbers, is_number,
+                      read_number, take_number_guards)
 from .memoized import memoized_while_traced
 from .eager_kernels import eager_dispatch
 from .observed_arrays import ValuesRead, is_ndarray, observed
@@ -628,7 +628,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 markers.reduced = dict(markers.grads)
             shown = tuple(marked.values) if marked is not None else ()
             numbers = (*host.numbers, *arg_writes.numbers)   # written back after each run
-            returned.append(Returned.of(result, step_name(step_fn), shown, numbers))
+            returned.append(Returned.of(result, step_name(step_fn), shown, numbers,
+                                        late.numpy_type))
             out_leaves = returned[-1].outputs(result, shown, tuple(w.after for w in numbers))
             new_state = []
             for opt in optimizers:
@@ -886,6 +887,7 @@ class _LateInputs:
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
         self.leaves = leaves   # the call's, which the slots read
         self.computed_from: dict[str, set[str]] = {}   # a math input's name -> the numbers it reads
+        self.numpy_types: dict = {}   # the symbol of a numpy function's input -> its result's type
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
         self._by_id: dict[int, tuple] = {}     # id of a real tensor -> (it, stand-in, name)
         self.draw_symbols: dict = {}           # symbol of a drawn number -> the draw
@@ -952,15 +954,15 @@ class _LateInputs:
         return number
 
     def computed(self, fn: Callable, arguments: tuple):
-        """The traced value of a function of math on symbolic numbers
-        (host_arithmetic.math_on_numbers): a number computed on the host
-        for each call from the inputs its arguments are computed from; None
-        where an argument reads anything else."""
+        """The traced value of a function of math (or numpy's) on symbolic
+        numbers (host_arithmetic.math_on_numbers): a number computed on the
+        host for each call from the inputs its arguments are computed from;
+        None where an argument reads anything else."""
         names = {**self.symbols, **self.draw_names}
         try:
             replays = tuple(replay_of(a, lambda n: _known(number_input_symbol(n), names))
-                            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else a
-                            for a in arguments)
+                            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                            else tuple(a) if isinstance(a, list) else a for a in arguments)
         except NotReplayable:
             return None
         by_name = {spec.name: slot for spec, slot in zip(self.inputs.specs, self.inputs.slots)}
@@ -970,10 +972,32 @@ class _LateInputs:
             value = slot.of({s: traced_value(self.fake_mode.shape_env, s) for s in read})
         except (ArithmeticError, ValueError):
             return None   # math raises on this value: it raises as the step runs it
-        spec = InputSpec(InputKind.NUMBER, self._unique(f"math_{fn.__name__}"))
+        if not is_number(float(value) if _numpy_float(value) else value):
+            return None
+        module = "np" if getattr(fn, "__module__", None) == "numpy" else "math"
+        spec = InputSpec(InputKind.NUMBER, self._unique(f"{module}_{fn.__name__}"))
         self.computed_from[spec.name] = self.sources_of({names[s] for s in read})
         fake = self.placeholder(spec, slot, functools.partial(as_input, value))
-        return read_number(fake, spec.name, self.symbols, value)
+        number = read_number(fake, spec.name, self.symbols, value)
+        if _numpy_float(value):
+            self.numpy_types[number.node.expr] = type(value)
+        return number
+
+    def numpy_type(self, number):
+        """The numpy scalar type the step's Python gives a symbolic number
+        computed from a numpy function's result (returned.Returned.of), or
+        None: its operations replayed on the traced values, each numpy
+        function's result as its own type."""
+        if not self.numpy_types or not isinstance(number, (torch.SymFloat, torch.SymInt)):
+            return None
+        try:
+            replay = replay_of(number, number_input_symbol)
+            env = {s: traced_value(self.fake_mode.shape_env, s) for s in replay.symbols}
+            env.update({s: self.numpy_types[s](env[s]) for s in env if s in self.numpy_types})
+            value = replay.evaluate(env)
+        except (NotReplayable, KeyError, ArithmeticError, ValueError):
+            return None
+        return type(value) if _numpy_float(value) else None
 
     def sources_of(self, names: set[str]) -> set[str]:
         """`names`, each math input among them replaced by the numbers it is
@@ -1018,6 +1042,11 @@ class _LateInputs:
                     "outside its arguments and its optimizers' parameters: pass the module that "
                     "holds it as an argument of the step (its parameters are then trained and "
                     "reduced), or read it under torch.no_grad() (or detach it)")
+
+
+def _numpy_float(value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.floating) and value.ndim == 0
 
 
 def _known(symbol, names: dict):
