@@ -151,3 +151,15 @@ def test_numpy_on_an_argument_number_is_computed_on_the_host():
     assert step._cache.builds == 2 and not step._cache.per_value
     names = {spec.name for spec in step.program.inputs if spec.kind is InputKind.NUMBER}
     assert {"np_interp", "np_exp", "np_cos"} <= names
+
+
+def test_while_traced_numpy_functions_keep_their_keywords_and_attributes():
+    """math_on_numbers only takes calls on a symbolic number: a ufunc called
+    with out= on an array, and its own attributes, are numpy's."""
+    from transpiler.capture.host_arithmetic import math_on_numbers
+    out = np.empty(2)
+    with math_on_numbers(lambda fn, args: None):
+        assert np.exp(np.zeros(2), out=out) is out and (out == 1.0).all()
+        assert np.exp.nin == 1 and np.add.reduce([1, 2]) == 3
+        assert math.exp(0.0) == 1.0
+    assert isinstance(np.exp, np.ufunc) and math.exp.__module__ == "math"

@@ -241,10 +241,29 @@ NUMPY_FUNCTIONS = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "cbr
                    "hypot", "power", "interp")
 
 
+class _Wrapped:
+    """A function of math or numpy while the step is traced: a call goes
+    through `on_call(fn, args, kwargs)`; anything else (a ufunc's `.nin`,
+    `.reduce`) is the function's own."""
+
+    def __init__(self, fn: Callable, on_call: Callable):
+        self._fn, self._on_call = fn, on_call
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._on_call(self._fn, args, kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._fn, name)
+
+
 def _from_user_code() -> bool:
     """Whether math was called by code that is not torch's, the standard
     library's, numpy's or this package's (as reads.is_library)."""
-    filename = sys._getframe(2).f_code.co_filename
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    filename = frame.f_code.co_filename if frame is not None else ""
     return bool(filename) and not filename.startswith(library_dirs() + ("<frozen",))
 
 
@@ -261,19 +280,16 @@ def math_on_numbers(computed: Callable):
     if numpy is not None:
         patched += [(numpy, name, getattr(numpy, name)) for name in NUMPY_FUNCTIONS]
 
-    def wrap(fn):
-        @functools.wraps(fn)
-        def on_numbers(*args):
-            if any(isinstance(a, _SYMBOLIC) for a in args) and _from_user_code() \
-                    and threading.get_ident() == thread:
-                number = computed(fn, args)
-                if number is not None:
-                    return number
-            return fn(*args)
-        return on_numbers
+    def on_numbers(fn, args: tuple, kwargs: dict):
+        if not kwargs and any(isinstance(a, _SYMBOLIC) for a in args) and _from_user_code() \
+                and threading.get_ident() == thread:
+            number = computed(fn, args)
+            if number is not None:
+                return number
+        return fn(*args, **kwargs)
 
     for module, name, fn in patched:
-        setattr(module, name, wrap(fn))
+        setattr(module, name, _Wrapped(fn, on_numbers))
     try:
         yield
     finally:
