@@ -22,15 +22,17 @@ accum == 0`): the trace takes the branch this call's value takes and the
 program assumes it, a number guard (the condition as torch's shape environment
 states it, over the numbers' symbols) checked on the host before every run: a
 later value that decides otherwise traces again, a program per outcome
-(NumberGuard). Only conditions that Python and the guard evaluate alike are
-taken: integer arithmetic, divisions, and a number compared with a constant or
-another number (`min(1.0, step / warmup)`); a sum or product in floating point
+(NumberGuard). Integer arithmetic, divisions, and a number compared with a
+constant or another number (`min(1.0, step / warmup)`) are evaluated as torch
+states them, which Python evaluates alike; a sum or product in floating point
 (`1 - (1 + s / g) ** -p > 0.9999`, which torch restates as another
-computation that may round otherwise) is not.
+computation that may round otherwise) replays the step's own operations
+(ReplayedGuard, host_arithmetic.py). A function of math or numpy on a lifted
+number is an input computed on the host (MathSlot).
 
-A number that decides otherwise, or a shape, cannot be lifted: the trace meets
-a guard it cannot state exactly, or makes a tensor whose shape depends on it
-(`x[:n]`). Then the number is traced once per value from then on, the programs
+A number converted (`float(w)`, `range(n)`) or that decides a shape cannot be
+lifted: the trace takes one value of it, or makes a tensor whose shape depends
+on it (`x[:n]`). Then the number is traced once per value from then on, the programs
 kept bounded (program_cache.py).
 """
 
@@ -50,7 +52,7 @@ from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-from .host_arithmetic import Decisions, Replay
+from .host_arithmetic import Decision, Decisions, Replay
 
 
 class NotLiftable(Exception):
@@ -108,9 +110,10 @@ class OptimizerValueSlot(ReachedNumberSlot):
 
 @dataclasses.dataclass(frozen=True)
 class MathSlot:
-    """A function of math on numbers the program's inputs hold: computed on
-    the host for each call, each argument replayed from its inputs' values
-    (`sources`: symbol -> the slot that reads it)."""
+    """A function of math (or numpy's) on numbers the program's inputs hold:
+    computed on the host for each call, each argument replayed from its
+    inputs' values (`sources`: symbol -> the slot that reads it;
+    host_arithmetic.py)."""
 
     fn: Callable
     arguments: tuple   # a Replay, or a plain number

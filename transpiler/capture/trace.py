@@ -677,8 +677,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                             if step_args.dynamic else (list(inputs.values), "fake"))
     symbols: dict = {}   # the symbol of each lifted number -> its name
     late = _LateInputs(inputs, arrays, symbolic=tracing_mode == "symbolic", symbols=symbols,
-                       places=step_args.places_lifted, constant_draws=step_args.constant_draws,
-                       leaves=step_args.leaves)
+                       places=step_args.places_lifted, constant_draws=step_args.constant_draws)
     taken = Decisions()   # the conditions the trace takes on symbolic numbers
     cache_casts = torch.is_autocast_cache_enabled()
     draws = Draws()
@@ -883,9 +882,8 @@ class _LateInputs:
     in its place (for an array, torch.from_numpy gives it: outside.py)."""
 
     def __init__(self, inputs, arrays: dict, symbolic: bool, symbols: dict, places: dict,
-                 constant_draws: frozenset[str] = frozenset(), leaves: tuple = ()):
+                 constant_draws: frozenset[str] = frozenset()):
         self.inputs, self.arrays, self.symbolic = inputs, arrays, symbolic
-        self.leaves = leaves   # the call's, which the slots read
         self.computed_from: dict[str, set[str]] = {}   # a math input's name -> the numbers it reads
         self.numpy_types: dict = {}   # the symbol of a numpy function's input -> its result's type
         self.values: list[torch.Tensor] = []   # what a second trace is given for them
