@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from math import cos, pi
 
 import numpy as np
 
@@ -163,3 +164,19 @@ def test_while_traced_numpy_functions_keep_their_keywords_and_attributes():
         assert np.exp.nin == 1 and np.add.reduce([1, 2]) == 3
         assert math.exp(0.0) == 1.0
     assert isinstance(np.exp, np.ufunc) and math.exp.__module__ == "math"
+
+
+def imported_step(model, opt, x, y, it):
+    """`from math import cos, pi`: the module's own name for math.cos."""
+    factor = 0.5 * (1 + cos(pi * it / 10))
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y) * factor
+    loss.backward()
+    opt.step()
+    return loss, factor
+
+
+def test_a_math_function_imported_by_name_is_computed_on_the_host():
+    step = _against_eager(imported_step, [((i,), (i,)) for i in range(1, 7)])
+    assert step._cache.builds == 2 and not step._cache.per_value
+    assert cos is math.cos   # put back after each trace

@@ -33,6 +33,7 @@ import functools
 import math
 import sys
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -42,7 +43,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._traceback import CapturedTraceback
 import torch.fx as fx
 
-from .user_code import library_dirs
+from .user_code import is_user_file, library_dirs
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -241,10 +242,11 @@ NUMPY_FUNCTIONS = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "cbr
                    "hypot", "power", "interp")
 
 
-class _Wrapped:
+class NumberFunction:
     """A function of math or numpy while the step is traced: a call goes
     through `on_call(fn, args, kwargs)`; anything else (a ufunc's `.nin`,
-    `.reduce`) is the function's own."""
+    `.reduce`) is the function's own. A user's global bound to one is not
+    guarded (reads.py): it is the function the module imported."""
 
     def __init__(self, fn: Callable, on_call: Callable):
         self._fn, self._on_call = fn, on_call
@@ -288,10 +290,24 @@ def math_on_numbers(computed: Callable):
                 return number
         return fn(*args, **kwargs)
 
+    wrapped = {id(fn): NumberFunction(fn, on_numbers) for _, _, fn in patched}
+    # `from math import exp, cos`: the user's modules' own names for them too
+    patched += [(module, name, value) for module in _user_modules()
+                for name, value in list(vars(module).items()) if id(value) in wrapped]
     for module, name, fn in patched:
-        setattr(module, name, _Wrapped(fn, on_numbers))
+        setattr(module, name, wrapped[id(fn)])
     try:
         yield
     finally:
         for module, name, fn in patched:
             setattr(module, name, fn)
+
+
+def _user_modules() -> list:
+    """The user's own imported modules: a script run as __main__, and those
+    whose files are user_code.is_user_file's."""
+    libraries = library_dirs() + ("<",)
+    return [module for name, module in list(sys.modules.items())
+            if isinstance(module, types.ModuleType) and (
+                name == "__main__" or is_user_file(vars(module).get("__file__") or "<",
+                                                   libraries))]

@@ -52,6 +52,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
                                read_in_place, stores, traced_arguments)
+from .host_arithmetic import NumberFunction
 from .numbers import is_number
 from ..errors import TranspileError
 from .user_code import library_dirs, user_line
@@ -670,7 +671,8 @@ class Recorder:
             if gname in fn.__globals__:
                 value = fn.__globals__[gname]
                 if isinstance(value, types.ModuleType) and is_library(
-                        getattr(value, "__file__", None) or ""):
+                        getattr(value, "__file__", None) or "") \
+                        or isinstance(value, NumberFunction):
                     continue
                 self._read_place(fn.__globals__, gname, value, f"global {gname!r} of {module}",
                                  label=gname)

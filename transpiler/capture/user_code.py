@@ -28,10 +28,11 @@ def library_dirs() -> tuple[str, ...]:
     return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
 
 
-def is_user_file(filename: str) -> bool:
+def is_user_file(filename: str, libraries: tuple[str, ...] | None = None) -> bool:
     """Whether code of `filename` is the user's own: not a library's (as
-    library_dirs, and any installed package)."""
-    return not filename.startswith(library_dirs() + ("<",)) \
+    library_dirs, or `libraries` where the caller asks of many files), and not
+    any installed package's."""
+    return not filename.startswith(libraries or library_dirs() + ("<",)) \
         and "site-packages" not in filename and "dist-packages" not in filename
 
 
