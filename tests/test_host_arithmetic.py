@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 from math import cos, pi
 
 import numpy as np
@@ -180,3 +181,35 @@ def test_a_math_function_imported_by_name_is_computed_on_the_host():
     step = _against_eager(imported_step, [((i,), (i,)) for i in range(1, 7)])
     assert step._cache.builds == 2 and not step._cache.per_value
     assert cos is math.cos   # put back after each trace
+
+
+def drawn_step(model, opt, x, y):
+    """A weight drawn on the host and passed through math, by a branch on it."""
+    lam = random.random()
+    weight = math.exp(-lam) if lam < 0.5 else math.sqrt(lam)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y) * weight
+    loss.backward()
+    opt.step()
+    return loss, weight
+
+
+def test_math_on_a_host_draw_is_drawn_and_computed_again_on_every_call():
+    random.seed(0)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    step = transpile(drawn_step)
+    for i in range(8):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+        before = random.getstate()
+        ours = step(model, opts[0], x, y)
+        after = random.getstate()
+        random.setstate(before)
+        theirs = drawn_step(reference, opts[1], x, y)
+        assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1], i
+        assert random.getstate() == after, i
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert step.traces == 2   # a program per branch
