@@ -48,14 +48,18 @@ def _against_eager(step_fn, arguments: list, tolerance: float = 0.0, **options):
     return step
 
 
-def folded_step(model, opt, x, y, s):
+def scaled_update(model, opt, x, y, factor):
+    """The update of each step below: the loss scaled by the factor it computes."""
     opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
-    if s * 0.1 * 10 > s:   # sympy folds it to 1.0*s > s; Python's rounding decides
-        loss = loss * 2
+    loss = F.mse_loss(model(x), y) * factor
     loss.backward()
     opt.step()
-    return (loss,)
+    return loss
+
+
+def folded_step(model, opt, x, y, s):
+    # sympy folds the condition to 1.0*s > s; Python's rounding decides
+    return (scaled_update(model, opt, x, y, 2.0 if s * 0.1 * 10 > s else 1.0),)
 
 
 def test_a_condition_sympy_folds_is_decided_as_python_decides():
@@ -80,11 +84,7 @@ def cosine_step(model, opt, x, y, schedule):
     else:
         factor = 0.5 * (1 + math.cos(math.pi * (schedule.it - 3) / 10))
     factor = max(factor, 0.1)
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y) * factor
-    loss.backward()
-    opt.step()
-    return loss, factor
+    return scaled_update(model, opt, x, y, factor), factor
 
 
 def test_a_cosine_factor_from_a_host_counter_trains_as_eager():
@@ -117,14 +117,6 @@ def test_math_on_an_argument_number_is_computed_on_the_host():
         assert {"math_exp", "math_log1p", "math_sqrt"} <= names
 
 
-def weighted_step(model, opt, x, y, w):
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y) * (0.5 * (1 + w))
-    loss.backward()
-    opt.step()
-    return (loss,)
-
-
 @pytest.mark.compiles
 def test_under_inductor_the_math_inputs_and_replayed_guards_compile():
     """Under inductor (whose kernels round otherwise than eager's: within
@@ -141,11 +133,7 @@ def numpy_step(model, opt, x, y, it):
     """yolo's warm-up (np.interp), an exponential decay and a cosine in numpy."""
     warm = np.interp(it, [0, 4], [0.1, 1.0])
     factor = warm * np.exp(-it * 0.1) + 0.5 * (1 + np.cos(np.pi * it / 10))
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y) * factor
-    loss.backward()
-    opt.step()
-    return loss, factor
+    return scaled_update(model, opt, x, y, factor), factor
 
 
 def test_numpy_on_an_argument_number_is_computed_on_the_host():
@@ -170,11 +158,7 @@ def test_while_traced_numpy_functions_keep_their_keywords_and_attributes():
 def imported_step(model, opt, x, y, it):
     """`from math import cos, pi`: the module's own name for math.cos."""
     factor = 0.5 * (1 + cos(pi * it / 10))
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y) * factor
-    loss.backward()
-    opt.step()
-    return loss, factor
+    return scaled_update(model, opt, x, y, factor), factor
 
 
 def test_a_math_function_imported_by_name_is_computed_on_the_host():
@@ -187,11 +171,7 @@ def drawn_step(model, opt, x, y):
     """A weight drawn on the host and passed through math, by a branch on it."""
     lam = random.random()
     weight = math.exp(-lam) if lam < 0.5 else math.sqrt(lam)
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y) * weight
-    loss.backward()
-    opt.step()
-    return loss, weight
+    return scaled_update(model, opt, x, y, weight), weight
 
 
 def test_math_on_a_host_draw_is_drawn_and_computed_again_on_every_call():
