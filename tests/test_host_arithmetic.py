@@ -193,3 +193,55 @@ def test_math_on_a_host_draw_is_drawn_and_computed_again_on_every_call():
         assert random.getstate() == after, i
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert step.traces == 2   # a program per branch
+
+
+class ShadowEMA:
+    """An EMA kept in a dict of tensors with a host update count and a warm-up
+    decay `min(decay, (1 + n) / (10 + n))` (TensorFlow's num_updates, as
+    EfficientDet's and many detection repos' PyTorch EMAs do)."""
+
+    def __init__(self, model, decay=0.999):
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.decay, self.num_updates = decay, 0
+
+    @torch.no_grad()
+    def update(self, model):
+        self.num_updates += 1
+        decay = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
+        for k, v in model.state_dict().items():
+            self.shadow[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+
+
+def ema_step(model, opt, x, y, ema, trainer):
+    trainer.it += 1
+    torch.manual_seed(1000 + trainer.it)   # a seed from the host counter, then dropout
+    opt.zero_grad()
+    loss = F.mse_loss(F.dropout(model(x), 0.2), y)
+    loss.backward()
+    opt.step()
+    ema.update(model)
+    return loss
+
+
+def test_an_ema_of_shadow_tensors_with_a_counted_warm_up_trains_as_eager():
+    """The counters lifted, the decay's min() replayed, the shadow tensors (a
+    dict outside the arguments) written back in place: one trace for every call."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    emas = [ShadowEMA(m) for m in (model, reference)]
+    trainers = [Counter(), Counter()]
+    step = transpile(ema_step)
+    for i in range(8):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+        ours = step(model, opts[0], x, y, emas[0], trainers[0])
+        generator = torch.random.get_rng_state()
+        theirs = ema_step(reference, opts[1], x, y, emas[1], trainers[1])
+        assert torch.equal(ours, theirs), i
+        assert torch.equal(generator, torch.random.get_rng_state()), i   # seeded, then drawn
+        assert all(torch.equal(emas[0].shadow[k], emas[1].shadow[k]) for k in emas[0].shadow), i
+        assert emas[0].num_updates == emas[1].num_updates == trainers[0].it == i + 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert step.traces == 1
