@@ -22,7 +22,8 @@ import torch
 
 from .scaler import GradScaler
 from .argument_objects import instance_dict
-from .reads import Cell, _global_names, is_library
+from .reads import Cell, _global_names
+from .user_code import is_library
 
 _DEPTH = 3          # how deep into plain objects and containers the walk goes
 _WIDTH = 256        # items of a container or attributes of an object it looks at

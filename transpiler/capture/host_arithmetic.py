@@ -43,7 +43,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._traceback import CapturedTraceback
 import torch.fx as fx
 
-from .user_code import is_user_file, library_dirs
+from .user_code import called_by_user, is_user_file, library_dirs
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -259,14 +259,8 @@ class NumberFunction:
         return getattr(self._fn, name)
 
 
-def _from_user_code() -> bool:
-    """Whether math was called by code that is not torch's, the standard
-    library's, numpy's or this package's (as reads.is_library)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame = frame.f_back
-    filename = frame.f_code.co_filename if frame is not None else ""
-    return bool(filename) and not filename.startswith(library_dirs() + ("<frozen",))
+def _this_module(filename: str) -> bool:
+    return filename == __file__
 
 
 @contextlib.contextmanager
@@ -283,8 +277,8 @@ def math_on_numbers(computed: Callable):
         patched += [(numpy, name, getattr(numpy, name)) for name in NUMPY_FUNCTIONS]
 
     def on_numbers(fn, args: tuple, kwargs: dict):
-        if not kwargs and any(isinstance(a, _SYMBOLIC) for a in args) and _from_user_code() \
-                and threading.get_ident() == thread:
+        if not kwargs and any(isinstance(a, _SYMBOLIC) for a in args) \
+                and called_by_user(_this_module) and threading.get_ident() == thread:
             number = computed(fn, args)
             if number is not None:
                 return number

@@ -37,8 +37,7 @@ import torch
 
 from ..errors import TranspileError
 from .observed_arrays import observed
-from .reads import is_library
-from .user_code import step_name, user_line
+from .user_code import called_by_user, step_name, user_line
 
 _RANDOM_METHODS = ("random", "uniform", "triangular", "randint", "randrange", "choice",
                    "gauss", "normalvariate", "lognormvariate", "expovariate", "vonmisesvariate",
@@ -228,11 +227,7 @@ _GENERATOR_FILES: tuple[str, ...] = (random.__file__, __file__)
 
 
 def _from_user_code() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename in _GENERATOR_FILES
-                                 or _is_numpy(frame.f_code.co_filename)):
-        frame = frame.f_back
-    return frame is not None and not is_library(frame.f_code.co_filename)
+    return called_by_user(lambda f: f in _GENERATOR_FILES or _is_numpy(f))
 
 
 def _is_numpy(filename: str) -> bool:

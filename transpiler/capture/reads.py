@@ -55,7 +55,7 @@ from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instanc
 from .host_arithmetic import NumberFunction
 from .numbers import is_number
 from ..errors import TranspileError
-from .user_code import library_dirs, user_line
+from .user_code import is_library, user_line
 from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
                      show, snapshot)
 
@@ -75,10 +75,6 @@ _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
 _OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                  "_global_backward_hooks", "_global_backward_pre_hooks")
-
-def is_library(filename: str) -> bool:
-    return not filename or filename.startswith(library_dirs()) or filename.startswith("<frozen")
-
 
 def _library_class(cls: type) -> bool:
     """Whether a class is not the user's (a script's or a notebook's __main__ is)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Callable
 
 import torch
 
@@ -26,6 +27,20 @@ def library_dirs() -> tuple[str, ...]:
     not the user's."""
     found = [sys.modules.get(name) for name in ("numpy", "sympy")]
     return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in found if m)
+
+
+def is_library(filename: str) -> bool:
+    return not filename or filename.startswith(library_dirs()) or filename.startswith("<frozen")
+
+
+def called_by_user(passed: Callable[[str], bool]) -> bool:
+    """Whether the innermost frame of the stack whose file `passed` does not
+    accept (the caller's own module, the generators it wraps) is the user's
+    code, not a library's."""
+    frame = sys._getframe(1)
+    while frame is not None and passed(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None and not is_library(frame.f_code.co_filename)
 
 
 def is_user_file(filename: str, libraries: tuple[str, ...] | None = None) -> bool:
