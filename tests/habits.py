@@ -25,13 +25,16 @@ The `rule` of each habit is the mechanism of the contract that covers it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import functools
 import math
+import pathlib
 import random
 import sys
+import tempfile
 import types
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -1288,6 +1291,95 @@ def _meters_setup():
     return s
 
 
+class SmoothedValue:
+    """pytorch/vision references/classification/utils.py SmoothedValue (a window
+    of the values in a deque, a total and a count)"""
+
+    def __init__(self, window_size=20, fmt=None):
+        if fmt is None:
+            fmt = "{median:.4f} ({global_avg:.4f})"
+        self.deque = collections.deque(maxlen=window_size)
+        self.total = 0.0
+        self.count = 0
+        self.fmt = fmt
+
+    def update(self, value, n=1):
+        self.deque.append(value)
+        self.count += n
+        self.total += value * n
+
+    @property
+    def global_avg(self):
+        return self.total / self.count
+
+
+class MetricLogger:
+    """pytorch/vision references/classification/utils.py MetricLogger"""
+
+    def __init__(self, delimiter="\t"):
+        self.meters = collections.defaultdict(SmoothedValue)
+        self.delimiter = delimiter
+
+    def update(self, **kwargs):
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            assert isinstance(v, (float, int))
+            self.meters[k].update(v)
+
+    def add_meter(self, name, meter):
+        self.meters[name] = meter
+
+
+def _metric_logger_setup(lazily):
+    @seeded
+    def build():
+        s = mlp_sgd.__wrapped__()
+        s.criterion = nn.CrossEntropyLoss()
+        s.metric_logger = MetricLogger(delimiter="  ")
+        s.metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value}"))
+        if not lazily:   # as from the second call on: the meters the first call made
+            for name in ("loss", "acc1"):
+                s.metric_logger.add_meter(name, SmoothedValue(window_size=3))
+        return s
+    return build
+
+
+@habit(id="tv_cls_metric_logger_smoothed_values",
+       source="pytorch/vision references/classification/train.py train_one_epoch: "
+              "metric_logger.update(loss=loss.item(), lr=optimizer.param_groups[0]['lr']); "
+              "metric_logger.meters['acc1'].update(acc1.item(), n=batch_size); utils.py "
+              "SmoothedValue.update: self.deque.append(value); self.count += n; "
+              "self.total += value * n; MetricLogger.update: assert isinstance(v, (float, int))",
+       what="every call appends its loss, lr and accuracy to deques on the host and adds to "
+            "their totals and counts (the meters made before the first call)",
+       expect=EQUAL, rule=HOST_NUMBERS, setup=_metric_logger_setup(lazily=False), ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, d.vec(), d.cls(),
+                                       s.metric_logger))
+@habit(id="tv_cls_metric_logger_meters_made_by_the_first_call",
+       source="pytorch/vision references/classification/train.py train_one_epoch and utils.py "
+              "MetricLogger (meters = defaultdict(SmoothedValue): 'loss' and 'acc1' made by "
+              "the first update)",
+       what="the first call makes the meters it appends its values to",
+       expect=REFUSED, rule=HOST_WRITE, setup=_metric_logger_setup(lazily=True),
+       match="leaves a value it computed from tensors in metric_logger.meters",
+       gap="a meter the first call makes holds that call's values; the trace cannot make it "
+           "before the program has them",
+       call=lambda step, s, i, d: step(s.model, s.criterion, s.opt, d.vec(), d.cls(),
+                                       s.metric_logger))
+def metric_logger_step(model, criterion, optimizer, image, target, metric_logger):
+    output = model(image)
+    loss = criterion(output, target)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    acc1, = accuracy(output, target, topk=(1,))
+    batch_size = image.shape[0]
+    metric_logger.update(loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+    metric_logger.meters["acc1"].update(acc1.item(), n=batch_size)
+    return loss
+
+
 @habit(id="examples_imagenet_average_meters",
        source="pytorch/examples imagenet/main.py train(): losses.update(loss.item(), "
               "images.size(0)); top1.update(acc1[0], images.size(0)) (timm's train.py does the "
@@ -2182,6 +2274,48 @@ def nanogpt_step(model, optimizer, scaler, batches):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+@seeded
+def _build_nanogpt_setup():
+    model = NanoGPT()
+    log_dir = tempfile.mkdtemp(prefix="habit-log-")
+    log_file = pathlib.Path(log_dir) / "log.txt"
+    with open(log_file, "w") as f:   # open for writing to clear the file
+        pass
+    return SimpleNamespace(model=model, opt=model.configure_optimizers(0.1, 6e-4, (0.9, 0.95)),
+                           log_file=log_file)
+
+
+@habit(id="build_nanogpt_log_file_append",
+       source="karpathy/build-nanogpt train_gpt2.py: loss_accum += loss.detach() over the "
+              "micro-steps (require_backward_grad_sync on the last); norm = clip_grad_norm_(...); print(f\"step {step:5d} | loss: "
+              "{loss_accum.item():.6f} | ...\"); with open(log_file, \"a\") as f: "
+              "f.write(f\"{step} train {loss_accum.item():.6f}\\n\") on the master process",
+       what="each step opens the log file to append a line with the step and its loss, and "
+            "prints the loss, lr and gradient norm",
+       expect=EQUAL, rule=RETURNED, setup=_build_nanogpt_setup, between=_nanogpt_between,
+       ranks=True,
+       call=lambda step, s, i, d: step(s.model, s.opt, _nanogpt_batches(d), i, s.log_file))
+def build_nanogpt_step(model, optimizer, batches, step, log_file):
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    optimizer.zero_grad()
+    loss_accum = 0.0
+    for micro_step, (x, y) in enumerate(batches):
+        if ddp:
+            model.require_backward_grad_sync = (micro_step == len(batches) - 1)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            logits, loss = model(x, y)
+        loss = loss / len(batches)
+        loss_accum += loss.detach()
+        loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    print(f"step {step:5d} | loss: {loss_accum.item():.6f} | lr {lr:.4e} | norm: {norm:.4f}")
+    with open(log_file, "a") as f:
+        f.write(f"{step} train {loss_accum.item():.6f}\n")
+    return loss_accum
 
 
 @seeded
@@ -4111,6 +4245,52 @@ def _lit_call(step, s, i, d):
        expect=EQUAL, rule=LAZY, setup=_lit_setup(log_metrics=True),
        bind=lambda s: s.loop.run, call=_lit_call)
 def _unused7(*a):
+    raise AssertionError
+
+
+class LitOutputsClassifier(LitClassifier):
+    """Lightning 2's documented replacement of training_epoch_end: the module
+    keeps its step outputs in a list it stacks at the epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.training_step_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.backbone(x), y)
+        self.training_step_outputs.append(loss)
+        return loss
+
+    def on_train_epoch_end(self):
+        epoch_mean = torch.stack(self.training_step_outputs).mean()
+        self.training_step_outputs.clear()
+        return epoch_mean
+
+
+@seeded
+def _lit_outputs_setup():
+    module = LitOutputsClassifier()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module._optimizers = [opt]
+    return SimpleNamespace(module=module, loop=FitLoop(module, opt))
+
+
+def _lit_epoch_end(s, i):
+    if i == 3:   # an epoch of three batches ended: what the hook makes of the outputs
+        s.epoch_mean = s.module.on_train_epoch_end()
+
+
+@habit(id="lightning_training_step_outputs_append",
+       source="Lightning-AI/pytorch-lightning docs/source-pytorch/upgrade (2.0: "
+              "training_epoch_end removed): self.training_step_outputs.append(loss) in "
+              "training_step; torch.stack(self.training_step_outputs).mean() and .clear() in "
+              "on_train_epoch_end",
+       what="training_step appends its loss tensor to a list on the module every call; the "
+            "epoch-end hook stacks and clears it between calls",
+       expect=EQUAL, rule=RETURNED, setup=_lit_outputs_setup, between=_lit_epoch_end,
+       bind=lambda s: s.loop.run, call=_lit_call, calls=5)
+def _unused_lit_outputs(*a):
     raise AssertionError
 
 

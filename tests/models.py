@@ -201,24 +201,42 @@ def max_rel_error(a: dict, b: dict) -> float:
     return worst
 
 
-def against_eager(step_fn, between=None, calls: int = 4, build=None, args: tuple = ()):
+def against_eager(step_fn, between=None, calls: int = 4, build=None, args: tuple = (),
+                  hosts: tuple = ()):
     """The step transpiled and eager from the same start (SGD with momentum),
     `between(i, (ours, theirs))` run before call i: each call's result and the
-    models' state must be equal bit for bit. Returns the transpiled step."""
+    models' state must be equal bit for bit. `hosts`: a host object for each
+    (ours, then eager's), its last argument. Returns the transpiled step."""
     from transpiler import transpile
     torch.manual_seed(0)
     ours = build() if build is not None else make("mlp")
     theirs = copy.deepcopy(ours)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
     step = transpile(step_fn)
+    own = [(h,) for h in hosts] or [(), ()]
     for i, (x, y) in enumerate(batches("mlp", calls, 8)):
         if between is not None:
             between(i, (ours, theirs))
-        a, b = step(ours, opts[0], x, y, *args), step_fn(theirs, opts[1], x, y, *args)
+        a, b = (step(ours, opts[0], x, y, *args, *own[0]),
+                step_fn(theirs, opts[1], x, y, *args, *own[1]))
         assert torch.equal(a, b), f"call {i}: {a} != {b}"
         assert all(torch.equal(p, q) for p, q in zip(ours.state_dict().values(),
                                                      theirs.state_dict().values())), f"call {i}"
     return step
+
+
+def refused_as_it_was(step_fn, host, match: str) -> None:
+    """The step, given `host` as its last argument, is refused at its first
+    call (a TranspileError matching `match`) with the model as it was."""
+    import pytest
+    from transpiler import TranspileError, transpile
+    model = make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TranspileError, match=match):
+        transpile(step_fn)(model, opt, *batches("mlp", 1, 8)[0], host)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) \
+        and not opt.state
 
 
 def against_ddp(build, step_fn, mode: str, lr: float = 1e-2):

@@ -19,9 +19,11 @@ of docs/habits.md is made from it); `--ranks` runs the 2-rank part too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
+import pathlib
 import random
 import sys
 import time
@@ -118,7 +120,10 @@ def snapshot(root, ddp_next_forward: bool = False) -> dict:
                 walk(v, f"{path}[{label}]", depth + 1)
             out[path + ".keys"] = labels
             return
-        if isinstance(value, (list, tuple, set, frozenset)):
+        if isinstance(value, pathlib.Path):   # a file the script reads afterwards
+            out[path] = value.read_text() if value.exists() else None
+            return
+        if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
             items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
             out[path + ".len"] = len(items)
             for j, v in enumerate(items):

@@ -28,6 +28,7 @@ compared after the traced step with what it held before:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -44,6 +45,8 @@ from .scaler import GradScaler
 from .slots import not_a_tensor
 from .user_code import step_name
 
+# Containers whose items the program cannot set: any change to one is refused.
+_SEQUENCES = (list, collections.deque, set)
 # (kind, key) steps from the arguments' root to a container
 Path = tuple[tuple[str, Any], ...]
 
@@ -121,17 +124,20 @@ def _leaf_object(value) -> bool:
 
 def containers(values: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Every mutable container in the arguments (dicts, Mappings, lists,
-    dataclass objects), with its path, outermost first."""
+    deques, sets, dataclass objects), with its path, outermost first."""
     if _leaf_object(values) or isinstance(values, (str, bytes)):
         return
     if isinstance(values, (dict, Mapping)):
         yield path, values
         for k, v in list(values.items()):
             yield from containers(v, path + (("item", k),))
-    elif isinstance(values, (list, tuple)):
-        if isinstance(values, list):
+    elif isinstance(values, set):   # a pytree leaf: the caller's own set
+        yield path, values
+    elif isinstance(values, (list, tuple, collections.deque)):
+        if not isinstance(values, tuple):
             yield path, values
-            values = list.copy(values)   # not its own iteration (micro.Rolled records that)
+            values = list(values) if isinstance(values, collections.deque) \
+                else list.copy(values)   # not its own iteration (micro.Rolled records that)
         for i, v in enumerate(values):
             yield from containers(v, path + (("item", i),))
     elif dataclasses.is_dataclass(values) and not isinstance(values, type):
@@ -145,6 +151,10 @@ def _items(container) -> dict:
         return dict(container.items())
     if isinstance(container, list):
         return dict(enumerate(list.copy(container)))
+    if isinstance(container, collections.deque):
+        return dict(enumerate(container))
+    if isinstance(container, set):
+        return dict.fromkeys(container, True)
     return {f.name: getattr(container, f.name, MISSING) for f in dataclasses.fields(container)}
 
 
@@ -193,9 +203,13 @@ def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
         if not removed and not changed:
             continue
         kinds = {k: _kind(old.get(k, MISSING), new[k], traced) for k in changed}
-        if isinstance(container, list) or (removed and not is_dict) \
+        if isinstance(container, _SEQUENCES) or (removed and not is_dict) \
                 or None in kinds.values():
-            raise _refused(step_fn, path, container, old, new, removed, changed)
+            error = _refused(step_fn, path, container, old, new, removed, changed)
+            if isinstance(container, set):   # the caller's own: as it was
+                container.clear()
+                container.update(old)
+            raise error
         into.set += [(Written(path, k, not is_dict), new[k]) for k in changed
                      if kinds[k] is _Set.TENSOR]
         into.numbers += [ArgumentNumber(Written(path, k, not is_dict), new[k]) for k in changed
@@ -238,8 +252,8 @@ def _refused(step_fn, path, container, old, new, removed, changed) -> TranspileE
 
 def _change(container, old: dict, new: dict, removed: list, changed: list) -> str:
     what = type(container).__name__
-    if isinstance(container, list):
-        return f"a list of {len(old)} items, now {len(new)}"
+    if isinstance(container, _SEQUENCES):
+        return f"a {what} of {len(old)} items, now {len(new)}"
     if removed:
         return f"a {what}: {removed[0]!r} removed"
     k = next((k for k in changed if not isinstance(new[k], torch.Tensor)), changed[0])
@@ -262,8 +276,9 @@ def _name(path: Path) -> str:
 def _put(written: Written, value) -> None:
     """value set at a place of the running call's own arguments."""
     container = written.container()
-    if written.field:
-        setattr(container, written.key, value)
+    if written.field:   # a frozen dataclass's field the step set with object.__setattr__
+        frozen = dataclasses.is_dataclass(container) and container.__dataclass_params__.frozen
+        (object.__setattr__ if frozen else setattr)(container, written.key, value)
     else:
         container[written.key] = value
 

@@ -32,6 +32,12 @@ class StepArgs:
     # last trace lifted them; the trace drops those it cannot lift.
     lift_places: frozenset[tuple] = frozenset()
     places_lifted: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # Places (reads.place_key) of lists and deques the step appends values it
+    # computes to: traced taking appends only (appended.py)
+    append_places: frozenset[tuple] = frozenset()
+    # ... and of those it also reads: each is a container as any other, and
+    # appending the program's values there is refused with this read's error
+    append_read: dict[tuple, Exception] = dataclasses.field(default_factory=dict)
     # Names of the integers the step draws on the host (host_random.py) that the
     # trace takes as constants, each guarded by its value: set when a trace with
     # them symbolic failed (one used as a size)

@@ -13,8 +13,10 @@ failed, to name it in the log.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import pathlib
 import sys
 from typing import Any
 
@@ -27,8 +29,10 @@ MISSING = object()
 
 # Types whose values a guard compares; containers of them are compared by value.
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-            enum.Enum, range, slice)
-_CONTAINERS = (tuple, list, frozenset, set, dict)
+            enum.Enum, range, slice, pathlib.PurePath)
+CONTAINERS = (tuple, list, frozenset, set, dict, collections.deque)
+# Those that change in place, with their items as a list (a deque's, in order).
+MUTABLE_CONTAINERS = (list, dict, set, collections.deque)
 # A container with more elements than this is guarded by identity and length.
 LARGE = 1024
 
@@ -43,7 +47,7 @@ def snapshot(value, budget: list | None = None) -> Any:
     lists, sets and dicts of them), or MISSING for anything else."""
     if isinstance(value, _SCALARS) or _numpy_scalar(value):
         return value
-    if isinstance(value, _CONTAINERS):
+    if isinstance(value, CONTAINERS):
         budget = [LARGE] if budget is None else budget
         budget[0] -= len(value)
         if budget[0] < 0:
@@ -66,11 +70,11 @@ def saved(value) -> list:
     found, seen, todo = [], set(), [value]
     while todo and len(found) < LARGE:
         v = todo.pop()
-        if id(v) in seen or not isinstance(v, _CONTAINERS):
+        if id(v) in seen or not isinstance(v, CONTAINERS):
             continue
         seen.add(id(v))
-        if isinstance(v, (list, dict, set)):
-            found.append((v, v.copy() if not isinstance(v, list) else list(v)))
+        if isinstance(v, MUTABLE_CONTAINERS):
+            found.append((v, list(v) if isinstance(v, (list, collections.deque)) else v.copy()))
         todo.extend(v.values() if isinstance(v, dict) else v)
     return found
 
@@ -80,6 +84,9 @@ def restore(found: list) -> None:
     for container, items in found:
         if isinstance(container, list):
             container[:] = items
+        elif isinstance(container, collections.deque):
+            container.clear()
+            container.extend(items)
         else:
             container.clear()
             container.update(items)
@@ -93,7 +100,7 @@ def copy_containers(value, budget: list | None = None):
     budget = [LARGE] if budget is None else budget
     if isinstance(value, torch.Tensor) or layout(value) is not MISSING:
         return MISSING
-    if not isinstance(value, _CONTAINERS):
+    if not isinstance(value, CONTAINERS):
         return value
     budget[0] -= len(value)
     if budget[0] < 0:
@@ -111,6 +118,8 @@ def copy_containers(value, budget: list | None = None):
         return MISSING
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*items)
+    if isinstance(value, collections.deque):
+        return collections.deque(items, value.maxlen)
     try:
         return type(value)(items)
     except TypeError:
@@ -119,7 +128,7 @@ def copy_containers(value, budget: list | None = None):
 
 def mutable(value) -> bool:
     """Whether the value can change in place (so that identity says nothing)."""
-    if isinstance(value, (list, set, dict)):
+    if isinstance(value, MUTABLE_CONTAINERS):
         return True
     return isinstance(value, (tuple, frozenset)) and any(mutable(v) for v in value)
 
@@ -141,7 +150,7 @@ def contents(value, budget: list | None = None) -> Any:
     plain = snapshot(value, budget)
     if plain is not MISSING:
         return plain
-    if isinstance(value, _CONTAINERS):
+    if isinstance(value, CONTAINERS):
         budget[0] -= len(value)
         if budget[0] < 0:
             return ("large", id(value), len(value))
@@ -196,6 +205,8 @@ class Guard:
 
     def holds(self) -> bool:
         now = self.current()
+        if _symbolic(now):   # a number the trace computed, left here: changed
+            return False
         if self.check is Check.VALUE:
             return now is self.original or (type(now) is type(self.original)
                                             and now == self.original)
@@ -238,6 +249,17 @@ class Guard:
             return f"{self.name}: a {self.original.__name__} -> {_show_layout(now)}"
         before = "absent" if self.check is Check.ABSENT else show(self.original)
         return f"{self.name}: {before} -> {'absent' if now is MISSING else show(now)}"
+
+
+def _symbolic(value, depth: int = 0) -> bool:
+    """Whether a value, or a container in it, holds a symbolic number (one a
+    trace computed: comparing it would be a decision on it)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if depth < 4 and isinstance(value, CONTAINERS):
+        return any(_symbolic(v, depth + 1)
+                   for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 def _show_layout(value) -> str:

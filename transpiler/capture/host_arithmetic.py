@@ -27,6 +27,7 @@ replayed: it is traced as before.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
@@ -295,6 +296,36 @@ def math_on_numbers(computed: Callable):
     finally:
         for module, name, fn in patched:
             setattr(module, name, fn)
+
+
+# The Python number each kind of symbolic number stands for, as isinstance sees it.
+_STANDS_FOR = {torch.SymFloat: 0.5, torch.SymInt: 1, torch.SymBool: True}
+_ISINSTANCE = builtins.isinstance
+
+
+def traced_isinstance(obj, classes) -> bool:
+    """isinstance for the user's code while traced: a symbolic number is an
+    instance of what the Python number it stands for is one of."""
+    kind = _STANDS_FOR.get(type(obj))
+    return _ISINSTANCE(obj, classes) or (kind is not None and _ISINSTANCE(kind, classes))
+
+
+@contextlib.contextmanager
+def numbers_as_python_types():
+    """While the step is traced: the user's code asks isinstance() of a symbolic
+    number (a `.item()`, a lifted counter, a symbolic size) as of the Python
+    number it stands for, so that `assert isinstance(v, (float, int))`
+    (torchvision's MetricLogger) or `isinstance(n, numbers.Number)` holds as in
+    eager. Each of the user's modules gets its own `isinstance` global for the
+    trace; everyone else's stays the builtin."""
+    modules = [m for m in _user_modules() if "isinstance" not in vars(m)]
+    for module in modules:
+        module.isinstance = traced_isinstance
+    try:
+        yield
+    finally:
+        for module in modules:
+            vars(module).pop("isinstance", None)
 
 
 def _user_modules() -> list:

@@ -290,9 +290,14 @@ def _method(rec: _Recording, original: Callable, name: str) -> Callable:
     return method
 
 
-def source_stand_in(rec: _Recording, value) -> Any:
+def source_stand_in(rec: _Recording, value, _name: str) -> Any:
     """A recording stand-in for a numpy Generator or RandomState the step
-    reaches (an attribute, a global): their methods cannot be patched."""
+    reaches (an attribute, a global): their methods cannot be patched. None
+    for any other value."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, (numpy.random.Generator,
+                                               numpy.random.RandomState)):
+        return None
     return _GeneratorProxy(rec, value)
 
 

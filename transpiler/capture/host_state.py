@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import types
 from typing import Any
 
@@ -37,7 +38,8 @@ from ..errors import TranspileError
 from .optimizer_state import TRACE_GROUP_OPTIONS
 from .constants import realize
 from .guards import saved, snapshot
-from .reads import MISSING, Recorder, Write, is_traced, put, recording
+from .appended import Appended, AppendsSeen, appended_place
+from .reads import MISSING, Recorder, Write, is_traced, place_key, put, recording
 from .signature import registrations
 from .user_code import step_name
 
@@ -107,6 +109,7 @@ class HostState:
         self.guards = None
         self.assigned: list[Write] = []
         self.numbers: list[Write] = []
+        self.appended: list[Appended] = []   # items appended to containers: outputs
         self.kept: list[Write] = []
 
     def finish(self) -> None:
@@ -121,7 +124,13 @@ class HostState:
         for w in writes:
             if not w.assigns_traced_tensor and _holds_traced(w.values()[1]):
                 _realize(w, self.reals)
-        refused = self._refused(writes)
+        appends = frozenset(p for w in writes for p in [self._place_of(w)] if p is not None) \
+            - self.recorder.append_places - self.recorder.append_read.keys()
+        try:
+            self.appended = [a for stand in self.recorder.appending for a in stand.appended()]
+            refused = AppendsSeen(appends) if appends else self._refused(writes)
+        except TranspileError as exc:
+            refused = exc
         if refused is not None:
             for w in reversed(writes + self.numbers):
                 w.undo()
@@ -133,6 +142,13 @@ class HostState:
 
     def _refused(self, writes: list[Write]) -> TranspileError | None:
         name = step_name(self.step_fn)
+        narrow = next((w for w in self.numbers if _narrow_numpy(w.values()[0])), None)
+        if narrow is not None:
+            return TranspileError(
+                f"{name} computes {narrow.name} from a tensor's value where it held a numpy "
+                f"{type(narrow.values()[0]).__name__} ({narrow.describe()}): numpy computes "
+                "that in its own width, the program in Python's float64; keep a Python float "
+                "there (float(...)), or return the value from the step")
         made = next((w for w in writes if self._made_in_the_step(w.values()[1])), None)
         if made is not None:
             return TranspileError(
@@ -140,14 +156,15 @@ class HostState:
                 f"runs and keeps it in {made.name} (a lazy `if self.ema is None: self.ema = "
                 "copy.deepcopy(model)`): a transpiled step's modules and optimizers are fixed "
                 "when it is traced; create it before the first call")
-        stored = next((w for w in writes if not w.assigns_traced_tensor
-                       and _holds_traced(w.values()[1])), None)
-        if stored is not None:
-            return TranspileError(
-                f"{name} leaves a value it computed from tensors in {stored.name} "
-                f"({stored.describe()}): the program runs without the step's Python, so the host "
-                "cannot hold the program's own values; return the tensor from the step (and "
-                "call .item() on it outside), or assign the tensor itself to an attribute "
+        stored = [w for w in writes if not w.assigns_traced_tensor
+                  and _holds_traced(w.values()[1])]
+        if stored:
+            read = self.recorder.append_read.get(self._place_of(stored[0]))
+            return read or TranspileError(
+                f"{name} leaves a value it computed from tensors in {stored[0].name} "
+                f"({stored[0].describe()}): the program runs without the step's Python, so the "
+                "host cannot hold the program's own values; return the tensor from the step "
+                "(and call .item() on it outside), or assign the tensor itself to an attribute "
                 "(self.aux = loss)")
         if registrations() != self.registrations and _structure(self.modules) != self.structure:
             return TranspileError(
@@ -155,6 +172,10 @@ class HostState:
                 "transpiled step's state is fixed when it is traced; create them before the "
                 "first call (for a lazy module, run one forward pass first)")
         return self._optimizer_changed(name)
+
+    def _place_of(self, w: Write):
+        """The place of a container the step only appended to, else None."""
+        return appended_place(w, place_key(w.holder, w.key))
 
     def _made_in_the_step(self, value) -> bool:
         """A module or an optimizer on tensors the step's modules do not hold
@@ -222,8 +243,7 @@ _RNN_WEIGHT_LISTS = frozenset({"_flat_weights", "_flat_weight_refs"})
 
 def _rederived(w: Write) -> bool:
     """A write torch's own code makes because the trace swapped the parameters."""
-    owner = getattr(w.holder, "get", None) and w.holder.get("_flat_weights_names")
-    return w.key in _RNN_WEIGHT_LISTS and owner is not None
+    return w.key in _RNN_WEIGHT_LISTS and w.holder.get("_flat_weights_names") is not None
 
 
 def _realize(w: Write, reals: dict) -> None:
@@ -245,6 +265,13 @@ def _structure(modules) -> tuple:
     """The names of every parameter, buffer and submodule of the step's modules."""
     return tuple((id(m), tuple(m._parameters), tuple(m._buffers), tuple(m._modules))
                  for module in modules for m in module.modules())
+
+
+def _narrow_numpy(value) -> bool:
+    """A numpy scalar that numpy computes with in another width than Python's."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) \
+        and type(value) not in (numpy.float64, numpy.int64, numpy.bool_)
 
 
 def _symbolic_number(w: Write) -> bool:

@@ -36,6 +36,7 @@ an environment variable (os.environ's __getitem__, which os.getenv, .get and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import dis
 import enum
@@ -52,12 +53,12 @@ from torch.optim import optimizer as torch_optimizer
 
 from .argument_objects import (EVERY_ATTRIBUTE, ArgumentLeaves, InPlace, instance_dict,
                                read_in_place, stores, traced_arguments)
-from .host_arithmetic import NumberFunction
+from .host_arithmetic import NumberFunction, traced_isinstance
 from .numbers import is_number
 from ..errors import TranspileError
 from .user_code import is_library, user_line
-from .guards import (LARGE, MISSING, Check, Guard, Guards, HookGuard, contents, restore, saved,
-                     show, snapshot)
+from .guards import (CONTAINERS, LARGE, MISSING, Check, Guard, Guards, HookGuard, contents,
+                     restore, saved, show, snapshot)
 
 _ACTIVE: list = [None]   # the Recorder of the trace in progress
 _RECORDING = "_transpiler_records"   # marks the methods installed on a class
@@ -209,7 +210,7 @@ class ClassAttrs:
 
 def put(holder, key, value) -> None:
     """Write (or, with MISSING, delete) holder[key]."""
-    if isinstance(holder, dict):
+    if isinstance(holder, (dict, os._Environ)):
         if value is MISSING:
             holder.pop(key, None)
         else:
@@ -382,10 +383,21 @@ def _getattr(original):
     return __getattr__
 
 
+def _users_setter(cls: type, name: str, original) -> bool:
+    """Whether setting `name` on an object of `cls` runs the user's code: a
+    __setattr__ of theirs, or a property (a data descriptor) with their setter.
+    What that code reads and writes is the step's, observed as the step's own."""
+    if _users(original):
+        return True
+    found = next((vars(c)[name] for c in cls.__mro__ if name in vars(c)), None)
+    setter = getattr(found, "fset", None) or getattr(type(found), "__set__", None)
+    return setter is not None and _users(setter)
+
+
 def _setattr(original):
     def __setattr__(self, name, value):
         rec = _active()
-        if rec is None or id(self) not in rec.known:
+        if rec is None or id(self) not in rec.known or _users_setter(type(self), name, original):
             return original(self, name, value)
         holder, before = rec.before_write(self, name)
         rec.live = False
@@ -518,8 +530,16 @@ class Recorder:
         self.swaps: list[_Swap] = []
         self.writes: dict[tuple[int, Any], Write] = {}
         self.live = True
-        # a recording stand-in for a numpy generator the step reaches (host_random.py)
-        self.source: Callable | None = None
+        # what the trace gives the step in place of an object whose state lives in C
+        # (a numpy generator: host_random.py; an iterator: host_iterators.py; a
+        # file: printed.py): each returns its stand-in for (value, name), or None
+        self.stand_ins: list[Callable[[Any, str], Any]] = []
+        # places (place_key) of lists and deques the step appends values it
+        # computes to, and what stands in for one there (appended.py)
+        self.append_places: frozenset = frozenset()
+        self.append_read: dict = {}   # place -> the read that made it a plain container again
+        self.append_only: Callable[[Any, str, tuple], Any] | None = None
+        self.appending: list = []
         self._read: set[tuple[int, str]] = set()   # (object, attribute) recorded
         self._scanned: set[int] = set()            # functions whose globals are recorded
         self._cells: dict[int, Cell] = {}
@@ -534,6 +554,8 @@ class Recorder:
         # each reached object's __dict__ as it was reached: a write straight into
         # it (functools.cached_property, vars(obj)[k] = v) passes no __setattr__
         self._dicts: dict[int, dict] = {}
+        # ... and the namespace of each user's class of an object reached
+        self._class_dicts: dict[int, tuple[type, dict]] = {}
         module_globals = vars(torch.nn.modules.module)
         for name in _GLOBAL_HOOKS:
             hooks = module_globals[name]
@@ -557,7 +579,7 @@ class Recorder:
         if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
             self._function(value, name)
             return
-        if isinstance(value, (list, tuple, dict, set, frozenset)):
+        if isinstance(value, CONTAINERS):
             return
         if isinstance(value, type):   # a user's class: its values (not an enum's constants)
             if not _library_class(value) and not issubclass(value, enum.Enum):
@@ -577,6 +599,9 @@ class Recorder:
         if isinstance(value, self._not_reached):
             return
         self.known[id(value)] = (value, name)
+        for klass in type(value).__mro__:   # written unobserved: `type(self).count += 1`
+            if id(klass) not in self._class_dicts and not _library_class(klass):
+                self._class_dicts[id(klass)] = (klass, dict(vars(klass)))
         members = instance_dict(value)
         if members is not None:
             self._dicts[id(value)] = dict(members)
@@ -668,8 +693,8 @@ class Recorder:
                 value = fn.__globals__[gname]
                 if isinstance(value, types.ModuleType) and is_library(
                         getattr(value, "__file__", None) or "") \
-                        or isinstance(value, NumberFunction):
-                    continue
+                        or isinstance(value, NumberFunction) or value is traced_isinstance:
+                    continue   # (installed for the trace alone: host_arithmetic.py)
                 self._read_place(fn.__globals__, gname, value, f"global {gname!r} of {module}",
                                  label=gname)
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -827,6 +852,9 @@ class Recorder:
             return value
         if isinstance(value, torch.Tensor) or _is_ndarray(value):
             return self._tensor(holder, key, (), value, name, label)
+        if self.append_places and isinstance(value, (list, collections.deque)) \
+                and place_key(holder, key) in self.append_places:
+            return self._appended_to(name, holder, key, value)
         plain = snapshot(value)
         if plain is not MISSING:
             where = place_key(holder, key) if self.lift and is_number(value) else None
@@ -834,7 +862,7 @@ class Recorder:
                 return self._lifted(holder, key, where, value, name)
             self._guard(name, holder, key, Check.VALUE, value)
             return value
-        if isinstance(value, (list, tuple, dict, set, frozenset)):
+        if isinstance(value, CONTAINERS):
             self._guard(name, holder, key, Check.CONTENTS, value)
             replaced = self._items(holder, key, (), value, label)
             if replaced is not value and not isinstance(holder, _Whole):
@@ -849,16 +877,25 @@ class Recorder:
         if id(value) in self._in_place and not isinstance(holder, InPlace):
             self._pin(value)   # reached another way too: that way reads this object
         self._guard(name, holder, key, Check.IDENTITY, value)
-        if self.source is not None and _is_generator(value):
-            proxy = self.source(value)
-            self._swap(name, holder, key, value, proxy)
-            return proxy
+        stand = self.stand_in_for(value, label)
+        if stand is not None:
+            self._swap(name, holder, key, value, stand)
+            return stand
         if isinstance(value, torch.jit.ScriptFunction):   # refused if the step calls it
             refusing = _refused_when_called(label)
             self._swap(name, holder, key, value, refusing)
             return refusing
         self.reach(value, label)
         return value
+
+    def _appended_to(self, name: str, holder, key, container):
+        """A container the step appends values it computes to (appended.py):
+        guarded by identity, and a stand-in that takes appends in its place."""
+        self._guard(name, holder, key, Check.IDENTITY, container)
+        stand = self.append_only(container, name, place_key(holder, key))
+        self._swap(name, holder, key, container, stand)
+        self.appending.append(stand)
+        return stand
 
     def environment(self, environ, key, value) -> None:
         """The step read environment variable `key` (its value, or MISSING)."""
@@ -894,8 +931,16 @@ class Recorder:
         if isinstance(value, torch.Tensor) or _is_ndarray(value):
             return self._tensor(holder, key, path, value, name)
         if snapshot(value) is MISSING and not isinstance(value, (set, frozenset)):
+            stand = self.stand_in_for(value, name)
+            if stand is not None:
+                return stand
             self.reach(value, name)
         return value
+
+    def stand_in_for(self, value, name: str):
+        """The stand-in the step sees for `value` read at `name`, or None."""
+        return next((s for s in (stand_in(value, name) for stand_in in self.stand_ins)
+                     if s is not None), None)
 
     def _tensor(self, holder, key, path: tuple, value, name: str, label: str | None = None):
         if isinstance(value, torch.Tensor) and is_traced(value):
@@ -988,6 +1033,13 @@ class Recorder:
                 if now is not was and not getattr(now, TRACE_ONLY, False) \
                         and place not in writes and place not in self.guards:
                     writes[place] = Write(f"{name}.{key}", members, key, was, now)
+        for klass, before in self._class_dicts.values():
+            holder = self._class_holder(klass)
+            for key in vars(klass).keys() | before.keys():
+                now, was = vars(klass).get(key, MISSING), before.get(key, MISSING)
+                place = (id(holder), key)
+                if now is not was and place not in writes and place not in self.guards:
+                    writes[place] = Write(f"{klass.__qualname__}.{key}", holder, key, was, now)
 
 
 def torchscript_refused(name: str) -> TranspileError:
@@ -1058,12 +1110,6 @@ def _tensors_set(now, before: dict) -> list | None:
     if not changed or not all(isinstance(v, torch.Tensor) and is_traced(v) for _, _, v in changed):
         return None
     return changed
-
-
-def _is_generator(value) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, (numpy.random.Generator,
-                                                    numpy.random.RandomState))
 
 
 def _is_ndarray(value) -> bool:

@@ -46,6 +46,8 @@ class LeafKind(enum.Enum):
 # The dtype each kind of Python number is output in: every value of it exactly.
 _NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64,
                   torch.SymBool: torch.bool}
+# ... and a plain number the step leaves on the host beside them (appended.py)
+_WRITTEN_DTYPES = {**_NUMBER_DTYPES, float: torch.float64, int: torch.int64, bool: torch.bool}
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _OUTPUTS = (LeafKind.TENSOR, LeafKind.NUMBER, LeafKind.ARRAY)   # the leaves the program outputs
 
@@ -99,7 +101,7 @@ class Returned:
         symbolic numbers it made; numpy_type(number): the numpy scalar type
         the step's Python gives a symbolic number, or None."""
         def number(value) -> ReturnedLeaf:
-            return ReturnedLeaf(LeafKind.NUMBER, _NUMBER_DTYPES[type(value)],
+            return ReturnedLeaf(LeafKind.NUMBER, _WRITTEN_DTYPES[type(value)],
                                 numpy_type=numpy_type(value))
         values, spec = pytree.tree_flatten(result)
         leaves = []
@@ -121,7 +123,8 @@ class Returned:
                     "the tensors it is computed from and build it outside the step")
         return cls(spec, tuple(leaves), tuple(
             ReturnedLeaf(LeafKind.TENSOR) if isinstance(v, torch.Tensor) else number(v)
-            for v in shown), tuple(number(w.after) for w in writes), tuple(writes))
+            for v in shown), tuple(ReturnedLeaf(LeafKind.TENSOR) if isinstance(w.after, torch.Tensor)
+                                   else number(w.after) for w in writes), tuple(writes))
 
     @property
     def user_outputs(self) -> int:

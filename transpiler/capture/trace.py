@@ -43,9 +43,12 @@ from .ddp_wrapper import buffers_left_to_the_program
 from .build import identifier, to_program
 from .decisions import Decision, insert_checks, on_real_values, stopped_at_decision
 from .grad_flags import FlagWrite, flags_changed
-from .guards import Guards
+from .guards import MISSING, Guards, snapshot
+from .host_iterators import pulled_stand_in
+from .appended import AppendedRead, AppendOnly, AppendsSeen
 from .host_arithmetic import (Decisions, NotReplayable, Replay, decisions_recorded,
-                              math_on_numbers, number_input_symbol, replay_of,
+                              math_on_numbers, number_input_symbol,
+                              numbers_as_python_types, replay_of,
                               traced_value)
 from .host_random import Draws, host_draws_recorded, source_stand_in
 from .host_state import HostState, host_state_recorded, refuse_repeated
@@ -300,6 +303,20 @@ def _trace_until_it_traces(step_fn, step_args: StepArgs, state_stand_in,
                          "value", step_name(step_fn), exc)
                 step_args.values_in_text = False
                 continue
+            if isinstance(exc, AppendsSeen):
+                log.info("transpiler: %s appends to host lists (%s): tracing it again with "
+                         "them taking appends only, the values the program's outputs",
+                         step_name(step_fn), exc)
+                step_args.append_places |= exc.places
+                continue
+            if isinstance(exc, AppendedRead):
+                if exc.place in step_args.append_read:
+                    raise
+                log.info("transpiler: %s reads a list it appends to: tracing it again with "
+                         "that list as any other (%s)", step_name(step_fn), exc)
+                step_args.append_places -= {exc.place}
+                step_args.append_read[exc.place] = exc
+                continue
             if isinstance(exc, CountersInArguments):
                 counters = {leaf_index(step_args, w) for w in exc.written}
                 if None in counters or counters & counted:   # one that could not stay lifted
@@ -515,6 +532,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         _copy_tensor_hooks(inputs, traced, host.recorder)
         accumulated = _accumulation_order(inputs, traced)
         hooks_before = _tensor_hooks(inputs, traced)
+        attributes_before = {i: set(vars(t)) for i, t in traced.items()}
 
         def grads_now():
             return {inputs.param_names[i]: node_of(t.grad) for i, t in traced.items()
@@ -591,9 +609,18 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             drawing = stack.enter_context(host_draws_recorded(step_fn, draws, late.drawn))
             stack.enter_context(decisions_recorded(taken))
             stack.enter_context(math_on_numbers(late.computed))
-            host.recorder.source = functools.partial(source_stand_in, drawing)
+            stack.enter_context(numbers_as_python_types())
+            host.recorder.append_places = step_args.append_places
+            host.recorder.append_read = step_args.append_read
+            host.recorder.append_only = functools.partial(AppendOnly, step_fn=step_fn)
+            host.recorder.stand_ins += [functools.partial(source_stand_in, drawing),
+                                        functools.partial(pulled_stand_in, step_fn),
+                                        printed.stream_stand_in]
             stack.enter_context(host_state_recorded(host))
             _reach_roots(host.recorder, step_fn, step_args)
+            for i, (name, leaf) in enumerate(zip(step_args.names, leaves)):
+                if not isinstance(leaf, torch.Tensor):   # an iterator, a file
+                    leaves[i] = host.recorder.stand_in_for(leaf, name) or leaf
             handled = sys.exc_info()[1]
             try:
                 result = step_args.call(step_fn, leaves, arg_writes)
@@ -604,6 +631,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
                 raised.append(Raised.of(exc))
                 result = None
             _check_no_new_tensor_hooks(step_fn, hooks_before, _tensor_hooks(inputs, traced))
+            _check_no_tensor_attributes(step_fn, inputs, traced, attributes_before)
             for spec, slot in zip(inputs.specs, inputs.slots):
                 if isinstance(slot, DataSlot) and isinstance(leaves[slot.leaf], torch.Tensor):
                     arg_writes.grad_enabled(slot.leaf, spec.name, leaves[slot.leaf],
@@ -627,7 +655,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             if markers.steps or not optimizers:
                 markers.reduced = dict(markers.grads)
             shown = tuple(marked.values) if marked is not None else ()
-            numbers = (*host.numbers, *arg_writes.numbers)   # written back after each run
+            # written back after each run: numbers left on the host, items appended there
+            numbers = (*host.numbers, *host.appended, *arg_writes.numbers)
             returned.append(Returned.of(result, step_name(step_fn), shown, numbers,
                                         late.numpy_type))
             out_leaves = returned[-1].outputs(result, shown, tuple(w.after for w in numbers))
@@ -683,7 +712,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
     draws = Draws()
     watches: list = []   # the micro-batch loop's (micro.py), when the list is cut
     rng = RngRecorder(step_fn, inputs, symbols)
-    printed = Printed()
+    printed = Printed(step_fn)
     # values the step's own code prints, outputs filled into the text (text_values.py)
     marked = TextValues(unmarked=late.clock_symbols) if step_args.values_in_text else None
     try:
@@ -701,6 +730,8 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         if hosts:
             hosts[0].abandon()
         draws.rewind()
+        if isinstance(exc, (AppendsSeen, AppendedRead)):   # traced again at once
+            raise
         integers = late.integer_draws - step_args.constant_draws
         if integers and not isinstance(exc, TranspileError):
             raise _ConstantDraws(integers, f"{type(exc).__name__}: {exc}") from exc
@@ -721,7 +752,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
         if marked is not None and marked.values:   # (its text holds markers)
             raise WithoutTextValues(f"{type(exc).__name__}: {exc}") from exc
         if shown:
-            printed.show()
+            printed.show(files=False)   # a failed step writes no file: nothing changed
         if error is exc:
             raise
         raise error from exc
@@ -1117,6 +1148,24 @@ def _check_no_new_tensor_hooks(step_fn, before: dict, after: dict) -> None:
             "traced, and registering one on every call would stack them as eager does. "
             "Register it once outside the step, before the call (a hook added between calls "
             "traces again with it)")
+
+
+def _check_no_tensor_attributes(step_fn, inputs, traced: dict[int, torch.Tensor],
+                                before: dict[int, set]) -> None:
+    """A plain value the step leaves in an attribute of a parameter or a buffer
+    (`p.updates = p.updates + 1`) would be left on its traced stand-in alone:
+    refused. (A tensor there, or None, is the step's own per-call data, as
+    Opacus' `grad_sample`, which its hooks set and its optimizer reads.)"""
+    hooks = {attr for attr, _ in _TENSOR_HOOKS}
+    for i, t in traced.items():
+        new = sorted(k for k in set(vars(t)) - before.get(i, set()) - hooks
+                     if snapshot(vars(t)[k]) not in (MISSING, None))
+        if new and i in inputs.param_names:
+            raise TranspileError(
+                f"{step_name(step_fn)} sets attribute {new[0]!r} on {inputs.param_names[i]}: "
+                "the step runs on stand-ins of the model's tensors while it is traced, so the "
+                "attribute would be set on a stand-in, never on the tensor itself; keep such "
+                "values in a dict keyed by the parameter's name, or on its module")
 
 
 def _accumulation_order(inputs, traced: dict[int, torch.Tensor]) -> list[str]:

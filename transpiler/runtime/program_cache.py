@@ -126,6 +126,8 @@ class ProgramCache:
         # the places lifted, and the name of each traced per value.
         self.lifted_places: set[tuple] = set()
         self.per_value_places: dict[tuple, str] = {}
+        # Places of the lists and deques the step appends to (capture/appended.py).
+        self.appended_places: set[tuple] = set()
         # Batch dimensions traced as symbols (capture/shapes.py): those declared
         # (transpile(dynamic={name: dims})), or every one (dynamic=True, or
         # automatically after a batch shape changes unless dynamic=False).
@@ -202,6 +204,7 @@ class ProgramCache:
             self.lifted_places.discard(key)
             self.per_value_places[key] = names.get(key, "a number")
         self.lifted_places |= step_args.lift_places - requested_places   # counters (trace.py)
+        self.appended_places |= step_args.append_places   # (capture/appended.py)
         if symbolic and not step_args.dynamic:   # its symbolic trace failed (trace.py)
             self.declared, self.every_dim, self.automatic = {}, False, False
         # Building made the optimizers' state the first step would make
@@ -244,6 +247,7 @@ class ProgramCache:
                                                                             step_args.leaves))
                                      if name in self.lifted and is_number(leaf))
         step_args.lift_places = frozenset(self.lifted_places)
+        step_args.append_places = frozenset(self.appended_places)
         if not self._checked:
             _check_declared(self.declared, step_args)
             self._checked = True
