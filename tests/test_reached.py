@@ -242,6 +242,48 @@ def test_a_reached_tensor_aliased_and_written_or_given_a_gradient_is_refused(fn,
     assert all(torch.equal(free[k], v) for k, v in HEADS.head.state_dict().items())
 
 
+def _flat_views(model, of_grads: bool) -> torch.Tensor:
+    """One flat buffer whose views are the model's parameters (Megatron's and
+    apex's flat parameters) or their .grad (a flat gradient buffer)."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().flatten() for p in params])
+    if of_grads:
+        flat.zero_()
+    offset = 0
+    for p in params:
+        view = flat[offset:offset + p.numel()].view_as(p)
+        if of_grads:
+            p.grad = view
+        else:
+            p.data = view
+        offset += p.numel()
+    return flat
+
+
+def test_a_flat_buffer_of_the_parameters_or_their_grads_read_in_the_step_is_refused():
+    """The program reads a tensor outside its arguments as the call starts;
+    eager reads the memory the update (or the backward pass) leaves there."""
+    for of_grads in (False, True):
+        model = M.make("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        flat = _flat_views(model, of_grads)
+
+        def clipped_by_the_flat_norm(model, opt, x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            for p in model.parameters():
+                p.grad.mul_(torch.clamp(1.0 / (flat.norm() + 1e-6), max=1.0))
+            opt.step()
+            return loss
+        before, kept = copy.deepcopy(model.state_dict()), flat.clone()
+        with pytest.raises(TranspileError, match=r"reads 'flat' outside its arguments, a tensor "
+                                                 r"that shares memory with layers.0.weight"):
+            transpile(clipped_by_the_flat_norm)(model, opt, *M.batches("mlp", 1, 8)[0])
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert torch.equal(flat, kept) and not opt.state
+
+
 def rank_ddpm_vs_ddp(mode: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -98,7 +98,8 @@ from .group_reads import group_reads
 from .returned import Returned, arrays_returned, returned_as_read
 from .saved_files import saving_refused
 from .text_values import Renders, TextValues, WithoutTextValues
-from .slots import ArraySlot, AssignSlot, DataSlot, ParamSlot, ReachedSlot, StateSlot
+from .slots import (ArraySlot, AssignSlot, DataSlot, GradSlot, ParamSlot, ReachedSlot,
+                    StateSlot)
 from .state_writes import state_writes_kept
 from .sync_batch_norm import synced_batch_norms
 from ..program.collectives import WAIT
@@ -839,8 +840,9 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             [(w.name, AssignSlot(w.holder, w.key)) for w in host.assigned]
             + [(w.name, ArgumentSlot(w)) for w, _ in arg_writes.set]
             + [(f"{e.name}.grad", ArgumentGradSlot(e)) for e, _ in arg_writes.grads])
-        _check_arguments_unwritten(step_fn, program, targets,
-                                   dict(zip((spec.name for spec in inputs.specs), inputs.values)))
+        values = dict(zip((spec.name for spec in inputs.specs), inputs.values))
+        _check_arguments_unwritten(step_fn, program, targets, values)
+        _check_reached_apart(step_fn, program, slots)
         _check_layouts_kept(step_fn, program)
         guard_skipped_steps(program, _optimizer_of(targets, optimizers))
         reads_grads = bool(kept) or any(spec.kind is InputKind.GRAD for spec in program.inputs)
@@ -1367,6 +1369,27 @@ def _check_arguments_unwritten(step_fn, program: Program, targets: list, values:
                 "in-place op such as x.mul_(2) or x[mask] = 0 on the batch): a transpiled step "
                 "does not write its batch arguments back; compute out of place (x = x * 2), or "
                 "clone the argument first (x = x.clone())")
+
+
+def _check_reached_apart(step_fn, program: Program, slots: list) -> None:
+    """A tensor the step reads through a host path that shares memory with
+    state the program updates (a flat buffer whose views are the parameters or
+    their .grad) is read once, before the update; eager reads that memory as
+    the update leaves it: refused before anything runs."""
+    written = {spec.target for spec in program.outputs if spec.kind is OutputKind.UPDATE} \
+        | {f"{spec.target}.grad" for spec in program.outputs if spec.kind is OutputKind.GRAD}
+    state = {spec.name: slot.read(None) for spec, slot in zip(program.inputs, slots)
+             if spec.name in written and isinstance(slot, (ParamSlot, GradSlot, StateSlot))}
+    for spec, slot in zip(program.inputs, slots):
+        if isinstance(slot, ReachedSlot) and not is_ndarray(slot.place.read()):
+            shared = _sharing_memory(slot.read(None), spec.name, state)
+            if shared is not None:
+                raise TranspileError(
+                    f"{step_name(step_fn)} reads {spec.name!r} outside its arguments, a tensor "
+                    f"that shares memory with {shared}, which the step updates: the program "
+                    "reads it as the call starts, where eager reads that memory as the update "
+                    "leaves it; read the parameters or their .grad themselves, or keep the "
+                    "buffer apart from them")
 
 
 def _sharing_memory(tensor: torch.Tensor, name: str, values: dict) -> str | None:
