@@ -300,6 +300,36 @@ def test_ctc_loss_with_lengths_as_tensors_equals_eager():
     assert step.traces == 2
 
 
+def _ctc_list_step(reduction: str):
+    def step(model, opt, x, labels):
+        opt.zero_grad()
+        loss = nn.CTCLoss(reduction=reduction, zero_infinity=True)(
+            model(x), labels, [x.shape[1]] * x.shape[0], (3, 2))
+        loss.sum().backward()
+        opt.step()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_loss_with_lengths_as_lists_equals_eager(reduction):
+    """Lengths as Python lists: the kernel makes a tensor of them to average
+    by target length, which a fake tensor cannot hold; traced as the tensor
+    overload, one program for those lengths."""
+    torch.manual_seed(0)
+    ours = _Speech()
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step_fn = _ctc_list_step(reduction)
+    step = transpile(step_fn)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, labels = torch.randn(2, 10, 16, generator=g), torch.randint(1, 6, (2, 3), generator=g)
+        assert torch.equal(step(ours, opts[0], x, labels), step_fn(theirs, opts[1], x, labels))
+    assert M.max_rel_error(M.state_of(ours, opts[0]), M.state_of(theirs, opts[1])) == 0.0
+    assert step.traces == 1
+
+
 @pytest.mark.compiles
 def test_ctc_loss_under_inductor_as_its_labels_padding_changes():
     """The labels' masked_select is sized by the lengths' values, which

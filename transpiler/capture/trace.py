@@ -158,6 +158,29 @@ def _ctc_lengths(targets, input_lengths, target_lengths):
     return targets, inputs, lengths
 
 
+@contextlib.contextmanager
+def _ctc_lengths_as_tensors():
+    """torch.nn.functional.ctc_loss with lengths as lists makes a tensor of them inside its
+    kernel (to average by target length), which a fake tensor cannot hold:
+    while the step is traced, such lists are given as int64 tensors, the
+    overload traced above (its kernel reads them back as those lists)."""
+    original = torch.nn.functional.ctc_loss
+
+    def as_tensor(lengths):
+        return torch.tensor(lengths, dtype=torch.long) if isinstance(lengths, (list, tuple)) \
+            else lengths
+
+    @functools.wraps(original)
+    def ctc_loss(log_probs, targets, input_lengths, target_lengths, *args, **kwargs):
+        return original(log_probs, targets, as_tensor(input_lengths), as_tensor(target_lengths),
+                        *args, **kwargs)
+    torch.nn.functional.ctc_loss = ctc_loss
+    try:
+        yield
+    finally:
+        torch.nn.functional.ctc_loss = original
+
+
 _DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm,
                    torch.ops.aten._ctc_loss.Tensor: _ctc_loss,
                    torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
@@ -590,6 +613,7 @@ def _trace(step_fn: Callable, step_args: StepArgs, state_stand_in: Callable | No
             stack.enter_context(buffers_left_to_the_program())
             stack.enter_context(traced_collectives())
             stack.enter_context(kernels_where_meta_refuses())
+            stack.enter_context(_ctc_lengths_as_tensors())
             stack.enter_context(results_laid_out_as_kernels())
             stack.enter_context(_without_anomaly_mode(step_fn))
             stack.enter_context(saving_refused(step_fn))
@@ -1380,9 +1404,11 @@ def _check_reached_apart(step_fn, program: Program, slots: list) -> None:
         | {f"{spec.target}.grad" for spec in program.outputs if spec.kind is OutputKind.GRAD}
     state = {spec.name: slot.read(None) for spec, slot in zip(program.inputs, slots)
              if spec.name in written and isinstance(slot, (ParamSlot, GradSlot, StateSlot))}
+    state = {name: v for name, v in state.items() if isinstance(v, torch.Tensor)}
     for spec, slot in zip(program.inputs, slots):
-        if isinstance(slot, ReachedSlot) and not is_ndarray(slot.place.read()):
-            shared = _sharing_memory(slot.read(None), spec.name, state)
+        value = slot.read(None) if isinstance(slot, ReachedSlot) else None
+        if isinstance(value, torch.Tensor) and not is_ndarray(slot.place.read()):
+            shared = _sharing_memory(value, spec.name, state)
             if shared is not None:
                 raise TranspileError(
                     f"{step_name(step_fn)} reads {spec.name!r} outside its arguments, a tensor "
