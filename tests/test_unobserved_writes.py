@@ -147,3 +147,32 @@ def test_a_value_numpy_or_a_dict_would_keep_otherwise_is_refused_as_it_was(step_
     averages = Averages()
     M.refused_as_it_was(step_fn, averages, match)
     assert type(averages.avg) is np.float32 and averages.totals == {"loss": 0.0}
+
+
+class Fields:
+    """An object that keeps its fields in a dict of its own (ml_collections'
+    ConfigDict, OmegaConf's DictConfig work so)."""
+
+    def __init__(self):
+        object.__setattr__(self, "_fields", {"calls": 0})
+
+    def __getattr__(self, name):
+        return self._fields[name]
+
+    def __setattr__(self, name, value):
+        self._fields[name] = value
+
+
+def count_in_fields(model, opt, x, y, fields):
+    fields.calls = fields.calls + 1
+    return M.classify_step(model, opt, x, y)
+
+
+def test_a_counter_an_object_keeps_in_a_dict_of_its_own_is_refused_as_it_was():
+    """Its attribute is computed by __getattr__; the write goes into the dict:
+    undone there, and no value left in the attribute's place (which would hide
+    the dict from every later read)."""
+    fields = Fields()
+    M.refused_as_it_was(count_in_fields, fields, r"changes host-side state on every call: "
+                                                 r"fields.calls 0 -> 1, then 1 -> 2")
+    assert vars(fields) == {"_fields": {"calls": 0}}

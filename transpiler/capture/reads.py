@@ -261,11 +261,19 @@ class Write:
     before: Any
     after: Any
     in_place: bool = False
+    # an attribute its object's __getattr__ computes, changed by writes elsewhere
+    # (into the dict it reads from): those writes undo and redo it; putting a
+    # value in its place would shadow it
+    derived: bool = False
 
     def undo(self) -> None:
+        if self.derived:
+            return
         restore(self.before) if self.in_place else put(self.holder, self.key, self.before)
 
     def redo(self) -> None:
+        if self.derived:
+            return
         restore(self.after) if self.in_place else put(self.holder, self.key, self.after)
 
     def put_back(self, value) -> None:
@@ -297,6 +305,12 @@ class Write:
     def assigns_traced_tensor(self) -> bool:
         """A tensor the step computed, assigned to the host (self.aux = loss)."""
         return not self.in_place and isinstance(self.after, torch.Tensor) and is_traced(self.after)
+
+
+def _computed(holder, key) -> bool:
+    """Whether holder[key] is an attribute its object's __getattr__ computes
+    (it stores no such attribute itself)."""
+    return isinstance(holder, (Attr, InPlace)) and holder.shadows(key)
 
 
 def shown(value) -> str:
@@ -1010,7 +1024,8 @@ class Recorder:
                 else:
                     writes[key] = Write(g.name, g.holder, g.key, g.kept, saved(now), in_place=True)
             elif now is not g.original:
-                writes[key] = Write(g.name, g.holder, g.key, g.original, now)
+                writes[key] = Write(g.name, g.holder, g.key, g.original, now,
+                                    derived=_computed(g.holder, g.key))
         for w in writes.values():   # an argument's object kept on the host: that object
             for obj in _objects_in(w.values()[1]):
                 if id(obj) in self._in_place:
