@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests import models as M
 from transpiler import TranspileError, transpile
 
 
@@ -188,3 +189,31 @@ def test_a_counter_in_an_argument_used_as_an_index_is_refused_with_nothing_chang
     assert state.step == 0 and not opt.state
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def saliency_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_an_input_the_caller_made_require_a_gradient_gets_it_accumulated_as_in_eager():
+    """A saliency map or an adversarial step: the caller sets
+    x.requires_grad_(True) and reads x.grad after the call; the same input
+    given again accumulates into its .grad, as backward() does."""
+    batches = M.batches("mlp", 3, 8)
+    xs = [x.requires_grad_(True) for x, _ in batches]
+    xs.append(xs[-1])   # the last one given twice
+    twins = {id(x): x.detach().clone().requires_grad_(True) for x in xs}
+    model = M.make("mlp")
+    reference = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    step = transpile(saliency_step)
+    y = batches[0][1]
+    for x in xs:
+        theirs = twins[id(x)]
+        assert torch.equal(step(model, opts[0], x, y), saliency_step(reference, opts[1], theirs, y))
+        assert torch.equal(x.grad, theirs.grad)
+    assert step.traces == 1

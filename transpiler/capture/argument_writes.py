@@ -42,7 +42,7 @@ from ..errors import TranspileError
 from .numbers import is_number
 from .reads import MISSING, shown
 from .scaler import GradScaler
-from .slots import not_a_tensor
+from .slots import misfit_in, not_a_tensor
 from .user_code import step_name
 
 # Containers whose items the program cannot set: any change to one is refused.
@@ -178,12 +178,17 @@ class ArgumentChanges:
 
     def grad_enabled(self, leaf: int, name: str, traced: torch.Tensor, real: torch.Tensor):
         """A tensor argument whose stand-in `traced` requires a gradient after
-        the step where `real` did not."""
-        if traced.requires_grad and not real.requires_grad:
-            enabled = GradEnabled(leaf, name)
+        the step: where `real` did not, it does after every run; either way
+        the .grad the step's backward() leaves on it is an output, accumulated
+        into the call's tensor as backward() accumulates (an input the caller
+        made require a gradient for a saliency map or an adversarial step)."""
+        if not traced.requires_grad:
+            return
+        enabled = GradEnabled(leaf, name)
+        if not real.requires_grad:
             self.edits.append(enabled)
-            if traced.grad is not None:
-                self.grads.append((enabled, traced.grad))
+        if traced.grad is not None:
+            self.grads.append((enabled, traced.grad))
 
 
 def changes(step_fn, before: list[tuple[Path, Any, dict]], traced: Any,
@@ -326,7 +331,10 @@ class ArgumentGradSlot:
     def write(self, value):
         tensor = self.enabled.tensor()
         tensor.requires_grad_(True)
-        tensor.grad = value
+        if tensor.grad is not None and misfit_in(tensor.grad, value) is None:
+            tensor.grad.add_(value)   # as backward() accumulates into it
+        else:
+            tensor.grad = value
 
     def mirror(self, memo: dict):
         return None   # the eager step's copy sets its own

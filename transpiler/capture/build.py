@@ -82,9 +82,11 @@ def to_program(gm: fx.GraphModule, inputs: Inputs, n_user: int, created,
         name = inputs.param_names[id(p)]
         specs.append(OutputSpec(OutputKind.STATE, f"{name}:{key}", param=name))
         targets.append(StateSlot(opt, p, key))
+    read = {id(slot.param) for spec, slot in zip(inputs.specs, inputs.slots)
+            if spec.kind is InputKind.GRAD}
     for p in left:   # the .grad the step leaves (its output covers any write-back)
         specs.append(OutputSpec(OutputKind.GRAD, inputs.param_names[id(p)]))
-        targets.append(GradSlot(p))
+        targets.append(GradSlot(p, in_place=id(p) in read))
     for name, slot in assigned:
         specs.append(OutputSpec(OutputKind.ASSIGNED, name))
         targets.append(slot)

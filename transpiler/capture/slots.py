@@ -89,9 +89,14 @@ class GradSlot:
     """A parameter's .grad: read when the step starts with one (InputKind.GRAD),
     set to the program's value when the step leaves one (OutputKind.GRAD). The
     value is the program's own tensor (for a reduced gradient, a view of its
-    bucket, as DDP's gradient_as_bucket_view), not a copy."""
+    bucket, as DDP's gradient_as_bucket_view), not a copy; where the program
+    read the .grad the call started with (`in_place`: the step zeroes it in
+    place or accumulates into it), the value is copied into that tensor, as
+    eager's backward() accumulates into it: a reference to it held elsewhere (a
+    flat gradient buffer whose views they are) sees the new values."""
 
     param: torch.Tensor
+    in_place: bool = False
 
     def read(self, leaves):
         return self.param.grad
@@ -107,7 +112,12 @@ class GradSlot:
         return None
 
     def write(self, value):
-        self.param.grad = value
+        grad = self.param.grad
+        if self.in_place and grad is not None and grad is not value \
+                and misfit_in(grad, value) is None:
+            grad.copy_(value)
+        else:
+            self.param.grad = value
 
     def mirror(self, memo: dict):
         return memo[id(self.param)].grad

@@ -53,10 +53,10 @@ class Runnable:
             [spec.name for spec in self.program.inputs if spec.held is Held.IN_FLIGHT]
         read = {id(slot.param) for spec, slot in zip(self.program.inputs, self.slots)
                 if spec.kind is InputKind.GRAD}
-        self.replaced_grads = [
+        self.replaced_grads = [   # (not one eager writes into: GradSlot.in_place)
             target.param for spec, target in zip(self.program.outputs, self.targets)
             if spec.kind is OutputKind.GRAD and target is not None
-            and id(target.param) not in read]
+            and id(target.param) not in read and not target.in_place]
 
 
 @dataclasses.dataclass
