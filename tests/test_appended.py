@@ -7,10 +7,13 @@ what it appends to is refused with nothing changed, and one that appends once
 from __future__ import annotations
 
 import collections
+import copy
 
+import pytest
 import torch
 
 from tests import models as M
+from transpiler import transpile
 
 
 class Trainer:
@@ -118,3 +121,26 @@ def test_a_list_appended_to_once_is_a_lazy_initialization():
     step = _against_eager(first_call_starts_history, hosts)
     assert hosts[0].history == hosts[1].history == [0.0]
     assert step.traces == 2   # the program of the empty list, then the other
+
+
+@pytest.mark.compiles
+def test_under_inductor_the_values_appended_are_the_program_s():
+    """The items appended are outputs of the compiled program: the loss as
+    Python's float of inductor's value (within its 1e-5 of eager's), the
+    tensor, the constant and the batch size as given."""
+    hosts = [Trainer(), Trainer()]
+    torch.manual_seed(0)
+    ours = M.make("mlp")
+    theirs = copy.deepcopy(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    step = transpile(appends_values, backend="inductor")
+    for x, y in M.batches("mlp", 4, 8):
+        step(ours, opts[0], x, y, hosts[0])
+        appends_values(theirs, opts[1], x, y, hosts[1])
+    assert step.traces == 1 and step.compiles == 1
+    assert len(hosts[0].losses) == len(hosts[1].losses) == 12
+    assert all(type(a) is type(b) and abs(a - b) <= 1e-5 * abs(b)
+               for a, b in zip(hosts[0].losses, hosts[1].losses))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=0)
+               for a, b in zip(hosts[0].outputs, hosts[1].outputs))
+    assert list(hosts[0].recent) == list(hosts[1].recent) == [8, 8, 8]
