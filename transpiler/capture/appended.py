@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from ..errors import TranspileError
-from .guards import MISSING
 from .user_code import step_name, user_line
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -144,17 +143,8 @@ class Appended:
     """One item appended at a place: `after` the trace's value (an output of
     the program), put_back appends a run's value to the container."""
 
-    in_place = False
-
     def __init__(self, name: str, container, after):
         self.name, self.container, self.after = name, container, after
-        self.before = MISSING
 
     def put_back(self, value) -> None:
         self.container.append(value)
-
-    def undo(self) -> None:
-        pass   # the trace appended nothing to the container itself
-
-    def describe(self) -> str:
-        return f"{self.name}.append(...)"
